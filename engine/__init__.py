@@ -1,0 +1,13 @@
+"""Glassbox engine: a paged-KV Qwen inference engine whose internals can be watched."""
+from .errors import (CheckpointMismatchError, ModelNotFoundError, PromptTooLongError,
+                     UnsupportedArchitectureError, WorkerDiedError)
+from .llm import LLM
+from .probe_spec import ProbeSpec
+from .sampling import SamplingParams
+from .sequence import RequestOutput, TokenEvent
+from .snapshot import EngineSnapshot
+from .trace import RequestTrace
+
+__all__ = ["LLM", "SamplingParams", "ProbeSpec", "RequestOutput", "TokenEvent", "EngineSnapshot",
+           "RequestTrace", "PromptTooLongError", "UnsupportedArchitectureError",
+           "CheckpointMismatchError", "ModelNotFoundError", "WorkerDiedError"]

@@ -1,0 +1,181 @@
+"""KV control plane: which physical block holds which tokens of which request.
+
+Blocks are reference counted. A full block whose K/V are computed gets a prefix hash from a
+chain (parent hash + its token ids), so a later request with the same prefix reuses it. A block
+whose ref count drops to 0 keeps its hash and stays "cached but free" (evictable) until the
+allocator needs it; free blocks form an LRU queue (OrderedDict, O(1) everywhere).
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from .sequence import Sequence
+
+
+class Block:
+    __slots__ = ("block_id", "ref_count", "prefix_hash", "token_ids")
+
+    def __init__(self, block_id: int):
+        self.block_id = block_id
+        self.ref_count = 0
+        self.prefix_hash: int | None = None
+        self.token_ids: tuple[int, ...] = ()    # the tokens a hashed block holds
+
+
+def chain_hash(parent: int | None, token_ids: tuple[int, ...]) -> int:
+    return hash((parent if parent is not None else -1, token_ids))
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError("num_blocks and block_size must be positive")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # free blocks, least recently used first: allocation takes from the front
+        self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.hash_to_block: dict[int, int] = {}
+        self.hashes: dict[str, list[int]] = {}   # request id -> hashes of its leading full blocks
+        self.prefix_hits = 0
+        self.prefix_queries = 0
+        self.evictions = 0
+
+    # ---- queries -------------------------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return (num_tokens + self.block_size - 1) // self.block_size
+
+    def _match_prefix(self, seq: Sequence) -> list[int]:
+        """Block ids that hold the longest cached prefix of seq. The last token is never
+        served from the cache, so a fully cached prompt still computes its logits."""
+        if not self.enable_prefix_caching:
+            return []
+        bs, hits, parent = self.block_size, [], None
+        for i in range((len(seq) - 1) // bs):
+            ids = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+            h = chain_hash(parent, ids)
+            bid = self.hash_to_block.get(h)
+            # compare tokens too: a hash collision must never reuse the wrong K/V
+            if bid is None or self.blocks[bid].token_ids != ids:
+                break
+            hits.append(bid)
+            parent = h
+        return hits
+
+    def can_allocate(self, seq: Sequence) -> bool:
+        hits = self._match_prefix(seq)
+        fresh = self.blocks_for(len(seq)) - len(hits)
+        revived = sum(1 for b in hits if self.blocks[b].ref_count == 0)
+        return fresh + revived <= self.num_free_blocks
+
+    # ---- allocation ----------------------------------------------------------------------
+    def _take_free(self) -> Block:
+        bid, _ = self.free_queue.popitem(last=False)
+        block = self.blocks[bid]
+        if block.prefix_hash is not None:          # evict: its cached prefix is gone
+            if self.hash_to_block.get(block.prefix_hash) == bid:
+                del self.hash_to_block[block.prefix_hash]
+            block.prefix_hash, block.token_ids = None, ()
+            self.evictions += 1
+        block.ref_count = 1
+        return block
+
+    def allocate(self, seq: Sequence) -> None:
+        """Give seq a block table for all its current tokens, reusing cached prefix blocks."""
+        assert not seq.block_table, "sequence already holds blocks"
+        hits = self._match_prefix(seq)
+        if self.enable_prefix_caching:
+            self.prefix_queries += (len(seq) - 1) // self.block_size
+            self.prefix_hits += len(hits)
+        table, hashes = [], []
+        for bid in hits:
+            block = self.blocks[bid]
+            if block.ref_count == 0:
+                del self.free_queue[bid]
+            block.ref_count += 1
+            table.append(bid)
+            hashes.append(block.prefix_hash)
+        for _ in range(self.blocks_for(len(seq)) - len(hits)):
+            table.append(self._take_free().block_id)
+        seq.block_table = table
+        self.hashes[seq.request_id] = hashes
+        seq.num_cached_tokens = len(hits) * self.block_size
+        seq.num_computed_tokens = seq.num_cached_tokens
+        seq.prefix_cached_blocks += len(hits)
+
+    def can_append(self, seq: Sequence, num_tokens: int) -> bool:
+        """Enough free blocks for seq to hold num_tokens tokens in total?"""
+        return self.blocks_for(num_tokens) - len(seq.block_table) <= self.num_free_blocks
+
+    def append_slots(self, seq: Sequence, num_tokens: int) -> None:
+        """Grow seq's block table to hold num_tokens tokens."""
+        for _ in range(self.blocks_for(num_tokens) - len(seq.block_table)):
+            seq.block_table.append(self._take_free().block_id)
+
+    def free(self, seq: Sequence) -> None:
+        """Drop seq's references. Hashed blocks stay cached (evictable); the rest go to the
+        front of the queue so they are reused before any cached prefix is evicted."""
+        for bid in reversed(seq.block_table):
+            block = self.blocks[bid]
+            block.ref_count -= 1
+            assert block.ref_count >= 0, f"block {bid} freed twice"
+            if block.ref_count == 0:
+                self.free_queue[bid] = None
+                if block.prefix_hash is None:
+                    self.free_queue.move_to_end(bid, last=False)
+        seq.block_table = []
+        self.hashes.pop(seq.request_id, None)
+
+    def fork(self, parent: Sequence, child: Sequence) -> tuple[int, int] | None:
+        """Share parent's full blocks with child (ref += 1). A partial last block cannot be
+        shared (both would append into it): child gets a fresh one, and the caller must copy
+        K/V from the returned (src, dst) block pair."""
+        bs = self.block_size
+        full = len(parent) // bs
+        child.block_table = []
+        for bid in parent.block_table[:full]:
+            self.blocks[bid].ref_count += 1
+            child.block_table.append(bid)
+        self.hashes[child.request_id] = list(self.hashes.get(parent.request_id, []))
+        child.num_computed_tokens = parent.num_computed_tokens
+        if len(parent.block_table) > full:
+            dst = self._take_free().block_id
+            child.block_table.append(dst)
+            return parent.block_table[full], dst
+        return None
+
+    def commit(self, seq: Sequence) -> None:
+        """Register prefix hashes for seq's blocks that are now full and computed."""
+        if not self.enable_prefix_caching:
+            return
+        bs, hashes = self.block_size, self.hashes.setdefault(seq.request_id, [])
+        for i in range(len(hashes), seq.num_computed_tokens // bs):
+            ids = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+            h = chain_hash(hashes[-1] if hashes else None, ids)
+            hashes.append(h)
+            block = self.blocks[seq.block_table[i]]
+            if block.prefix_hash is None and h not in self.hash_to_block:
+                block.prefix_hash, block.token_ids = h, ids
+                self.hash_to_block[h] = block.block_id
+
+    # ---- invariants (tests and debugging) ------------------------------------------------
+    def check_invariants(self, seqs: list[Sequence]) -> None:
+        counts = [0] * self.num_blocks
+        for s in seqs:
+            for bid in s.block_table:
+                counts[bid] += 1
+        for b in self.blocks:
+            assert b.ref_count == counts[b.block_id], f"block {b.block_id}: ref {b.ref_count} != users {counts[b.block_id]}"
+            assert (b.ref_count == 0) == (b.block_id in self.free_queue), f"block {b.block_id} free-list mismatch"
+        for h, bid in self.hash_to_block.items():
+            assert self.blocks[bid].prefix_hash == h, "hash map points at a block with another hash"
+        used = sum(1 for b in self.blocks if b.ref_count > 0)
+        assert used + self.num_free_blocks == self.num_blocks

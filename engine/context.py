@@ -1,0 +1,33 @@
+"""Forward metadata for one step, set by the model runner and read by attention and probes.
+
+Model code then reads `forward(input_ids, positions)` and stays close to the math.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class ForwardContext:
+    slot_mapping: torch.Tensor          # [num_tokens] int32/int64: cache slot per token, -1 = pad
+    context_lens: torch.Tensor          # [num_seqs] int32: KV length incl. this step's tokens
+    block_tables: torch.Tensor          # [num_seqs, max_blocks] int32
+    cu_seqlens_q: torch.Tensor | None   # [num_seqs + 1] int32 (None in pure decode)
+    max_seqlen_q: int
+    is_decode: bool                     # every sequence has exactly one new token
+    probes: object | None = None        # ProbeBuffers of this step, or None (probes off)
+
+
+_ctx: ForwardContext | None = None
+
+
+def set_context(ctx: ForwardContext | None) -> None:
+    global _ctx
+    _ctx = ctx
+
+
+def get_context() -> ForwardContext:
+    assert _ctx is not None, "no forward context: call through ModelRunner"
+    return _ctx

@@ -1,0 +1,54 @@
+"""Incremental detokenization and stop strings. Text is emitted only once it is final: a
+trailing piece that could still start a stop string is held back, so stop strings never
+reach the user, not even for one event."""
+from __future__ import annotations
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer, stop: tuple[str, ...]):
+        self.tokenizer = tokenizer
+        self.stop = stop
+        self.prefix_offset = 0
+        self.read_offset = 0
+        self.text = ""          # decoded output so far (before stop truncation)
+        self.emitted = 0        # characters of self.text already handed out
+        self.stopped = False
+
+    def _decode(self, ids) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def add(self, output_ids: list[int]) -> None:
+        """Decode what output_ids added since the last call (byte-level BPE safe: a token
+        that ends inside a multi-byte character waits for the next one)."""
+        if self.tokenizer is None or self.stopped:
+            return
+        before = self._decode(output_ids[self.prefix_offset:self.read_offset])
+        after = self._decode(output_ids[self.prefix_offset:])
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            self.text += after[len(before):]
+            self.prefix_offset, self.read_offset = self.read_offset, len(output_ids)
+        if self.stop:
+            window = max(map(len, self.stop))
+            start = max(0, self.emitted - window)
+            hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+            if hits:
+                self.text = self.text[:min(hits)]
+                self.stopped = True
+
+    def flush_final(self, output_ids: list[int]) -> None:
+        if self.tokenizer is not None and not self.stopped:
+            self.text = self._decode(output_ids)
+
+    def take(self, final: bool) -> str:
+        """New text safe to emit now."""
+        end = len(self.text)
+        if not final and self.stop:
+            # hold back a suffix that is a prefix of some stop string
+            for s in self.stop:
+                for k in range(min(len(s) - 1, end - self.emitted), 0, -1):
+                    if self.text.endswith(s[:k]):
+                        end = min(end, len(self.text) - k)
+                        break
+        delta = self.text[self.emitted:end]
+        self.emitted = max(self.emitted, end)
+        return delta

@@ -1,0 +1,21 @@
+"""Exceptions a user can act on. Each message says what was wrong and what to do."""
+
+
+class PromptTooLongError(ValueError):
+    """The prompt can never fit: longer than max_model_len, or than the whole KV cache."""
+
+
+class UnsupportedArchitectureError(ValueError):
+    """config.json names an architecture this engine does not implement."""
+
+
+class CheckpointMismatchError(RuntimeError):
+    """The checkpoint's tensors do not match the model's parameters (missing or unexpected)."""
+
+
+class ModelNotFoundError(FileNotFoundError):
+    """Neither a local directory nor a hub id that can be fetched."""
+
+
+class WorkerDiedError(RuntimeError):
+    """A tensor-parallel worker process exited; the engine cannot continue."""

@@ -1,0 +1,143 @@
+"""Linear layers sharded for tensor parallelism, each with its own weight loader.
+
+Loaders receive either a tensor or a safetensors slice (`safe_open(...).get_slice(name)`), so
+with TP a rank reads only its shard from disk. Fused parameters (qkv, gate_up) are filled piece
+by piece: the loader is told which piece (`shard_id`) it is given.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..parallel_state import all_reduce, divide, get_tp_rank, get_tp_size
+
+
+def shape_of(w) -> list[int]:
+    return list(w.shape) if isinstance(w, torch.Tensor) else list(w.get_shape())
+
+
+def narrow(w, dim: int, start: int, size: int) -> torch.Tensor:
+    """w[..., start:start+size, ...] along dim, for a tensor or a lazy safetensors slice."""
+    if isinstance(w, torch.Tensor):
+        return w.narrow(dim, start, size)
+    index = [slice(None)] * len(w.get_shape())
+    index[dim] = slice(start, start + size)
+    return w[tuple(index)]
+
+
+def materialize(w) -> torch.Tensor:
+    return w if isinstance(w, torch.Tensor) else w[:]
+
+
+def copy_checked(param: torch.Tensor, value: torch.Tensor, name: str = "") -> None:
+    if tuple(param.shape) != tuple(value.shape):
+        raise ValueError(f"shape mismatch loading {name or 'parameter'}: checkpoint "
+                         f"{tuple(value.shape)} vs model {tuple(param.shape)}")
+    param.data.copy_(value)
+
+
+class LinearBase(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp_dim: int | None):
+        super().__init__()
+        self.tp_rank, self.tp_size, self.tp_dim = get_tp_rank(), get_tp_size(), tp_dim
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
+        if self.tp_dim is not None and self.tp_size > 1 and param.dim() > self.tp_dim:
+            size = param.shape[self.tp_dim]
+            loaded = narrow(loaded, self.tp_dim, self.tp_rank * size, size)
+        copy_checked(param, materialize(loaded))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ReplicatedLinear(LinearBase):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__(in_features, out_features, bias, None)
+
+
+class ColumnParallelLinear(LinearBase):
+    """Output features split across ranks; no communication."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__(in_features, divide(out_features, get_tp_size(), "out_features"),
+                         bias, 0)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel outputs in one matmul (gate_proj + up_proj -> gate_up_proj)."""
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False):
+        self.output_sizes = output_sizes
+        super().__init__(in_features, sum(output_sizes), bias)
+        for p in self.parameters():
+            p.shard_keys = set(range(len(output_sizes)))
+
+    def weight_loader(self, param, loaded, shard_id: int) -> None:
+        tp = self.tp_size
+        size = self.output_sizes[shard_id] // tp
+        offset = sum(self.output_sizes[:shard_id]) // tp
+        loaded = narrow(loaded, 0, self.tp_rank * size, size)
+        copy_checked(param.data.narrow(0, offset, size), materialize(loaded))
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q, k, v projections fused; heads split across ranks, KV heads replicated when
+    tensor_parallel_size > num_kv_heads (each rank then holds the KV head its queries use)."""
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
+                 bias: bool = False):
+        tp = get_tp_size()
+        self.head_dim = head_dim
+        self.num_heads = divide(num_heads, tp, "num_attention_heads")
+        if num_kv_heads >= tp:
+            self.num_kv_heads = divide(num_kv_heads, tp, "num_key_value_heads")
+            self.kv_head_start = get_tp_rank() * self.num_kv_heads
+        else:
+            divide(tp, num_kv_heads, "tensor_parallel_size vs num_key_value_heads")
+            self.num_kv_heads = 1
+            self.kv_head_start = get_tp_rank() * num_kv_heads // tp
+        out = (self.num_heads + 2 * self.num_kv_heads) * head_dim
+        LinearBase.__init__(self, hidden_size, out, bias, 0)
+        for p in self.parameters():
+            p.shard_keys = {"q", "k", "v"}
+
+    def weight_loader(self, param, loaded, shard_id: str) -> None:
+        d = self.head_dim
+        q, kv = self.num_heads * d, self.num_kv_heads * d
+        if shard_id == "q":
+            offset, size, start = 0, q, self.tp_rank * q
+        elif shard_id == "k":
+            offset, size, start = q, kv, self.kv_head_start * d
+        else:
+            offset, size, start = q + kv, kv, self.kv_head_start * d
+        loaded = narrow(loaded, 0, start, size)
+        copy_checked(param.data.narrow(0, offset, size), materialize(loaded))
+
+
+class RowParallelLinear(LinearBase):
+    """Input features split across ranks; partial outputs joined by an all-reduce.
+    The bias is added once, after the reduction."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__(divide(in_features, get_tp_size(), "in_features"), out_features,
+                         bias, 1)
+
+    def weight_loader(self, param, loaded, shard_id=None) -> None:
+        if param.dim() == 1:                      # bias: replicated
+            copy_checked(param, materialize(loaded))
+            return
+        super().weight_loader(param, loaded)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        y = all_reduce(y)
+        return y + self.bias if self.bias is not None else y

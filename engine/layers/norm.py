@@ -1,0 +1,25 @@
+"""RMSNorm with an optional fused residual add (Triton on GPU, the torch reference on CPU).
+
+With a residual, returns (normed, residual_out) where residual_out = x + residual is the true
+residual stream: the probes read their norms from it.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..kernels import rmsnorm as k
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        cuda = x.is_cuda
+        if residual is None:
+            return (k.rms_norm if cuda else k.rms_norm_ref)(x, self.weight, self.eps)
+        return (k.fused_add_rms_norm if cuda else k.fused_add_rms_norm_ref)(
+            x, residual, self.weight, self.eps)

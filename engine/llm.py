@@ -1,0 +1,348 @@
+"""LLM: the public API. generate / stream / abort / inspect / trace over a background engine
+loop thread that batches every in-flight request together (continuous batching)."""
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import queue
+import random
+import threading
+
+from .block_manager import BlockManager
+from .config import EngineConfig
+from .engine_core import EngineCore
+from .errors import PromptTooLongError
+from .loader import resolve_model_path
+from .probe_spec import ProbeSpec
+from .sampling import SamplingParams
+from .scheduler import Scheduler
+from .sequence import RequestOutput, Sequence, TokenEvent
+from .snapshot import EngineSnapshot
+
+_engine_ids = itertools.count()
+
+
+def _load_hf_config(path: str):
+    from transformers import AutoConfig
+
+    from .models.registry import model_class
+    try:
+        cfg = AutoConfig.from_pretrained(path)
+    except (ValueError, KeyError) as e:
+        with open(os.path.join(path, "config.json")) as f:
+            raw = json.load(f)
+        from .errors import UnsupportedArchitectureError
+        from .models.registry import supported_architectures
+        raise UnsupportedArchitectureError(
+            f"architecture {raw.get('architectures')} (model_type {raw.get('model_type')!r}) "
+            f"cannot be loaded: {e}. Supported: {', '.join(supported_architectures())}") from None
+    model_class(cfg)            # raises UnsupportedArchitectureError with a clear message
+    return cfg
+
+
+def _load_tokenizer(path: str):
+    try:
+        from transformers import AutoTokenizer
+        return AutoTokenizer.from_pretrained(path)
+    except Exception:           # no tokenizer files: token-id prompts only
+        return None
+
+
+def _eos_ids(path: str, hf_config, tokenizer) -> set[int]:
+    ids: set[int] = set()
+    def add(v):
+        if isinstance(v, int):
+            ids.add(v)
+        elif isinstance(v, (list, tuple)):
+            ids.update(int(x) for x in v)
+    gen = os.path.join(path, "generation_config.json")
+    if os.path.exists(gen):
+        with open(gen) as f:
+            add(json.load(f).get("eos_token_id"))
+    add(getattr(hf_config, "eos_token_id", None))
+    if tokenizer is not None:
+        add(tokenizer.eos_token_id)
+    return ids
+
+
+class LLM:
+    def __init__(self, model: str, device=None, dtype=None, tensor_parallel_size: int = 1,
+                 block_size: int = 16, num_kv_blocks: int | None = None,
+                 gpu_memory_utilization: float = 0.9, max_num_seqs: int = 256,
+                 max_num_batched_tokens: int = 8192, max_model_len: int | None = None,
+                 enable_prefix_caching: bool = True, enforce_eager: bool = False, seed: int = 0,
+                 load_format: str = "auto", trace_history: int = 256):
+        self.config = cfg = EngineConfig(
+            model=model, device=device, dtype=dtype, tensor_parallel_size=tensor_parallel_size,
+            block_size=block_size, num_kv_blocks=num_kv_blocks,
+            gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+            enable_prefix_caching=enable_prefix_caching, enforce_eager=enforce_eager, seed=seed,
+            load_format=load_format, trace_history=trace_history)
+        self.model_path = resolve_model_path(model)
+        self.hf_config = _load_hf_config(self.model_path)
+        self.tokenizer = _load_tokenizer(self.model_path)
+        self.eos_token_ids = _eos_ids(self.model_path, self.hf_config, self.tokenizer)
+        limit = getattr(self.hf_config, "max_position_embeddings", None) or 4096
+        if max_model_len is not None and max_model_len > limit:
+            raise ValueError(f"max_model_len={max_model_len} exceeds the model's "
+                             f"max_position_embeddings={limit}; use at most {limit}")
+        self.max_model_len = max_model_len or limit
+        self.engine_id = next(_engine_ids)
+        self._rng = random.Random(seed)
+        self._ids = itertools.count()
+
+        from .runtime import build_runner
+        self.runner = build_runner(cfg, self.hf_config, self.model_path, self.max_model_len)
+        num_blocks = num_kv_blocks or self.runner.profile_num_blocks(
+            cfg.max_num_batched_tokens, cfg.max_num_seqs)
+        self.runner.allocate_kv_cache(num_blocks)
+        # a sequence can never hold more tokens than the whole cache
+        self.max_model_len = min(self.max_model_len, num_blocks * block_size)
+        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens,
+                                   self.max_model_len, self.eos_token_ids)
+        from .probes import ProbeManager
+        self.probes = ProbeManager(self)
+        self.runner.capture_graphs(max_num_seqs)
+        self.core = EngineCore(self.runner, self.scheduler, self.block_manager, self.tokenizer,
+                               self.eos_token_ids, self.probes, trace_history)
+        self._seqs: dict[str, Sequence] = {}
+        self._queues: dict[str, queue.Queue] = {}
+        self._lock = threading.RLock()
+        self._wake = threading.Condition(self._lock)
+        self._stop = False
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name=f"glassbox-engine-{self.engine_id}",
+                                        daemon=True)
+        self._thread.start()
+
+    # ---- model facts ---------------------------------------------------------------------------
+    @property
+    def model_name(self) -> str:
+        return os.path.basename(os.path.normpath(self.model_path))
+
+    @property
+    def architecture(self) -> str:
+        return self.hf_config.architectures[0]
+
+    @property
+    def num_params(self) -> int:
+        return self.runner.num_params
+
+    @property
+    def dtype(self):
+        return self.config.torch_dtype
+
+    @property
+    def device(self) -> str:
+        return self.config.device
+
+    @property
+    def tp_size(self) -> int:
+        return self.config.tensor_parallel_size
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.block_manager.num_blocks
+
+    # ---- input checks ----------------------------------------------------------------------------
+    def _encode(self, prompt) -> tuple[list[int], str | None]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"{self.model_path} has no tokenizer; pass token-id lists")
+            if not prompt:
+                raise ValueError("prompt is empty: give at least one character or token")
+            return self.tokenizer.encode(prompt, add_special_tokens=False), prompt
+        if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], dict):
+            if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+                raise ValueError("this checkpoint has no chat template; pass a plain prompt")
+            for m in prompt:
+                if "role" not in m or "content" not in m:
+                    raise ValueError("each chat message needs 'role' and 'content' keys")
+            text = self.tokenizer.apply_chat_template(list(prompt), tokenize=False,
+                                                      add_generation_prompt=True)
+            return self.tokenizer.encode(text, add_special_tokens=False), text
+        if isinstance(prompt, (list, tuple)):
+            ids = [int(t) for t in prompt]
+            return ids, None
+        raise ValueError(f"prompt must be a string, a list of token ids or a list of chat "
+                         f"messages, got {type(prompt).__name__}")
+
+    def _make_sequence(self, prompt, params: SamplingParams | None, watch: ProbeSpec | None,
+                       request_id: str | None) -> tuple[Sequence, str | None]:
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError("sampling must be a SamplingParams")
+        ids, text = self._encode(prompt)
+        if not ids:
+            raise ValueError("prompt is empty: give at least one character or token")
+        vocab = self.hf_config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        if len(ids) >= self.max_model_len:
+            raise PromptTooLongError(
+                f"prompt has {len(ids)} tokens but max_model_len is {self.max_model_len} "
+                "(prompt + at least one new token must fit); shorten the prompt or raise "
+                "max_model_len / num_kv_blocks")
+        rid = request_id or f"req-{self.engine_id}-{next(self._ids)}"
+        if rid in self._seqs:
+            raise ValueError(f"request id {rid!r} is already in use")
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
+        return Sequence(rid, ids, params, seed, watch), text
+
+    # ---- the engine loop -----------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._wake:
+                while not self._stop and not self.scheduler.has_work():
+                    self._wake.wait()
+                if self._stop:
+                    return
+                try:
+                    events = self.core.step()
+                except BaseException as e:     # fail the in-flight requests, keep serving
+                    events = []
+                    self._fail_all(e)
+                for ev in events:
+                    self._deliver(ev)
+
+    def _deliver(self, ev: TokenEvent) -> None:
+        q = self._queues.get(ev.request_id)
+        if q is not None:
+            q.put(ev)
+        if ev.finished:
+            self._queues.pop(ev.request_id, None)
+            self._seqs.pop(ev.request_id, None)
+
+    def _fail_all(self, err: BaseException) -> None:
+        for rid, seq in list(self._seqs.items()):
+            if not seq.is_finished:
+                self.scheduler.finish(seq, "abort")
+            q = self._queues.pop(rid, None)
+            if q is not None:
+                q.put(err)
+            self._seqs.pop(rid, None)
+        self.core.detok.clear()
+
+    def _submit(self, seq: Sequence) -> queue.Queue:
+        if not self._thread.is_alive():
+            raise RuntimeError("the engine has been shut down; create a new LLM")
+        q: queue.Queue = queue.Queue()
+        with self._wake:
+            self._seqs[seq.request_id] = seq
+            self._queues[seq.request_id] = q
+            self.probes.register(seq)
+            self.core.add(seq)
+            self._wake.notify()
+        return q
+
+    @staticmethod
+    def _next(q: queue.Queue) -> TokenEvent:
+        ev = q.get()
+        if isinstance(ev, BaseException):
+            raise RuntimeError(f"the engine failed while running this request: {ev!r}") from ev
+        return ev
+
+    # ---- public API ------------------------------------------------------------------------------
+    def generate(self, prompts, sampling=None, use_tqdm: bool = False,
+                 watch=None) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
+                                        and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        n = len(prompts)
+        params = sampling if isinstance(sampling, (list, tuple)) else [sampling] * n
+        watches = watch if isinstance(watch, (list, tuple)) else [watch] * n
+        if len(params) != n or len(watches) != n:
+            raise ValueError(f"got {n} prompts but {len(params)} sampling params / "
+                             f"{len(watches)} watch specs; give one, or one per prompt")
+        made = [self._make_sequence(p, s, w, None) for p, s, w in zip(prompts, params, watches)]
+        queues = [self._submit(seq) for seq, _ in made]
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+            bar = tqdm(total=n, desc="generate")
+        outs = []
+        for (seq, text), q in zip(made, queues):
+            while not self._next(q).finished:
+                pass
+            if bar is not None:
+                bar.update(1)
+            outs.append(RequestOutput(seq.request_id, text, seq.prompt_token_ids,
+                                      seq.output_token_ids, seq.output_text, seq.finish_reason,
+                                      seq.logprobs, seq.metrics()))
+        if bar is not None:
+            bar.close()
+        return outs
+
+    def stream(self, prompt, sampling: SamplingParams | None = None, watch: ProbeSpec | None = None,
+               request_id: str | None = None):
+        """Yield TokenEvents as tokens are produced. Closing the generator aborts the request."""
+        seq, _ = self._make_sequence(prompt, sampling, watch, request_id)
+        q = self._submit(seq)
+        finished = False
+        try:
+            while True:
+                ev = self._next(q)
+                finished = ev.finished
+                yield ev
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(seq.request_id)
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request now and free its KV blocks. False if it is unknown or done."""
+        with self._wake:
+            seq = self._seqs.get(request_id)
+            if seq is None or seq.is_finished:
+                return False
+            self._deliver(self.core.abort(seq))
+            return True
+
+    def inspect(self) -> EngineSnapshot:
+        from .inspect import take_snapshot
+        with self._lock:
+            return take_snapshot(self)
+
+    def trace(self, request_id: str):
+        return self.probes.traces.get(request_id)
+
+    def read_kv_block(self, block_id: int, layer: int, head: int, which: str = "k"):
+        """K or V of one physical block for one layer and KV head: [block_size, head_dim]."""
+        if which not in ("k", "v"):
+            raise ValueError("which must be 'k' or 'v'")
+        if not 0 <= block_id < self.num_kv_blocks:
+            raise ValueError(f"block_id must be in [0, {self.num_kv_blocks})")
+        if not 0 <= layer < self.hf_config.num_hidden_layers:
+            raise ValueError(f"layer must be in [0, {self.hf_config.num_hidden_layers})")
+        with self._lock:
+            return self.runner.read_kv_block(block_id, layer, head, 0 if which == "k" else 1)
+
+    def shutdown(self) -> None:
+        with self._wake:
+            self._stop = True
+            self._wake.notify_all()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=10)
+        self.runner.shutdown()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()
+
+    def __del__(self):
+        try:
+            if not self._stop:
+                self.shutdown()
+        except Exception:
+            pass

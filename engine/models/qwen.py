@@ -1,0 +1,148 @@
+"""Qwen2 / Qwen2.5 (q/k/v bias, no q/k norm) and Qwen3 (q/k RMSNorm, no bias), dense MLP.
+
+One token's path: embed -> N x [RMSNorm -> QKV -> (q/k norm) -> RoPE -> paged attention ->
+o_proj -> RMSNorm -> MLP] -> final norm -> LM head. Residual adds are fused into the norms;
+the residual each fused norm returns is the true residual stream, which the probes read.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..context import get_context
+from ..layers.activation import silu_and_mul
+from ..layers.attention import Attention
+from ..layers.embed_head import ParallelLMHead, VocabParallelEmbedding
+from ..layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from ..layers.norm import RMSNorm
+from ..layers.rotary import RotaryEmbedding, rope_theta
+
+
+def head_dim_of(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def _probes():
+    return get_context().probes
+
+
+class QwenAttention(nn.Module):
+    def __init__(self, config, layer_idx: int, max_positions: int):
+        super().__init__()
+        d = head_dim_of(config)
+        qwen3 = "Qwen3" in config.architectures[0]
+        bias = getattr(config, "attention_bias", False) if qwen3 else True
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, d, config.num_attention_heads,
+                                          config.num_key_value_heads, bias=bias)
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, d)
+        self.o_proj = RowParallelLinear(config.num_attention_heads * d, config.hidden_size,
+                                        bias=False)
+        self.qk_norm = qwen3
+        if qwen3:
+            self.q_norm = RMSNorm(d, config.rms_norm_eps)
+            self.k_norm = RMSNorm(d, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(d, max_positions, rope_theta(config))
+        self.attn = Attention(layer_idx, self.num_heads, self.num_kv_heads, d, d ** -0.5)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        n, d = x.shape[0], self.head_dim
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], -1)
+        q = q.reshape(n, self.num_heads, d)             # [N, Hq, D]
+        k = k.reshape(n, self.num_kv_heads, d)          # [N, Hkv, D]
+        v = v.reshape(n, self.num_kv_heads, d)
+        if self.qk_norm:
+            q = self.q_norm(q.reshape(-1, d)).view(n, self.num_heads, d)
+            k = self.k_norm(k.reshape(-1, d)).view(n, self.num_kv_heads, d)
+        q, k = self.rotary_emb(positions, q, k)
+        o = self.attn(q, k, v)                          # [N, Hq, D]
+        return self.o_proj(o.reshape(n, self.num_heads * d))
+
+
+class QwenMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class QwenDecoderLayer(nn.Module):
+    def __init__(self, config, layer_idx: int, max_positions: int, mlp: nn.Module):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = QwenAttention(config, layer_idx, max_positions)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = mlp
+
+    def forward(self, positions, hidden, residual):
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        probes = _probes()
+        if probes is not None:      # residual entering layer i = hook_embed / resid_post of i-1
+            probes.on_resid(self.layer_idx, residual)
+        hidden = self.self_attn(positions, hidden)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class QwenModel(nn.Module):
+    def __init__(self, config, max_positions: int, make_mlp):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            QwenDecoderLayer(config, i, max_positions, make_mlp(config, i))
+            for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual)
+        hidden, residual = self.norm(hidden, residual)
+        probes = _probes()
+        if probes is not None:
+            probes.on_resid(len(self.layers), residual)
+        return hidden
+
+
+def dense_mlp(config, layer_idx: int) -> nn.Module:
+    return QwenMLP(config.hidden_size, config.intermediate_size)
+
+
+class QwenForCausalLM(nn.Module):
+    # checkpoint name fragment -> (our fused parameter, which piece)
+    packed_modules_mapping = {
+        "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    }
+    make_mlp = staticmethod(dense_mlp)
+
+    def __init__(self, config, max_positions: int):
+        super().__init__()
+        self.config = config
+        self.model = QwenModel(config, max_positions, self.make_mlp)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        self.tied = bool(getattr(config, "tie_word_embeddings", False))
+        if self.tied:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden = self.model(input_ids, positions)
+        probes = _probes()
+        if probes is not None:
+            probes.on_final(self)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    @property
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn.attn for layer in self.model.layers]

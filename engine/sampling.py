@@ -1,0 +1,158 @@
+"""SamplingParams and the sampler: greedy, temperature, top-k, top-p, min-p, seeds, logprobs.
+
+The sampler is vectorised over the batch: per-request settings become tensors, and seeded
+randomness comes from a counter-based hash of (seed, position, token id), so a request's
+draws do not depend on what else is in the batch and no per-request generator loop is needed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 1.0        # 0 means greedy
+    top_k: int = 0                  # 0 means off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 64
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop: tuple[str, ...] | list[str] = ()
+    stop_token_ids: tuple[int, ...] | list[int] = ()
+    logprobs: int = 0               # k: return the top-k logprobs of every generated token
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            self.stop = (self.stop,)
+        self.stop = tuple(self.stop)
+        self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)
+        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
+            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], "
+                             f"got {self.min_tokens!r}")
+        if not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20:
+            raise ValueError(f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+# ---- counter-based uniform noise -----------------------------------------------------------
+def _as_signed(c: int) -> int:
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+_C0, _C1, _C2 = (_as_signed(0x9E3779B97F4A7C15), _as_signed(0xBF58476D1CE4E5B9),
+                 _as_signed(0x94D049BB133111EB))
+
+
+def _mix64(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64 finaliser on int64 (wrapping multiply; logical shifts emulated by masks)."""
+    x = x ^ ((x >> 30) & ((1 << 34) - 1))
+    x = x * _C1
+    x = x ^ ((x >> 27) & ((1 << 37) - 1))
+    x = x * _C2
+    return x ^ ((x >> 31) & ((1 << 33) - 1))
+
+
+def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[B, vocab] uniforms in (0, 1), a pure function of (seed, position, token id)."""
+    key = _mix64(seeds.to(torch.int64) * _C0 + positions.to(torch.int64))          # [B]
+    ids = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
+    bits = _mix64(key[:, None] + ids[None, :] * _C0)                               # [B, V]
+    return (((bits >> 40) & ((1 << 24) - 1)).float() + 0.5) * (1.0 / (1 << 24))
+
+
+# ---- the sampler ---------------------------------------------------------------------------
+@dataclass
+class SamplingTensors:
+    """Per-row settings for one step, as device tensors."""
+    temperature: torch.Tensor   # [B] fp32 (0 = greedy)
+    top_k: torch.Tensor         # [B] int64 (0 = off)
+    top_p: torch.Tensor         # [B] fp32
+    min_p: torch.Tensor         # [B] fp32
+    seeds: torch.Tensor         # [B] int64
+    positions: torch.Tensor     # [B] int64: index of the token being sampled (for the noise)
+    all_greedy: bool
+    need_sort: bool             # any top-k / top-p
+    need_min_p: bool
+    max_logprobs: int
+    banned: list[tuple[int, int]]   # (row, token) pairs masked for min_tokens
+
+    @classmethod
+    def build(cls, params: list[SamplingParams], seeds: list[int], positions: list[int],
+              banned: list[tuple[int, int]], device) -> "SamplingTensors":
+        f32 = dict(dtype=torch.float32, device="cpu")
+        t = cls(temperature=torch.tensor([p.temperature for p in params], **f32),
+                top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64),
+                top_p=torch.tensor([p.top_p for p in params], **f32),
+                min_p=torch.tensor([p.min_p for p in params], **f32),
+                seeds=torch.tensor(seeds, dtype=torch.int64),
+                positions=torch.tensor(positions, dtype=torch.int64),
+                all_greedy=all(p.greedy for p in params),
+                need_sort=any(p.top_k > 0 or p.top_p < 1.0 for p in params),
+                need_min_p=any(p.min_p > 0 for p in params),
+                max_logprobs=max((p.logprobs for p in params), default=0), banned=banned)
+        nb = torch.device(device).type == "cuda"
+        for name in ("temperature", "top_k", "top_p", "min_p", "seeds", "positions"):
+            v = getattr(t, name)
+            setattr(t, name, (v.pin_memory() if nb else v).to(device, non_blocking=nb))
+        return t
+
+
+def apply_filters(probs: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """Zero the probabilities that top-k, top-p and min-p exclude. probs: [B, V] fp32."""
+    if t.need_min_p:
+        pmax = probs.max(dim=-1, keepdim=True).values
+        probs = probs.masked_fill(probs < t.min_p[:, None] * pmax, 0.0)
+    if t.need_sort:
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        rank = torch.arange(probs.shape[-1], device=probs.device)[None, :]
+        cut = (t.top_k[:, None] > 0) & (rank >= t.top_k[:, None])
+        # keep the smallest prefix whose mass reaches top_p (the token that crosses is kept)
+        cum_before = sorted_p.cumsum(dim=-1) - sorted_p
+        cut |= cum_before >= t.top_p[:, None] * sorted_p.sum(-1, keepdim=True) - 1e-7
+        cut[:, 0] = False
+        sorted_p = sorted_p.masked_fill(cut, 0.0)
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+    return probs
+
+
+def sample(logits: torch.Tensor, t: SamplingTensors):
+    """logits [B, V] -> (token ids [B] int64, logprobs [B] fp32, top ids [B,k], top lps [B,k])."""
+    logits = logits.float()
+    if t.banned:
+        rows, toks = zip(*t.banned)
+        logits[list(rows), list(toks)] = float("-inf")
+    logprobs = torch.log_softmax(logits, dim=-1)
+    if t.all_greedy:
+        tokens = logits.argmax(dim=-1)
+    else:
+        temp = t.temperature.clamp_min(1e-6)[:, None]
+        probs = torch.softmax(logits / temp, dim=-1)
+        probs = apply_filters(probs, t)
+        # exponential race: argmax p_i / E_i with E_i ~ Exp(1) draws i with probability p_i
+        e = -torch.log(uniform_noise(t.seeds, t.positions, logits.shape[-1]))
+        sampled = (probs / e).argmax(dim=-1)
+        tokens = torch.where(t.temperature == 0, logits.argmax(dim=-1), sampled)
+    chosen_lp = logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+    top_lp = top_ids = None
+    if t.max_logprobs:
+        top_lp, top_ids = logprobs.topk(t.max_logprobs, dim=-1)
+    return tokens, chosen_lp, top_ids, top_lp

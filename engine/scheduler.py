@@ -1,0 +1,126 @@
+"""Token-budget continuous batching: running requests first (decode tokens and the next chunk
+of unfinished prefills), then new requests while the budget and max_num_seqs allow. When the
+cache runs out, the youngest running request is preempted (its blocks freed; it is recomputed
+later, with nothing lost)."""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from .block_manager import BlockManager
+from .sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_tokens: int             # tokens computed this step (a prefill chunk, or 1 to decode)
+    start: int                  # position of the first of them
+
+    @property
+    def samples(self) -> bool:
+        """This chunk reaches the end of the sequence, so its last logits are sampled."""
+        return self.start + self.num_tokens == len(self.seq)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int,
+                 max_num_batched_tokens: int, max_model_len: int, eos_token_ids: set[int]):
+        self.bm = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.eos_token_ids = eos_token_ids
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def all_sequences(self) -> list[Sequence]:
+        return list(self.running) + list(self.waiting)
+
+    # ---- scheduling ------------------------------------------------------------------------
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.bm.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def schedule(self) -> list[ScheduledSeq]:
+        budget = self.max_num_batched_tokens
+        out: list[ScheduledSeq] = []
+        # 1. running requests, oldest first; make room by preempting the youngest
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            while not self.bm.can_append(seq, len(seq)):
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            if seq.status != SequenceStatus.RUNNING:
+                break                                # seq preempted itself: nothing left after it
+            self.bm.append_slots(seq, len(seq))
+            n = min(len(seq) - seq.num_computed_tokens, budget)
+            out.append(ScheduledSeq(seq, n, seq.num_computed_tokens))
+            budget -= n
+            i += 1
+        # 2. admit waiting requests (preempted ones are at the front)
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if not self.bm.can_allocate(seq):
+                break
+            self.waiting.popleft()
+            self.bm.allocate(seq)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            n = min(len(seq) - seq.num_computed_tokens, budget)
+            out.append(ScheduledSeq(seq, n, seq.num_computed_tokens))
+            budget -= n
+        return out
+
+    # ---- after the forward -----------------------------------------------------------------
+    def finish(self, seq: Sequence, reason: str) -> None:
+        if seq.is_finished:
+            return
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        if seq in self.running:
+            self.running.remove(seq)
+        else:
+            try:
+                self.waiting.remove(seq)
+            except ValueError:
+                pass
+        self.bm.free(seq)
+
+    def postprocess(self, scheduled: list[ScheduledSeq], tokens: list[int]) -> list[Sequence]:
+        """Advance each scheduled sequence; append sampled tokens (one per sampling entry,
+        in order). Returns the sequences that received a token."""
+        got, k = [], 0
+        for s in scheduled:
+            seq = s.seq
+            seq.num_computed_tokens += s.num_tokens
+            self.bm.commit(seq)
+            if not s.samples:
+                continue
+            tok = tokens[k]
+            k += 1
+            seq.token_ids.append(tok)
+            got.append(seq)
+            p = seq.params
+            n_out = seq.num_output_tokens
+            if (not p.ignore_eos and tok in self.eos_token_ids and n_out >= p.min_tokens) or \
+                    (tok in p.stop_token_ids and n_out >= p.min_tokens):
+                self.finish(seq, "stop")
+            elif n_out >= p.max_tokens or len(seq) >= self.max_model_len:
+                self.finish(seq, "length")
+        return got

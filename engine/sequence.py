@@ -1,0 +1,111 @@
+"""Per-request state: token ids, KV block table, progress through prefill, outputs."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from .probe_spec import ProbeSpec
+from .sampling import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class TokenLogprobs:
+    token_id: int
+    logprob: float
+    top: dict[int, float]          # top-k token id -> logprob (k = SamplingParams.logprobs)
+
+
+class Sequence:
+    """One request. Prompt and output tokens share `token_ids`; `num_computed_tokens` of them
+    have K/V in the cache. A preempted sequence drops its blocks and recomputes them."""
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 seed: int, watch: ProbeSpec | None = None):
+        self.request_id = request_id
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.params = params
+        self.seed = seed
+        self.watch = watch
+        self.status = SequenceStatus.WAITING
+        self.block_table: list[int] = []
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0          # prompt tokens served by the prefix cache (last admit)
+        self.prefix_cached_blocks = 0       # total blocks reused from the prefix cache
+        self.finish_reason: str | None = None
+        self.logprobs: list[TokenLogprobs] = []
+        self.output_text = ""
+        self.num_preemptions = 0
+        self.arrival_time = time.perf_counter()
+        self.first_token_time: float | None = None
+        self.finish_time: float | None = None
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[:self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    @property
+    def in_prefill(self) -> bool:
+        """True while some tokens other than the newest still need their K/V computed."""
+        return self.num_computed_tokens < len(self.token_ids) - 1
+
+    def num_blocks_needed(self, num_tokens: int, block_size: int) -> int:
+        return (num_tokens + block_size - 1) // block_size
+
+    def metrics(self) -> dict:
+        now = self.finish_time or time.perf_counter()
+        ttft = (self.first_token_time - self.arrival_time) if self.first_token_time else None
+        n = self.num_output_tokens
+        decode_s = (now - self.first_token_time) if self.first_token_time else 0.0
+        return {"ttft_s": ttft, "num_output_tokens": n,
+                "tok_s": (n - 1) / decode_s if n > 1 and decode_s > 0 else None,
+                "prefix_cached_blocks": self.prefix_cached_blocks,
+                "preemptions": self.num_preemptions}
+
+
+@dataclass
+class RequestOutput:
+    """What generate() returns per prompt."""
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    metrics: dict = field(default_factory=dict)
+
+
+@dataclass
+class TokenEvent:
+    """One streamed token (or the final event of a request)."""
+    request_id: str
+    token_id: int | None
+    text: str                      # new text since the previous event
+    output_text: str               # whole reply so far (stop strings never included)
+    finished: bool = False
+    finish_reason: str | None = None
+    logprobs: TokenLogprobs | None = None
+    metrics: dict | None = None

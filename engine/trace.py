@@ -1,0 +1,168 @@
+"""RequestTrace: what the probes recorded for one watched request, as numpy arrays.
+
+Keys follow TransformerLens hook names (`hook_embed`, `blocks.{L}.hook_resid_post`,
+`blocks.{L}.attn.hook_pattern`, `blocks.{L}.mlp.hook_router_scores`) so an export can be
+reopened next to a TransformerLens cache.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+
+@dataclass
+class LensStep:
+    """Logit lens for one generated token: every layer's residual through final norm + head."""
+    position: int               # position of the query token whose next token this predicts
+    sampled_token: int
+    top_ids: np.ndarray         # [num_layers, k]
+    top_probs: np.ndarray       # [num_layers, k]
+    sampled_rank: np.ndarray    # [num_layers] rank of the sampled token (0 = top)
+    sampled_prob: np.ndarray    # [num_layers]
+    entropy: np.ndarray         # [num_layers] nats
+
+
+@dataclass
+class AttentionStep:
+    """Attention of the newest query token over its whole context, rebuilt from the paged K cache."""
+    position: int               # query position (context length - 1)
+    layers: list[int]
+    probs: np.ndarray           # [len(layers), num_heads, position + 1]
+    block_table: list[int]      # physical blocks holding the context, in order
+    block_size: int
+
+    def block_mass(self) -> np.ndarray:
+        """[len(layers), num_heads, num_blocks]: probability mass per KV block."""
+        n = len(self.block_table)
+        pad = n * self.block_size - self.probs.shape[-1]
+        p = np.pad(self.probs, [(0, 0), (0, 0), (0, pad)])
+        return p.reshape(*p.shape[:2], n, self.block_size).sum(-1)
+
+
+@dataclass
+class RequestTrace:
+    """Everything recorded for one watched request, token by token."""
+    request_id: str
+    num_layers: int
+    prompt_token_ids: list[int] = field(default_factory=list)
+    output_token_ids: list[int] = field(default_factory=list)
+    token_texts: list[str] = field(default_factory=list)     # one per prompt+output token
+    # residual norms of processed tokens: row t = token at position t, col 0 = hook_embed,
+    # col l + 1 = blocks.l.hook_resid_post
+    resid_norms: list[np.ndarray] = field(default_factory=list)   # each [num_layers + 1]
+    lens: list[LensStep] = field(default_factory=list)
+    attention: list[AttentionStep] = field(default_factory=list)
+    # full attention pattern of the prompt for chosen layers (capped, see ProbeSpec)
+    prefill_pattern: dict[int, np.ndarray] = field(default_factory=dict)  # layer -> [H, q, k]
+    # MoE routing per processed token: rows align with resid_norms
+    router_probs: list[np.ndarray] = field(default_factory=list)        # each [moe_layers, E]
+    router_topk_ids: list[np.ndarray] = field(default_factory=list)     # each [moe_layers, k]
+    router_topk_weights: list[np.ndarray] = field(default_factory=list)  # each [moe_layers, k]
+    shared_expert_gate: list[np.ndarray] = field(default_factory=list)  # each [moe_layers]
+    moe_layers: list[int] = field(default_factory=list)
+    finished: bool = False
+
+    # ---- dense views -------------------------------------------------------------------
+    def norms(self) -> np.ndarray:
+        """[num_tokens, num_layers + 1] residual norms (col 0 = embeddings)."""
+        if not self.resid_norms:
+            return np.zeros((0, self.num_layers + 1), np.float32)
+        return np.stack(self.resid_norms)
+
+    def routing(self) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """(probs [T, moe_layers, E], topk_ids [T, moe_layers, k], topk_weights) or None."""
+        if not self.router_probs:
+            return None
+        return (np.stack(self.router_probs), np.stack(self.router_topk_ids),
+                np.stack(self.router_topk_weights))
+
+    # ---- export ------------------------------------------------------------------------
+    def to_arrays(self) -> dict[str, np.ndarray]:
+        """Flat dict keyed by TransformerLens hook names (norms are per-token L2 norms)."""
+        out: dict[str, np.ndarray] = {}
+        n = self.norms()
+        if len(n):
+            out["hook_embed.norm"] = n[:, 0]
+            for layer in range(self.num_layers):
+                out[f"blocks.{layer}.hook_resid_post.norm"] = n[:, layer + 1]
+        for i, st in enumerate(self.attention):
+            for j, layer in enumerate(st.layers):
+                out[f"blocks.{layer}.attn.hook_pattern.step{i}"] = st.probs[j]
+        for layer, pat in self.prefill_pattern.items():
+            out[f"blocks.{layer}.attn.hook_pattern.prefill"] = pat
+        r = self.routing()
+        if r is not None:
+            probs, ids, w = r
+            for j, layer in enumerate(self.moe_layers):
+                out[f"blocks.{layer}.mlp.hook_router_scores"] = probs[:, j]
+                out[f"blocks.{layer}.mlp.hook_router_topk_ids"] = ids[:, j]
+                out[f"blocks.{layer}.mlp.hook_router_topk_weights"] = w[:, j]
+            if self.shared_expert_gate:
+                g = np.stack(self.shared_expert_gate)
+                for j, layer in enumerate(self.moe_layers):
+                    out[f"blocks.{layer}.mlp.hook_shared_expert_gate"] = g[:, j]
+        if self.lens:
+            out["logit_lens.top_ids"] = np.stack([s.top_ids for s in self.lens])
+            out["logit_lens.top_probs"] = np.stack([s.top_probs for s in self.lens])
+            out["logit_lens.sampled_rank"] = np.stack([s.sampled_rank for s in self.lens])
+            out["logit_lens.sampled_prob"] = np.stack([s.sampled_prob for s in self.lens])
+            out["logit_lens.entropy"] = np.stack([s.entropy for s in self.lens])
+        return out
+
+    def export(self, path: str | Path) -> Path:
+        """Write `path` (.npz of arrays) and `path`.json (token ids, texts, layout)."""
+        path = Path(path)
+        if path.suffix != ".npz":
+            path = path.with_suffix(".npz")
+        np.savez_compressed(path, **self.to_arrays())
+        meta = {
+            "request_id": self.request_id, "num_layers": self.num_layers,
+            "prompt_token_ids": self.prompt_token_ids, "output_token_ids": self.output_token_ids,
+            "token_texts": self.token_texts, "moe_layers": self.moe_layers,
+            "attention": [{"position": s.position, "layers": s.layers,
+                           "block_table": s.block_table, "block_size": s.block_size}
+                          for s in self.attention],
+            "lens": [{"position": s.position, "sampled_token": s.sampled_token} for s in self.lens],
+        }
+        path.with_suffix(".json").write_text(json.dumps(meta))
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> "RequestTrace":
+        """Read back what `export` wrote."""
+        path = Path(path).with_suffix(".npz")
+        meta = json.loads(path.with_suffix(".json").read_text())
+        arr = dict(np.load(path))
+        t = cls(request_id=meta["request_id"], num_layers=meta["num_layers"],
+                prompt_token_ids=meta["prompt_token_ids"],
+                output_token_ids=meta["output_token_ids"], token_texts=meta["token_texts"],
+                moe_layers=meta["moe_layers"])
+        if "hook_embed.norm" in arr:
+            cols = [arr["hook_embed.norm"]] + [arr[f"blocks.{l}.hook_resid_post.norm"]
+                                               for l in range(t.num_layers)]
+            t.resid_norms = list(np.stack(cols, axis=1))
+        for i, a in enumerate(meta["attention"]):
+            probs = np.stack([arr[f"blocks.{l}.attn.hook_pattern.step{i}"] for l in a["layers"]])
+            t.attention.append(AttentionStep(a["position"], a["layers"], probs,
+                                             a["block_table"], a["block_size"]))
+        for k, v in arr.items():
+            if k.endswith("hook_pattern.prefill"):
+                t.prefill_pattern[int(k.split(".")[1])] = v
+        if t.moe_layers and f"blocks.{t.moe_layers[0]}.mlp.hook_router_scores" in arr:
+            probs = np.stack([arr[f"blocks.{l}.mlp.hook_router_scores"] for l in t.moe_layers], 1)
+            ids = np.stack([arr[f"blocks.{l}.mlp.hook_router_topk_ids"] for l in t.moe_layers], 1)
+            w = np.stack([arr[f"blocks.{l}.mlp.hook_router_topk_weights"] for l in t.moe_layers], 1)
+            t.router_probs, t.router_topk_ids, t.router_topk_weights = list(probs), list(ids), list(w)
+            key = f"blocks.{t.moe_layers[0]}.mlp.hook_shared_expert_gate"
+            if key in arr:
+                t.shared_expert_gate = list(np.stack(
+                    [arr[f"blocks.{l}.mlp.hook_shared_expert_gate"] for l in t.moe_layers], 1))
+        for i, s in enumerate(meta["lens"]):
+            t.lens.append(LensStep(s["position"], s["sampled_token"],
+                                   arr["logit_lens.top_ids"][i], arr["logit_lens.top_probs"][i],
+                                   arr["logit_lens.sampled_rank"][i],
+                                   arr["logit_lens.sampled_prob"][i], arr["logit_lens.entropy"][i]))
+        return t

@@ -1,0 +1,37 @@
+"""Shared fixtures: tiny random Qwen checkpoints built once per test session."""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from tiny_models import build_model_dir  # noqa: E402
+
+torch.set_num_threads(max(1, os.cpu_count() or 1))
+
+_BUILT: dict = {}
+
+
+@pytest.fixture(scope="session")
+def model_factory(tmp_path_factory):
+    """model_factory(arch, **config_overrides) -> checkpoint dir (cached per arguments)."""
+    def make(arch: str = "qwen3", **kw) -> str:
+        key = (arch, tuple(sorted(kw.items())))
+        if key not in _BUILT:
+            d = tmp_path_factory.mktemp(f"{arch}")
+            _BUILT[key] = build_model_dir(str(d), arch, **kw)
+        return _BUILT[key]
+    return make
+
+
+@pytest.fixture(scope="session")
+def qwen3_dir(model_factory):
+    return model_factory("qwen3")
+
+
+@pytest.fixture(scope="session")
+def qwen2_dir(model_factory):
+    return model_factory("qwen2")
