@@ -93,9 +93,14 @@ def load_weights(model: nn.Module, path: str) -> None:
                 sl = f.get_slice(name)
                 if loader is None:
                     param.data.copy_(sl[:])
+                    filled = None
                 else:
-                    loader(param, sl, shard) if shard is not None else loader(param, sl)
-                loaded[pname].add(shard)
+                    filled = loader(param, sl, shard) if shard is not None else loader(param, sl)
+                # a loader that fills several pieces at once (fused experts) says which
+                filled = set(filled) if filled is not None else {shard}
+                if filled & loaded[pname]:
+                    duplicates.append(name)
+                loaded[pname] |= filled
     missing = []
     for n, p in params.items():
         expected = getattr(p, "shard_keys", None) or {None}

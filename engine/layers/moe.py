@@ -1,0 +1,68 @@
+"""Sparse MoE block (Qwen2-MoE / Qwen3-MoE): router -> top-k -> fused experts (+ shared expert).
+
+Expert weights are stacked as w13 [E, 2I, H] (gate rows, then up rows) and w2 [E, H, I]; with
+TP each rank holds every expert's slice of the intermediate dim, and the partial outputs are
+joined by one all-reduce. The router is replicated. Routing is reported to the probes.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..context import get_context
+from ..kernels import fused_moe as fm
+from ..kernels import moe_routing
+from ..parallel_state import all_reduce, divide, get_tp_rank, get_tp_size
+from .linear import copy_checked, materialize, narrow
+
+
+class FusedMoE(nn.Module):
+    def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
+                 norm_topk_prob: bool):
+        super().__init__()
+        tp = get_tp_size()
+        self.num_experts, self.top_k, self.norm_topk_prob = num_experts, top_k, norm_topk_prob
+        self.inter = divide(intermediate_size, tp, "moe_intermediate_size")
+        self.rank = get_tp_rank()
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * self.inter, hidden_size),
+                                requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, self.inter),
+                               requires_grad=False)
+        self.w13.weight_loader = self.weight_loader
+        self.w2.weight_loader = self.weight_loader
+        # every (expert, piece) must be loaded once: per-expert tensors, or one fused tensor
+        self.w13.shard_keys = {(e, p) for e in range(num_experts) for p in (0, 1)}
+        self.w2.shard_keys = {(e, 2) for e in range(num_experts)}
+
+    def weight_loader(self, param, loaded, shard) -> None:
+        """shard = (expert, piece): piece 0 gate, 1 up, 2 down; expert None = all experts
+        at once from the fused 3-D layout (gate_up_proj [E, 2I, H] / down_proj [E, H, I])."""
+        expert, piece = shard
+        i, r = self.inter, self.rank
+        if expert is None:
+            w = materialize(loaded)
+            if piece == 2:
+                copy_checked(param, w.narrow(2, r * i, i))
+            else:   # fused gate_up: gate rows [0, I_full), up rows [I_full, 2 I_full)
+                full = w.shape[1] // 2
+                copy_checked(param.data[:, :i], w.narrow(1, r * i, i))
+                copy_checked(param.data[:, i:], w.narrow(1, full + r * i, i))
+            return {k for k in param.shard_keys if (k[1] == 2) == (piece == 2)}
+        if piece == 2:
+            copy_checked(param.data[expert], materialize(narrow(loaded, 1, r * i, i)))
+        else:
+            copy_checked(param.data[expert, piece * i:(piece + 1) * i],
+                         materialize(narrow(loaded, 0, r * i, i)))
+
+    def forward(self, x: torch.Tensor, router_logits: torch.Tensor, layer_idx: int,
+                shared_gate: torch.Tensor | None = None) -> torch.Tensor:
+        """x [N, H], router_logits [N, E] -> partial (un-reduced) output [N, H]."""
+        probs, topk_w, topk_ids = moe_routing.route(router_logits, self.top_k, self.norm_topk_prob)
+        probes = get_context().probes
+        if probes is not None:
+            probes.on_router(layer_idx, probs, topk_ids, topk_w, shared_gate)
+        w = topk_w.to(x.dtype)      # HF casts the routing weights to the hidden dtype
+        if x.is_cuda:
+            return fm.fused_moe(x, self.w13, self.w2, w, topk_ids)
+        return fm.fused_moe_ref(x, self.w13, self.w2, w, topk_ids)
