@@ -169,9 +169,7 @@ class ModelRunner:
         return x.pin_memory().to(self.device, non_blocking=True)
 
     def execute(self, inp: StepInputs, probes=None) -> torch.Tensor:
-        """Run the forward; returns logits [S, vocab] of the sampled rows (rank 0)."""
-        if self.graphs is not None and inp.is_decode and self.graphs.can_run(inp, probes):
-            return self.graphs.replay(inp, probes)
+        """Run the forward eagerly; returns logits [S, vocab] of the sampled rows."""
         d = self.to_device
         ctx = ForwardContext(slot_mapping=d(inp.slot_mapping), context_lens=d(inp.context_lens),
                              block_tables=d(inp.block_tables),
@@ -194,14 +192,21 @@ class ModelRunner:
 
     # ---- the step API the engine core calls (a TP driver offers the same) -------------------
     def execute_step(self, inp: StepInputs):
-        """-> (logits [S, vocab], probe buffers or None)."""
+        """-> (logits [S, vocab], probe buffers or None). Decode batches replay a CUDA graph
+        when one fits (with the probe-capturing variant when a request is watched)."""
         from .parallel_state import take_collective_count
-        bufs = None
-        if inp.probe_plan is not None:
-            from .probes import ProbeBuffers
-            bufs = ProbeBuffers.for_step(self, inp)
+        plan = inp.probe_plan
         self._graph_bucket = None
-        logits = self.execute(inp, bufs)
+        if self.graphs is not None and inp.is_decode and self.graphs.can_run(inp, plan):
+            with torch.inference_mode():
+                logits = self.graphs.replay(inp, plan)
+            bufs = self.graphs.probe_bufs[self._graph_bucket] if plan is not None else None
+        else:
+            bufs = None
+            if plan is not None:
+                from .probes import ProbeBuffers
+                bufs = ProbeBuffers.for_step(self, inp)
+            logits = self.execute(inp, bufs)
         self._collectives = take_collective_count()
         return logits, bufs
 

@@ -29,6 +29,7 @@ class WatchedEntry:
     start_pos: int
     samples: bool
     spec: object                # ProbeSpec
+    block_table: list = field(default_factory=list)   # at plan time (freed blocks vanish later)
 
 
 @dataclass
@@ -75,6 +76,17 @@ class ProbeBuffers:
         self.expert_load = (torch.zeros(m, num_experts, device=device)
                             if plan.expert_load and m else None)
         self.lens_out = None
+        self.row_valid = None       # [N] 1/0 per flat row (CUDA-graph padding rows are 0)
+
+    def load_plan(self, plan: ProbePlan, num_valid_rows: int) -> None:
+        """Point a CUDA graph's static buffers at this step's watched rows."""
+        self.plan_host = plan
+        self.rows.copy_(plan.rows, non_blocking=True)
+        self.last_rows.copy_(plan.last_rows, non_blocking=True)
+        self.last_batch.copy_(plan.last_batch, non_blocking=True)
+        if self.row_valid is not None:
+            self.row_valid.zero_()
+            self.row_valid[:num_valid_rows] = 1.0
 
     @classmethod
     def for_step(cls, runner, inp) -> "ProbeBuffers":
@@ -131,7 +143,9 @@ class ProbeBuffers:
                 self.has_shared_gate = True
         if self.expert_load is not None:
             ids = topk_ids.reshape(-1).long()
-            self.expert_load[i].zero_().scatter_add_(0, ids, torch.ones_like(ids, dtype=torch.float32))
+            ones = (self.row_valid[:, None].expand(topk_ids.shape).reshape(-1)
+                    if self.row_valid is not None else torch.ones_like(ids, dtype=torch.float32))
+            self.expert_load[i].zero_().scatter_add_(0, ids, ones)
 
     def on_final(self, model) -> None:
         """After the forward: logit lens on every layer's residual; gather TP-split heads."""
@@ -189,7 +203,7 @@ class ProbeManager:
             spec = s.seq.watch
             if spec is not None and spec.any and s.seq.request_id in self.traces:
                 entries.append(WatchedEntry(s.seq.request_id, b, row, s.num_tokens, s.start,
-                                            s.samples, spec))
+                                            s.samples, spec, list(s.seq.block_table)))
             row += s.num_tokens
         moe = bool(self.moe_layers)
         if not entries and not (self.record_expert_load and moe):
@@ -225,7 +239,6 @@ class ProbeManager:
         p = lo["probs"].gather(-1, t[None, :, None].expand(lo["probs"].shape[0], -1, 1))[..., 0]
         lo["sampled_prob"] = p                                          # [L, W]
         lo["sampled_rank"] = (lo["probs"] > p[..., None]).sum(-1)
-        del lo["probs"]
 
     def _sample_index(self, plan: ProbePlan) -> list[int]:
         """Index among the step's sampled rows of each watched sampling entry."""
@@ -293,7 +306,7 @@ class ProbeManager:
                     probs = np.stack([host[f"attn{l}"][w, :, :pos + 1] for l in layers])
                     bs = self.llm.block_size
                     tr.attention.append(AttentionStep(pos, layers, probs,
-                                                      list(seq.block_table[:pos // bs + 1]), bs))
+                                                      e.block_table[:pos // bs + 1], bs))
                 w += 1
             for l, (start, n) in plan.pattern_layers.items():
                 if start == e.row_start and f"pat{l}" in host:
@@ -321,3 +334,38 @@ def _put(lst: list, pos: int, value) -> None:
             lst.append(value * np.nan if np.issubdtype(np.asarray(value).dtype, np.floating)
                        else value)
         lst.append(value)
+
+
+# ---- CUDA-graph variants -----------------------------------------------------------------------
+GRAPH_LENS_TOP_K = 10
+
+
+def _template_plan(runner) -> ProbePlan:
+    moe = bool(getattr(runner.model, "moe_layers", []))
+    one = torch.zeros(1, dtype=torch.int64)
+    return ProbePlan(entries=[], rows=one, last_rows=one.clone(), last_batch=one.clone(),
+                     norms=True, lens=True, lens_top_k=GRAPH_LENS_TOP_K,
+                     attention_layers=list(range(runner.num_layers)), routing=moe,
+                     expert_load=moe)
+
+
+def graph_probe_buffers(runner, batch: int) -> ProbeBuffers:
+    """Static probe buffers captured into the decode graph of one bucket: one watched
+    request, every probe on (the host keeps only what its ProbeSpec asked for)."""
+    cfg = runner.hf_config
+    bufs = ProbeBuffers(_template_plan(runner), runner.num_layers, cfg.hidden_size,
+                        runner.device, runner.dtype, getattr(runner.model, "moe_layers", []),
+                        getattr(cfg, "num_experts", 0) or 0,
+                        getattr(cfg, "num_experts_per_tok", 0) or 0)
+    bufs.row_valid = torch.zeros(batch, device=runner.device)
+    return bufs
+
+
+def graph_supports(plan: ProbePlan, runner) -> bool:
+    """A decode step whose probes fit the captured template: one watched request."""
+    if plan is None:
+        return True
+    if len(plan.entries) != 1 or plan.pattern_layers:
+        return False
+    e = plan.entries[0]
+    return len(plan.rows) == 1 and len(plan.last_rows) == 1 and e.num_tokens == 1 and e.samples and plan.lens_top_k <= GRAPH_LENS_TOP_K
