@@ -13,7 +13,7 @@ from .context import ForwardContext, set_context
 from .loader import init_dummy_weights, load_weights
 from .models.qwen import head_dim_of
 from .models.registry import model_class
-from .parallel_state import get_tp_size
+from .parallel_state import TPGroup, get_tp_size, use_tp
 
 
 @dataclass
@@ -63,7 +63,9 @@ def build_step_inputs(scheduled, block_size: int, probe_plan=None) -> StepInputs
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, hf_config, model_path: str, max_model_len: int,
-                 rank: int = 0):
+                 tp: TPGroup | None = None):
+        self.tp = tp or TPGroup()
+        rank = self.tp.rank
         self.config, self.hf_config, self.rank = config, hf_config, rank
         self.device = torch.device(config.device if not config.device.startswith("cuda")
                                    else f"cuda:{rank}" if config.device == "cuda" else config.device)
@@ -76,7 +78,7 @@ class ModelRunner:
         prev = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
-            with torch.device(self.device):
+            with torch.device(self.device), use_tp(self.tp):
                 self.model = model_class(hf_config)(hf_config, max_model_len + config.block_size)
         finally:
             torch.set_default_dtype(prev)
@@ -194,7 +196,6 @@ class ModelRunner:
     def execute_step(self, inp: StepInputs):
         """-> (logits [S, vocab], probe buffers or None). Decode batches replay a CUDA graph
         when one fits (with the probe-capturing variant when a request is watched)."""
-        from .parallel_state import take_collective_count
         plan = inp.probe_plan
         self._graph_bucket = None
         if self.graphs is not None and inp.is_decode and self.graphs.can_run(inp, plan):
@@ -207,7 +208,7 @@ class ModelRunner:
                 from .probes import ProbeBuffers
                 bufs = ProbeBuffers.for_step(self, inp)
             logits = self.execute(inp, bufs)
-        self._collectives = take_collective_count()
+        self._collectives = self.tp.take_collective_count()
         return logits, bufs
 
     def last_step_info(self) -> dict:
@@ -218,8 +219,7 @@ class ModelRunner:
     # ---- facts for inspect() -----------------------------------------------------------------
     @property
     def num_params(self) -> int:
-        n = sum(p.numel() for p in self.model.parameters())
-        return n * get_tp_size() if get_tp_size() > 1 else n
+        return sum(p.numel() for p in self.model.parameters()) * self.tp.size
 
     @property
     def moe_layers(self) -> list[int]:
@@ -232,7 +232,8 @@ class ModelRunner:
 
     def tp_layout(self) -> list:
         from .tp_layout import rank_layout
-        return [rank_layout(self.hf_config, 0, 1, self.bytes_per_block * self.num_blocks)]
+        return [rank_layout(self.hf_config, r, self.tp.size, self.bytes_per_block * self.num_blocks)
+                for r in range(self.tp.size)]
 
     def shutdown(self) -> None:
         self.graphs = None

@@ -1,64 +1,70 @@
-"""Tensor-parallel rank/size of this process and the collectives the layers call.
+"""Tensor-parallel group of this rank: its rank, size and the collectives the layers call.
 
-With one rank every collective is a no-op, so the TP=1 path runs no communication code.
-A per-step counter records how many collectives the forward issued (shown in the Engine tab).
+A TPGroup is captured by each layer when it is built (not read from a global at run time),
+so two engines with different groups can live in one process. With one rank every
+collective is a no-op and no communication code runs. The group counts its collectives
+per step (shown in the Engine tab).
 """
 from __future__ import annotations
 
+import contextlib
+from dataclasses import dataclass
+
 import torch
-import torch.distributed as dist
-
-_rank = 0
-_size = 1
-_collectives = 0
 
 
-def set_tp(rank: int, size: int) -> None:
-    global _rank, _size
-    _rank, _size = rank, size
+@dataclass
+class TPGroup:
+    rank: int = 0
+    size: int = 1
+    group: object = None        # a torch ProcessGroup (gloo or NCCL), None for one rank
+    collectives: int = 0
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size > 1:
+            self.group.allreduce([x]).wait()
+            self.collectives += 1
+        return x
+
+    def all_gather_dim(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        """Concatenate every rank's x along dim (vocab-parallel logits, per-head probes)."""
+        if self.size == 1:
+            return x
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        self.group.allgather([parts], [x]).wait()
+        self.collectives += 1
+        return torch.cat(parts, dim=dim)
+
+    def take_collective_count(self) -> int:
+        n, self.collectives = self.collectives, 0
+        return n
+
+
+_current = TPGroup()
+
+
+def get_tp() -> TPGroup:
+    return _current
 
 
 def get_tp_rank() -> int:
-    return _rank
+    return _current.rank
 
 
 def get_tp_size() -> int:
-    return _size
+    return _current.size
 
 
-def take_collective_count() -> int:
-    global _collectives
-    n, _collectives = _collectives, 0
-    return n
-
-
-def all_reduce(x: torch.Tensor) -> torch.Tensor:
-    global _collectives
-    if _size > 1:
-        dist.all_reduce(x)
-        _collectives += 1
-    return x
-
-
-def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
-    """Concatenate each rank's x along the last dim (vocab-parallel logits, head probes)."""
-    global _collectives
-    if _size == 1:
-        return x
-    parts = [torch.empty_like(x) for _ in range(_size)]
-    dist.all_gather(parts, x.contiguous())
-    _collectives += 1
-    return torch.cat(parts, dim=-1)
-
-
-def all_gather_dim(x: torch.Tensor, dim: int) -> torch.Tensor:
-    global _collectives
-    if _size == 1:
-        return x
-    parts = [torch.empty_like(x) for _ in range(_size)]
-    dist.all_gather(parts, x.contiguous())
-    _collectives += 1
-    return torch.cat(parts, dim=dim)
+@contextlib.contextmanager
+def use_tp(group: TPGroup):
+    """Build layers inside this block to bind them to `group`."""
+    global _current
+    prev, _current = _current, group
+    try:
+        yield group
+    finally:
+        _current = prev
 
 
 def divide(a: int, b: int, what: str) -> int:

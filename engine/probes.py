@@ -16,7 +16,6 @@ import numpy as np
 import torch
 
 from .kernels import attention_probe
-from .parallel_state import all_gather_dim
 from .trace import AttentionStep, LensStep, RequestTrace
 
 
@@ -45,7 +44,8 @@ class ProbePlan:
     attention_layers: list[int]
     routing: bool
     expert_load: bool
-    pattern_layers: dict = field(default_factory=dict)   # layer -> (row_start, n) prompt patterns
+    # layer -> [(row_start, n)]: one full prompt pattern per watched prefill that asks for it
+    pattern_layers: dict = field(default_factory=dict)
     sampling_rows: list = field(default_factory=list)     # flat rows sampled this step, in order
 
 
@@ -64,7 +64,7 @@ class ProbeBuffers:
         self.lens_resid = (torch.zeros(num_layers + 1, W, hidden, device=device, dtype=dtype)
                            if plan.lens and W else None)
         self.attn: dict[int, torch.Tensor] = {}
-        self.patterns: dict[int, torch.Tensor] = {}
+        self.patterns: dict[tuple[int, int], torch.Tensor] = {}   # (layer, row_start) -> [Hq, n, n]
         self.moe_index = {layer: i for i, layer in enumerate(moe_layers)}
         m = len(moe_layers)
         rec = plan.routing and R and m
@@ -119,8 +119,7 @@ class ProbeBuffers:
                    ctx.context_lens[b].reshape(1), scale, out)
                 outs.append(out)
             self.attn[layer] = torch.stack(outs)            # [W, Hq_local, max_ctx]
-        if layer in plan.pattern_layers:
-            start, n = plan.pattern_layers[layer]
+        for start, n in plan.pattern_layers.get(layer, ()):
             qs = q[start:start + n].float()                 # [n, Hq, D]
             b = [e.batch_index for e in plan.entries if e.row_start == start][0]
             bs = k_cache.shape[1]
@@ -129,7 +128,7 @@ class ProbeBuffers:
             k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
             s = torch.einsum("qhd,khd->hqk", qs, k) * scale
             causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
-            self.patterns[layer] = torch.softmax(s.masked_fill(~causal, float("-inf")), -1)
+            self.patterns[layer, start] = torch.softmax(s.masked_fill(~causal, float("-inf")), -1)
 
     def on_router(self, layer: int, probs, topk_ids, topk_w, shared_gate=None) -> None:
         """probs [N, E] fp32, topk_ids/topk_w [N, k], shared_gate [N] (sigmoid) or None."""
@@ -159,10 +158,11 @@ class ProbeBuffers:
             ent = -(probs * torch.log(probs.clamp_min(1e-30))).sum(-1)
             self.lens_out = dict(probs=probs.view(L1 - 1, W, -1), top_p=top_p.view(L1 - 1, W, k),
                                  top_i=top_i.view(L1 - 1, W, k), entropy=ent.view(L1 - 1, W))
+        tp = model.lm_head.tp
         for layer in list(self.attn):
-            self.attn[layer] = all_gather_dim(self.attn[layer], 1)
-        for layer in list(self.patterns):
-            self.patterns[layer] = all_gather_dim(self.patterns[layer], 0)
+            self.attn[layer] = tp.all_gather_dim(self.attn[layer], 1)
+        for key in list(self.patterns):
+            self.patterns[key] = tp.all_gather_dim(self.patterns[key], 0)
 
 
 class ProbeManager:
@@ -218,7 +218,7 @@ class ProbeManager:
         for e in entries:
             if e.start_pos == 0 and e.samples and e.num_tokens <= e.spec.prefill_pattern_cap:
                 for l in e.spec.prefill_pattern_layers:
-                    patterns[l] = (e.row_start, e.num_tokens)
+                    patterns.setdefault(l, []).append((e.row_start, e.num_tokens))
         return ProbePlan(
             entries=entries, rows=torch.tensor(rows, dtype=torch.int64),
             last_rows=torch.tensor([e.row_start + e.num_tokens - 1 for e in last], dtype=torch.int64),
@@ -259,8 +259,8 @@ class ProbeManager:
                     named.append(("lens_" + k, bufs.lens_out[k]))
         for l, t in bufs.attn.items():
             named.append((f"attn{l}", t))
-        for l, t in bufs.patterns.items():
-            named.append((f"pat{l}", t))
+        for (l, start), t in bufs.patterns.items():
+            named.append((f"pat{l}_{start}", t))
         if not named:
             return
         flat = torch.cat([t.reshape(-1).float() for _, t in named]).cpu().numpy()
@@ -308,9 +308,9 @@ class ProbeManager:
                     tr.attention.append(AttentionStep(pos, layers, probs,
                                                       e.block_table[:pos // bs + 1], bs))
                 w += 1
-            for l, (start, n) in plan.pattern_layers.items():
-                if start == e.row_start and f"pat{l}" in host:
-                    tr.prefill_pattern[l] = host[f"pat{l}"].copy()
+            for l in plan.pattern_layers:
+                if f"pat{l}_{e.row_start}" in host:
+                    tr.prefill_pattern[l] = host[f"pat{l}_{e.row_start}"].copy()
             if tr is not None:
                 known = len(tr.token_texts)
                 tr.token_texts.extend(self._text(t) for t in seq.token_ids[known:])

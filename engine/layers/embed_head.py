@@ -6,17 +6,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..parallel_state import all_gather_last_dim, all_reduce, get_tp_rank, get_tp_size
+from ..parallel_state import get_tp
 from .linear import copy_checked, materialize, narrow, shape_of
 
 
 class VocabParallelEmbedding(nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int):
         super().__init__()
-        tp = get_tp_size()
+        self.tp = get_tp()
+        tp = self.tp.size
         self.vocab_size = vocab_size
         self.per_rank = (vocab_size + tp - 1) // tp
-        self.start = get_tp_rank() * self.per_rank
+        self.start = self.tp.rank * self.per_rank
         self.end = min(self.start + self.per_rank, vocab_size)
         self.weight = nn.Parameter(torch.empty(self.per_rank, hidden_size), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
@@ -31,13 +32,13 @@ class VocabParallelEmbedding(nn.Module):
             copy_checked(param.data[:n], materialize(narrow(loaded, 0, self.start, n)))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if get_tp_size() == 1:
+        if self.tp.size == 1:
             return F.embedding(input_ids, self.weight)
         local = input_ids - self.start
         mask = (local < 0) | (local >= self.per_rank)
         y = F.embedding(local.masked_fill(mask, 0), self.weight)
         y = y.masked_fill(mask[:, None], 0.0)
-        return all_reduce(y)
+        return self.tp.all_reduce(y)
 
 
 class ParallelLMHead(VocabParallelEmbedding):
@@ -45,6 +46,6 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = F.linear(hidden, self.weight)              # [n, vocab_per_rank]
-        if get_tp_size() > 1:
-            logits = all_gather_last_dim(logits)[:, :self.vocab_size]
+        if self.tp.size > 1:
+            logits = self.tp.all_gather_dim(logits, -1)[:, :self.vocab_size]
         return logits

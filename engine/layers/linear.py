@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..parallel_state import all_reduce, divide, get_tp_rank, get_tp_size
+from ..parallel_state import divide, get_tp, get_tp_rank, get_tp_size
 
 
 def shape_of(w) -> list[int]:
@@ -40,7 +40,8 @@ def copy_checked(param: torch.Tensor, value: torch.Tensor, name: str = "") -> No
 class LinearBase(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool, tp_dim: int | None):
         super().__init__()
-        self.tp_rank, self.tp_size, self.tp_dim = get_tp_rank(), get_tp_size(), tp_dim
+        self.tp, self.tp_dim = get_tp(), tp_dim
+        self.tp_rank, self.tp_size = self.tp.rank, self.tp.size
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
         if bias:
@@ -139,5 +140,5 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight)
-        y = all_reduce(y)
+        y = self.tp.all_reduce(y)
         return y + self.bias if self.bias is not None else y

@@ -13,7 +13,7 @@ from torch import nn
 from ..context import get_context
 from ..kernels import fused_moe as fm
 from ..kernels import moe_routing
-from ..parallel_state import all_reduce, divide, get_tp_rank, get_tp_size
+from ..parallel_state import divide, get_tp_rank, get_tp_size
 from .linear import copy_checked, materialize, narrow
 
 

@@ -10,7 +10,7 @@ from torch import nn
 
 from ..layers.linear import ReplicatedLinear
 from ..layers.moe import FusedMoE
-from ..parallel_state import all_reduce
+from ..parallel_state import get_tp
 from .qwen import QwenForCausalLM, QwenMLP
 
 
@@ -24,6 +24,7 @@ class QwenSparseMoeBlock(nn.Module):
     def __init__(self, config, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
+        self.tp = get_tp()
         self.gate = ReplicatedLinear(config.hidden_size, config.num_experts)
         self.experts = FusedMoE(config.num_experts, config.num_experts_per_tok,
                                 config.hidden_size, config.moe_intermediate_size,
@@ -42,7 +43,7 @@ class QwenSparseMoeBlock(nn.Module):
         out = self.experts(x, router_logits, self.layer_idx, gate)
         if self.shared_expert is not None:
             out = out + gate * self.shared_expert(x)                   # partial sums per rank
-        return all_reduce(out)
+        return self.tp.all_reduce(out)
 
 
 class QwenSharedExpert(QwenMLP):
