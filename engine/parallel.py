@@ -56,7 +56,8 @@ def _worker_main(rank, size, port, config, hf_config, model_path, max_model_len,
         while True:
             cmd, args = cmd_q.get()
             if cmd == "shutdown":
-                break
+                res_q.put(("bye", rank))
+                os._exit(0)     # skip process-group destructors, which can block on exit
             out = getattr(runner, cmd)(*args)
             if cmd in ("profile_num_blocks",):
                 res_q.put(("ok", out))
