@@ -84,7 +84,7 @@ class ModelRunner:
             torch.set_default_dtype(prev)
         for m in self.model.modules():      # the rotary table stays fp32 like HF's
             if hasattr(m, "cos_sin_cache"):
-                m.cos_sin_cache = m.cos_sin_cache.float()
+                m.cos_sin_cache = m.cos_sin_cache.float().to(self.device)
         if config.load_format == "dummy":
             init_dummy_weights(self.model, config.seed)
         else:

@@ -1,0 +1,202 @@
+"""Smoke test: every bench entry point runs end to end on a tiny model on the CPU in seconds, so the
+scripts never rot before the next GPU run. Speeds are not checked (that is bench/'s job), only that
+each script measures and reports what it claims, and that run_all survives a failing section."""
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+import types
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench import common  # noqa: E402
+
+CPU = torch.device("cpu")
+
+
+def _by_metric(rows: list[dict], system: str) -> dict[str, float]:
+    return {r["metric"]: r["value"] for r in rows if r["system"] == system}
+
+
+def _assert_no_errors(rows: list[dict]) -> None:
+    errors = [r for r in rows if r["metric"] == "error"]
+    assert not errors, errors
+
+
+def _assert_positive(values: dict[str, float], names: list[str]) -> None:
+    for n in names:
+        assert n in values, (n, sorted(values))
+        assert values[n] is not None and math.isfinite(values[n]) and values[n] > 0, (n, values[n])
+
+
+# ---------------------------------------------------------------- pieces
+
+def test_bench_config_dirs_carry_the_bench_md_shapes():
+    from transformers import AutoConfig
+    dense_dir = common.model_dir("qwen3-0.6b")
+    c = AutoConfig.from_pretrained(dense_dir)
+    assert c.architectures == ["Qwen3ForCausalLM"]
+    assert (c.vocab_size, c.hidden_size, c.intermediate_size, c.num_hidden_layers,
+            c.num_attention_heads, c.num_key_value_heads, c.head_dim) == \
+        (151936, 1024, 3072, 28, 16, 8, 128)
+    assert c.tie_word_embeddings is True
+    assert c.max_position_embeddings == 40960 and c.rms_norm_eps == 1e-6
+    raw = json.loads((dense_dir / "config.json").read_text())
+    assert raw["rope_theta"] == 1e6  # the pre-v5 key that real checkpoints carry
+    assert (dense_dir / "generation_config.json").exists()
+
+    moe_dir = common.model_dir("qwen3-30b-a3b")
+    m = AutoConfig.from_pretrained(moe_dir)
+    assert m.architectures == ["Qwen3MoeForCausalLM"]
+    assert (m.vocab_size, m.hidden_size, m.num_hidden_layers, m.num_attention_heads,
+            m.num_key_value_heads, m.head_dim) == (151936, 2048, 48, 32, 4, 128)
+    assert (m.num_experts, m.num_experts_per_tok, m.moe_intermediate_size) == (128, 8, 768)
+    assert m.norm_topk_prob is True and m.tie_word_embeddings is False
+    assert m.decoder_sparse_step == 1 and list(m.mlp_only_layers) == []
+    assert json.loads((moe_dir / "config.json").read_text())["num_experts"] == 128
+
+
+def test_workload_follows_the_nano_vllm_protocol():
+    a = common.make_workload(256, seed=0, id_stream=0)
+    b = common.make_workload(256, seed=0, id_stream=0)
+    again = common.make_workload(256, seed=0, id_stream=1)
+    assert [r.prompt for r in a] == [r.prompt for r in b]  # deterministic
+    assert all(100 <= len(r.prompt) <= 1024 and 100 <= r.max_tokens <= 1024 for r in a)
+    assert all(0 <= t < 10000 for r in a for t in r.prompt)
+    # a repeat keeps every length and changes the ids, so it never hits the prefix cache
+    assert [(len(r.prompt), r.max_tokens) for r in a] == \
+        [(len(r.prompt), r.max_tokens) for r in again]
+    assert all(x.prompt[:16] != y.prompt[:16] for x, y in zip(a, again))
+
+
+def test_targets_report_met_missed_and_not_measured():
+    rows = [common.row("latency", "qwen3-0.6b", "glassbox", "decode_tok_s", 1200.0, "tok/s"),
+            common.row("latency", "qwen3-0.6b", "glassbox", "ttft_ms_1024", 30.0, "ms")]
+    status = {t["target"]: t["status"] for t in common.target_rows(rows)}
+    assert status["Qwen3-0.6B batch-1 decode >= 1,000 tok/s"] == "met"
+    assert status["Qwen3-0.6B TTFT (1,024-token prompt) <= 15 ms"] == "missed"
+    assert status["Qwen3-0.6B throughput >= 25,000 tok/s"] == "not measured"
+
+
+def test_floors_measure_positive_rates_on_cpu():
+    assert common.measure_copy_bandwidth(CPU, nbytes=4 << 20, iters=2) > 0
+    assert common.measure_matmul_flops(CPU, n=64, iters=2) > 0
+
+
+def test_hf_peer_generates_exactly_the_requested_tokens():
+    model = common.build_hf("tiny", CPU)
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()  # tied
+    assert common.hf_generate(model, [[5, 6, 7], [8, 9]], 3, CPU) == 6
+    reqs = [common.Request([5, 6, 7, 8], 3), common.Request([9, 10], 5)]
+    tokens, secs = common.hf_generate_batch(model, reqs, CPU)
+    assert tokens == 8 and secs > 0
+
+
+# ---------------------------------------------------------------- each entry point
+
+def test_throughput_runs_tiny_on_cpu():
+    from bench import throughput
+    rows = throughput.main("qwen3-0.6b", "cpu", num_requests=3, repeats=1, hf_num_requests=2,
+                           tiny=True, floors=False)
+    _assert_no_errors(rows)
+    _assert_positive(_by_metric(rows, "glassbox"), ["output_tok_s"])
+    _assert_positive(_by_metric(rows, "hf-generate_batch"), ["output_tok_s"])
+    _assert_positive(_by_metric(rows, "ratio"), ["output_tok_s"])
+
+
+def test_latency_runs_tiny_on_cpu():
+    from bench import latency
+    rows = latency.main("qwen3-0.6b", "cpu", repeats=1, hf_repeats=1, tiny=True, floors=True)
+    _assert_no_errors(rows)
+    _assert_positive(_by_metric(rows, "device"), ["copy_bandwidth", "matmul_fp32"])
+    for system in ("glassbox", "hf-generate"):
+        _assert_positive(_by_metric(rows, system), ["decode_tok_s", "ms_per_token", "ttft_ms_32"])
+    _assert_positive(_by_metric(rows, "ratio"), ["decode_tok_s", "ttft_ms_32"])
+
+
+def test_probes_runs_tiny_on_cpu():
+    from bench import probes
+    rows = probes.main("qwen3-0.6b", "cpu", num_requests=3, tput_repeats=1, lat_repeats=1,
+                       tiny=True, floors=False)
+    _assert_no_errors(rows)
+    got = _by_metric(rows, "glassbox")
+    _assert_positive(got, ["output_tok_s[off]", "output_tok_s[norms+routing]",
+                           "ms_per_token[off]", "ms_per_token[attention]"])
+    for name in ("throughput_slowdown_pct[norms+routing]", "decode_slowdown_pct[norms+routing]",
+                 "decode_slowdown_pct[attention]"):
+        assert math.isfinite(got[name])  # a slowdown may come out negative on a noisy CPU
+
+
+def test_moe_runs_tiny_on_cpu():
+    from bench import moe
+    rows = moe.main("qwen3-30b-a3b", "cpu", num_requests=3, lat_repeats=1, tiny=True,
+                    floors=False)
+    _assert_no_errors(rows)
+    assert {r["model"] for r in rows} == {"tiny-moe"}
+    _assert_positive(_by_metric(rows, "glassbox"), ["decode_tok_s", "output_tok_s"])
+    _assert_positive(_by_metric(rows, "hf-generate"), ["decode_tok_s", "output_tok_s"])
+    _assert_positive(_by_metric(rows, "ratio"), ["decode_tok_s", "output_tok_s"])
+
+
+def test_cpu_latency_runs_tiny_on_cpu():
+    from bench import cpu_latency
+    threads = torch.get_num_threads()
+    rows = cpu_latency.main(tiny=True, floors=False, threads=threads)
+    _assert_no_errors(rows)
+    assert {r["bench"] for r in rows} == {"cpu"}
+    _assert_positive(_by_metric(rows, "glassbox"), ["decode_tok_s"])
+    _assert_positive(_by_metric(rows, "hf-generate"), ["decode_tok_s"])
+    _assert_positive(_by_metric(rows, "ratio"), ["decode_tok_s"])
+
+
+# ---------------------------------------------------------------- run_all
+
+def test_run_all_writes_json_and_markdown_and_survives_a_failing_section(tmp_path, monkeypatch):
+    from bench import run_all
+
+    def failing(out_json=None):
+        raise RuntimeError("boom")
+
+    monkeypatch.setitem(sys.modules, "bench.kernels", types.SimpleNamespace(
+        main=lambda out_json=None: [{"kernel": "fake", "us": 1.0, "pct_of_floor": 50.0}]))
+    monkeypatch.setitem(sys.modules, "bench.moe_kernels", types.SimpleNamespace(main=failing))
+    monkeypatch.setenv("OUT", str(tmp_path))
+    results_md = tmp_path / "RESULTS.md"
+    results_md.write_text("# Results\n")
+    report = run_all.main(["--device", "cpu", "--tiny", "--skip-hf", "--only",
+                           "moe_kernels,kernels,latency", "--results-md", str(results_md)])
+    status = {s["section"]: s["status"] for s in report["sections"]}
+    assert status["latency"] == "ok" and status["kernels"] == "ok"
+    assert status["moe_kernels"].startswith("failed")
+    saved = json.loads((tmp_path / "bench.json").read_text())
+    assert saved["kernel_rows"][0]["kernel"] == "fake"
+    assert any(r["metric"] == "decode_tok_s" and r["value"] > 0 for r in saved["rows"])
+    assert any(r["bench"] == "moe_kernels" and r["metric"] == "error" for r in saved["rows"])
+    md = results_md.read_text()
+    assert md.startswith("# Results\n") and "### Targets (BENCH.md)" in md
+    assert "python bench/run_all.py --device cpu --tiny" in md
+    assert (tmp_path / "bench.md").read_text() in md
+
+
+def test_a_section_past_its_time_limit_keeps_its_finished_figures():
+    from bench.run_all import Section, run_sections
+
+    def slow():
+        common.row("slow", "-", "glassbox", "done_before_timeout", 1.0, "x")
+        time.sleep(10)
+        return []
+
+    sections = [Section("slow", 0.5, slow),
+                Section("after", 30, lambda: [common.row("after", "-", "glassbox", "m", 2.0, "x")])]
+    t0 = time.perf_counter()
+    rows, _, status = run_sections(sections, budget_s=100, reserve_s=0)
+    assert time.perf_counter() - t0 < 5
+    assert [s["status"] for s in status] == ["timeout", "ok"]
+    assert [r["metric"] for r in rows] == ["done_before_timeout", "error", "m"]
