@@ -1,0 +1,263 @@
+"""Fused MoE experts: align by expert, grouped GEMM w13 + SiLU-and-mul, grouped GEMM w2 x weight, sum over k."""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from engine.kernels.moe_align import max_used_blocks, moe_align
+
+
+@dataclass(frozen=True)
+class MoEKernelConfig:
+    block_m: int  # rows (token, k pairs) per block; one expert per block
+    block_n13: int  # columns of the intermediate (I) per program in the w13 GEMM
+    block_n2: int  # columns of the hidden (H) per program in the w2 GEMM
+    block_k: int
+    group_m: int  # blocks that share an N-tile sweep, for L2 reuse of weights
+    num_warps: int
+    num_stages: int
+
+
+def pick_config(num_tokens: int, top_k: int, num_experts: int) -> MoEKernelConfig:
+    """Config by average (token, k) pairs per expert: decode is a weight-streaming GEMV (small
+    tiles, many programs so every SM pulls weights); prefill is a real GEMM (big tiles).
+    Picked from a sweep on an H200 at Qwen3-30B-A3B shapes (bench/moe_kernels.py --sweep)."""
+    per_expert = num_tokens * top_k / num_experts
+    if per_expert <= 4:
+        return MoEKernelConfig(16, 32, 64, 128, 1, 4, 4)
+    if per_expert <= 16:
+        return MoEKernelConfig(32, 64, 128, 64, 8, 4, 4)
+    if per_expert <= 128:
+        return MoEKernelConfig(64, 64, 128, 64, 8, 4, 4)
+    return MoEKernelConfig(128, 128, 128, 64, 8, 8, 3)
+
+
+@triton.jit
+def _block_coords(num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    # Grouped launch order: GROUP_M consecutive blocks sweep the N-tiles together.
+    pid = tl.program_id(0)
+    per_group = GROUP_M * num_pid_n
+    first_m = (pid // per_group) * GROUP_M
+    group_size = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_size
+    pid_n = (pid % per_group) // group_size
+    return pid_m, pid_n
+
+
+@triton.jit
+def _w13_silu_mul_kernel(
+    x_ptr,  # [N, H]
+    w13_ptr,  # [E, 2I, H]
+    inter_ptr,  # [N*k, I] out: silu(x W_gate^T) * (x W_up^T), row = flat (token, k) index
+    sorted_ptr, expert_ids_ptr, ntpp_ptr,
+    num_pairs, H, I, num_pid_m,
+    stride_xm, stride_we, stride_wn, stride_im,
+    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+):
+    pid_m, pid_n = _block_coords(num_pid_m, tl.cdiv(I, BLOCK_N), GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(ntpp_ptr):
+        return
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    flat = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # sentinel = num_pairs
+    row_ok = flat < num_pairs
+    token = flat // TOP_K
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < I
+    offs_k = tl.arange(0, BLOCK_K)
+
+    a_ptrs = x_ptr + token[:, None] * stride_xm + offs_k[None, :]  # [BM, BK]
+    g_ptrs = w13_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]  # [BK, BN]
+    u_ptrs = g_ptrs + I * stride_wn
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+            g = tl.load(g_ptrs, mask=n_ok[None, :], other=0.0)
+            u = tl.load(u_ptrs, mask=n_ok[None, :], other=0.0)
+        else:
+            k_ok = offs_k < H - k0
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            g = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            u = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        acc_g = tl.dot(a, g, acc_g, input_precision=PRECISION)
+        acc_u = tl.dot(a, u, acc_u, input_precision=PRECISION)
+        a_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K
+        u_ptrs += BLOCK_K
+    # silu in fp32, rounded once to the activation dtype (HF rounds gate, up and the product)
+    h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    out_ptrs = inter_ptr + flat[:, None] * stride_im + offs_n[None, :]
+    tl.store(out_ptrs, h.to(inter_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _w2_weighted_kernel(
+    inter_ptr,  # [N*k, I]
+    w2_ptr,  # [E, H, I]
+    y_ptr,  # [N*k, H] out: routing weight * (inter W2^T)
+    topk_weights_ptr,  # [N*k] contiguous
+    sorted_ptr, expert_ids_ptr, ntpp_ptr,
+    num_pairs, H, I, num_pid_m,
+    stride_im, stride_we, stride_wn, stride_ym,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+):
+    pid_m, pid_n = _block_coords(num_pid_m, tl.cdiv(H, BLOCK_N), GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(ntpp_ptr):
+        return
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    flat = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    row_ok = flat < num_pairs
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < H
+    offs_k = tl.arange(0, BLOCK_K)
+
+    a_ptrs = inter_ptr + flat[:, None] * stride_im + offs_k[None, :]  # [BM, BK]
+    b_ptrs = w2_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]  # [BK, BN]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+            b = tl.load(b_ptrs, mask=n_ok[None, :], other=0.0)
+        else:
+            k_ok = offs_k < I - k0
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    w = tl.load(topk_weights_ptr + flat, mask=row_ok, other=0.0).to(tl.float32)
+    acc = acc * w[:, None]
+    out_ptrs = y_ptr + flat[:, None] * stride_ym + offs_n[None, :]
+    tl.store(out_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _moe_sum_kernel(y_ptr, out_ptr, H, stride_ym, stride_om, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
+    # Sum of the k weighted expert outputs of one token, in a fixed order: deterministic, no atomics.
+    token = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = offs < H
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        acc += tl.load(y_ptr + (token * TOP_K + j) * stride_ym + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + token * stride_om + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _tile(block: int, dim: int) -> int:
+    return min(block, max(16, triton.next_power_of_2(dim)))
+
+
+def _check_shapes(x, w13, w2, topk_weights, topk_ids) -> None:
+    if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
+        raise ValueError(f"expected x [N, H], w13 [E, 2I, H], w2 [E, H, I]; got {tuple(x.shape)}, "
+                         f"{tuple(w13.shape)}, {tuple(w2.shape)}")
+    n, h = x.shape
+    e, two_i, h13 = w13.shape
+    if h13 != h or two_i % 2 or tuple(w2.shape) != (e, h, two_i // 2):
+        raise ValueError(f"inconsistent MoE shapes: x {tuple(x.shape)}, w13 {tuple(w13.shape)} "
+                         f"(want [E, 2I, H]), w2 {tuple(w2.shape)} (want [E, H, I])")
+    if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != n:
+        raise ValueError(f"topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} "
+                         f"must both be [N={n}, top_k]")
+    if w13.dtype != x.dtype or w2.dtype != x.dtype:
+        raise ValueError(f"weights ({w13.dtype}, {w2.dtype}) must match activations ({x.dtype})")
+
+
+def fused_moe(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    out: torch.Tensor | None = None,
+    config: MoEKernelConfig | None = None,
+) -> torch.Tensor:
+    """out[t] = sum_j topk_weights[t, j] * W2_e (silu(G_e x_t) * (U_e x_t)), e = topk_ids[t, j].
+
+    x [N, H]; w13 [E, 2I, H] (gate rows then up rows); w2 [E, H, I]; topk_* [N, k].
+    No host sync and only statically sized buffers, so it can be captured in a CUDA graph.
+    """
+    _check_shapes(x, w13, w2, topk_weights, topk_ids)
+    num_tokens, hidden = x.shape
+    num_experts, two_i, _ = w13.shape
+    inter_size = two_i // 2
+    top_k = topk_ids.shape[1]
+    if out is None:
+        out = torch.empty_like(x)
+    if num_tokens == 0:
+        return out
+    x = x.contiguous()
+    w13 = w13.contiguous()
+    w2 = w2.contiguous()
+    cfg = config or pick_config(num_tokens, top_k, num_experts)
+    num_pairs = num_tokens * top_k
+    sorted_ids, expert_ids, ntpp = moe_align(topk_ids, num_experts, cfg.block_m)
+    num_pid_m = max_used_blocks(num_pairs, num_experts, cfg.block_m)
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"
+
+    inter = torch.empty(num_pairs, inter_size, dtype=x.dtype, device=x.device)  # [N*k, I]
+    bn, bk = _tile(cfg.block_n13, inter_size), _tile(cfg.block_k, hidden)
+    _w13_silu_mul_kernel[(num_pid_m * triton.cdiv(inter_size, bn),)](
+        x, w13, inter, sorted_ids, expert_ids, ntpp,
+        num_pairs, hidden, inter_size, num_pid_m,
+        x.stride(0), w13.stride(0), w13.stride(1), inter.stride(0),
+        TOP_K=top_k, BLOCK_M=cfg.block_m, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m,
+        EVEN_K=hidden % bk == 0, PRECISION=precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+    y = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)  # [N*k, H]
+    bn, bk = _tile(cfg.block_n2, hidden), _tile(cfg.block_k, inter_size)
+    _w2_weighted_kernel[(num_pid_m * triton.cdiv(hidden, bn),)](
+        inter, w2, y, topk_weights.contiguous(), sorted_ids, expert_ids, ntpp,
+        num_pairs, hidden, inter_size, num_pid_m,
+        inter.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
+        BLOCK_M=cfg.block_m, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m,
+        EVEN_K=inter_size % bk == 0, PRECISION=precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+    block_h = min(1024, triton.next_power_of_2(hidden))
+    _moe_sum_kernel[(num_tokens, triton.cdiv(hidden, block_h))](
+        y, out, hidden, y.stride(0), out.stride(0), TOP_K=top_k, BLOCK_H=block_h, num_warps=4,
+    )
+    return out
+
+
+def fused_moe_ref(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """Torch reference in HF's operation order (Qwen3MoeExperts.forward), so fp32 matches HF.
+
+    Experts ascending; within an expert, pairs ordered (k, token) like HF's torch.where over the
+    [k, N] mask; weights cast to x.dtype and accumulated with index_add_ in x.dtype, as HF does.
+    Loops only over experts that have tokens; one host sync for the per-expert counts.
+    """
+    _check_shapes(x, w13, w2, topk_weights, topk_ids)
+    num_tokens = x.shape[0]
+    num_experts = w13.shape[0]
+    out = torch.zeros_like(x)  # [N, H]
+    ids_kn = topk_ids.t().reshape(-1).long()  # [k*N], flat index = k_pos * N + token
+    weights_kn = topk_weights.t().reshape(-1).to(x.dtype)
+    order = torch.argsort(ids_kn, stable=True)
+    counts = torch.bincount(ids_kn, minlength=num_experts).tolist()
+    start = 0
+    for e, count in enumerate(counts):
+        if count == 0:
+            continue
+        pairs = order[start:start + count]
+        start += count
+        tokens = pairs % num_tokens
+        gate, up = F.linear(x[tokens], w13[e]).chunk(2, dim=-1)
+        h = F.linear(F.silu(gate) * up, w2[e])  # [count, H]
+        h = h * weights_kn[pairs, None]
+        out.index_add_(0, tokens, h.to(out.dtype))
+    return out

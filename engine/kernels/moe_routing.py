@@ -1,0 +1,107 @@
+"""MoE router: softmax over experts, top-k, optional renormalisation — HF Qwen2/3-MoE routing."""
+
+import torch
+import triton
+import triton.language as tl
+
+
+def route_ref(
+    router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """HF's routing, op for op (Qwen3MoeTopKRouter / Qwen2MoeTopKRouter).
+
+    router_logits: [num_tokens, num_experts], any float dtype.
+    Returns probs [num_tokens, num_experts] fp32, topk_weights [num_tokens, top_k] fp32,
+    topk_ids [num_tokens, top_k] int32. HF then casts the weights to the logits' dtype
+    (`router_top_value.to(router_logits.dtype)`); we keep fp32 and let the caller cast, so
+    in fp32 this is bit-identical and in bf16 the caller decides where rounding happens.
+    """
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)  # [N, E]
+    topk_weights, topk_ids = torch.topk(probs, top_k, dim=-1)  # [N, k]
+    if norm_topk_prob:
+        topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
+    return probs, topk_weights, topk_ids.to(torch.int32)
+
+
+@triton.jit
+def _route_kernel(
+    logits_ptr,  # [N, E]
+    probs_ptr,  # [N, E] fp32 out
+    weights_ptr,  # [N, TOP_K] fp32 out
+    ids_ptr,  # [N, TOP_K] int32 out
+    num_tokens, num_experts, stride_l,
+    TOP_K: tl.constexpr, K_P2: tl.constexpr, E_P2: tl.constexpr, BLOCK_T: tl.constexpr,
+    NORM: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.arange(0, E_P2)
+    row_ok = rows < num_tokens
+    col_ok = cols < num_experts
+    mask = row_ok[:, None] & col_ok[None, :]
+    src_rows = tl.minimum(rows, num_tokens - 1)  # tail rows recompute the last token: no NaN from empty rows
+    z = tl.load(logits_ptr + src_rows[:, None] * stride_l + cols[None, :], mask=col_ok[None, :],
+                other=float("-inf")).to(tl.float32)
+    z = z - tl.max(z, axis=1)[:, None]
+    e = tl.where(col_ok[None, :], tl.exp(z), 0.0)
+    probs = e / tl.sum(e, axis=1)[:, None]  # [BLOCK_T, E_P2]
+    tl.store(probs_ptr + rows[:, None] * num_experts + cols[None, :], probs, mask=mask)
+
+    # k rounds of argmax; equal probabilities go to the lower expert index
+    kcols = tl.arange(0, K_P2)
+    cur = tl.where(col_ok[None, :], probs, -1.0)
+    top_w = tl.zeros([BLOCK_T, K_P2], dtype=tl.float32)
+    top_i = tl.zeros([BLOCK_T, K_P2], dtype=tl.int32)
+    total = tl.zeros([BLOCK_T], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        best = tl.argmax(cur, axis=1, tie_break_left=True).to(tl.int32)
+        pick = cols[None, :] == best[:, None]
+        val = tl.max(cur, axis=1)
+        top_w = tl.where(kcols[None, :] == j, val[:, None], top_w)
+        top_i = tl.where(kcols[None, :] == j, best[:, None], top_i)
+        total += val
+        cur = tl.where(pick, -2.0, cur)
+    if NORM:
+        top_w = top_w / total[:, None]
+    kmask = row_ok[:, None] & (kcols[None, :] < TOP_K)
+    out_off = rows[:, None] * TOP_K + kcols[None, :]
+    tl.store(weights_ptr + out_off, top_w, mask=kmask)
+    tl.store(ids_ptr + out_off, top_i, mask=kmask)
+
+
+def _route_triton(router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool):
+    num_tokens, num_experts = router_logits.shape
+    dev = router_logits.device
+    probs = torch.empty(num_tokens, num_experts, dtype=torch.float32, device=dev)
+    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=dev)
+    ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=dev)
+    if num_tokens == 0:
+        return probs, weights, ids
+    logits = router_logits if router_logits.stride(1) == 1 else router_logits.contiguous()
+    e_p2 = triton.next_power_of_2(num_experts)
+    block_t = max(2, min(16, 4096 // e_p2, triton.next_power_of_2(num_tokens)))
+    _route_kernel[(triton.cdiv(num_tokens, block_t),)](
+        logits, probs, weights, ids, num_tokens, num_experts, logits.stride(0),
+        TOP_K=top_k, K_P2=max(2, triton.next_power_of_2(top_k)), E_P2=e_p2, BLOCK_T=block_t, NORM=norm_topk_prob,
+        num_warps=4,
+    )
+    return probs, weights, ids
+
+
+def route(
+    router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Router for the engine; same contract as `route_ref`.
+
+    On CUDA one Triton kernel replaces torch's ~6 launches (softmax, topk, sort, sum, div, cast:
+    ~16 µs per layer at decode on an H200). Same experts as torch.topk except on exact ties,
+    which go to the lower expert index (torch's order among ties is unspecified). Elsewhere,
+    route_ref: bit-identical to HF on the CPU.
+    """
+    if router_logits.dim() != 2:
+        raise ValueError(f"router_logits must be [num_tokens, num_experts], got shape {tuple(router_logits.shape)}")
+    num_experts = router_logits.shape[1]
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k must be in [1, num_experts={num_experts}], got {top_k}")
+    if router_logits.is_cuda and num_experts <= 1024:
+        return _route_triton(router_logits, top_k, norm_topk_prob)
+    return route_ref(router_logits, top_k, norm_topk_prob)

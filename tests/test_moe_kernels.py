@@ -1,0 +1,264 @@
+"""MoE routing, expert alignment and fused experts on CPU (Triton interpreter) vs torch and HF transformers."""
+
+import functools
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import Qwen2MoeConfig, Qwen3MoeConfig
+from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
+from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+from engine.kernels.fused_moe import MoEKernelConfig, fused_moe, fused_moe_ref
+from engine.kernels.moe_align import _moe_align_torch, _moe_align_triton, moe_align, moe_align_ref
+from engine.kernels.moe_routing import _route_triton, route, route_ref
+
+E, K, H, I = 8, 2, 32, 16
+TOKENS = [1, 7, 33]
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _moe_inputs(n, dtype, seed, hidden=H, inter=I, experts=E, top_k=K, norm=True):
+    g = _gen(seed)
+    x = torch.randn(n, hidden, generator=g).to(dtype)
+    w13 = (torch.randn(experts, 2 * inter, hidden, generator=g) / hidden**0.5).to(dtype)
+    w2 = (torch.randn(experts, hidden, inter, generator=g) / inter**0.5).to(dtype)
+    _, topk_weights, topk_ids = route(torch.randn(n, experts, generator=g), top_k, norm)
+    return x, w13, w2, topk_weights, topk_ids
+
+
+# ---------------------------------------------------------------- routing
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("norm", [True, False])
+@pytest.mark.parametrize("n", TOKENS)
+def test_route_equals_reference_and_handwritten_softmax_topk(n, norm, dtype):
+    logits = (2 * torch.randn(n, E, generator=_gen(n))).to(dtype)
+    probs, w, ids = route(logits, K, norm)
+    probs_r, w_r, ids_r = route_ref(logits, K, norm)
+    assert probs.dtype == w.dtype == torch.float32 and ids.dtype == torch.int32
+    assert probs.shape == (n, E) and w.shape == ids.shape == (n, K)
+    assert torch.equal(probs, probs_r) and torch.equal(w, w_r) and torch.equal(ids, ids_r)
+
+    z = logits.float()
+    hand = torch.exp(z - z.max(-1, keepdim=True).values)
+    hand = hand / hand.sum(-1, keepdim=True)
+    top = hand.sort(-1, descending=True).values[:, :K]
+    torch.testing.assert_close(probs, hand, rtol=1e-6, atol=1e-7)
+    # tie-agnostic: the chosen experts carry the k largest probabilities, in descending order
+    torch.testing.assert_close(hand.gather(1, ids.long()), top, rtol=1e-6, atol=1e-7)
+    want = top / top.sum(-1, keepdim=True) if norm else top
+    torch.testing.assert_close(w, want, rtol=1e-5, atol=1e-7)
+    assert len(set(ids.flatten().tolist())) <= E and all(len(set(r)) == K for r in ids.tolist())
+
+
+def test_route_breaks_ties_like_torch_topk():
+    logits = torch.tensor([[1.0, 3.0, 3.0, 0.0, 3.0, -1.0, 2.0, 2.0]] * 3, dtype=torch.float16)
+    _, w, ids = route(logits, 4, False)
+    want_w, want_ids = torch.topk(torch.softmax(logits, -1, dtype=torch.float), 4)
+    assert torch.equal(ids.long(), want_ids) and torch.equal(w, want_w)
+
+
+@pytest.mark.parametrize("norm", [True, False])
+@pytest.mark.parametrize("n,experts,top_k", [(1, 8, 2), (33, 8, 2), (5, 60, 4), (19, 128, 8)])
+def test_route_triton_kernel_matches_reference(n, experts, top_k, norm):
+    logits = 2 * torch.randn(n, experts, generator=_gen(n + experts))  # fp32: no ties
+    probs, w, ids = _route_triton(logits, top_k, norm)
+    probs_r, w_r, ids_r = route_ref(logits, top_k, norm)
+    assert probs.dtype == w.dtype == torch.float32 and ids.dtype == torch.int32
+    torch.testing.assert_close(probs, probs_r, rtol=1e-5, atol=1e-7)
+    assert torch.equal(ids, ids_r)
+    torch.testing.assert_close(w, w_r, rtol=1e-5, atol=1e-7)
+
+
+def test_route_triton_kernel_breaks_ties_toward_lower_expert():
+    logits = torch.tensor([[1.0, 3.0, 3.0, 0.0, 3.0, -1.0, 2.0, 2.0]] * 3, dtype=torch.float16)
+    _, w, ids = _route_triton(logits, 4, False)
+    assert ids.tolist() == [[1, 2, 4, 6]] * 3
+    want_w = torch.topk(torch.softmax(logits, -1, dtype=torch.float), 4).values
+    torch.testing.assert_close(w, want_w, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("norm", [True, False])
+def test_route_matches_hf_qwen3_moe_router(norm):
+    block = _hf_qwen3_block(norm, seed=3)
+    x = torch.randn(33, H, generator=_gen(4))
+    logits_hf, w_hf, ids_hf = block.gate(x)
+    _, w, ids = route(F.linear(x, block.gate.weight), K, norm)
+    assert torch.equal(ids.long(), ids_hf)
+    assert torch.equal(w.to(logits_hf.dtype), w_hf)  # HF casts the weights to the logits' dtype
+
+
+# ---------------------------------------------------------------- alignment
+
+
+def _check_align(topk_ids, block_m, sorted_ids, expert_ids, ntpp):
+    flat = topk_ids.flatten().long()
+    m = flat.numel()
+    max_padded = m + E * (block_m - 1)
+    assert sorted_ids.dtype == expert_ids.dtype == ntpp.dtype == torch.int32
+    assert sorted_ids.shape == (max_padded,) and expert_ids.shape == (-(-max_padded // block_m),)
+    assert ntpp.shape == (1,)
+    counts = torch.bincount(flat, minlength=E)
+    total = int(((counts + block_m - 1) // block_m * block_m).sum())
+    assert int(ntpp) == total and total % block_m == 0
+
+    real = sorted_ids[:total][sorted_ids[:total] < m].long()
+    assert sorted(real.tolist()) == list(range(m)), "every (token, k) index exactly once"
+    assert bool((sorted_ids[total:] == m).all()) and bool((sorted_ids >= 0).all())
+    assert bool((expert_ids[total // block_m:] == -1).all())
+
+    blocks = sorted_ids[:total].view(-1, block_m).long()
+    block_experts = expert_ids[: total // block_m].tolist()
+    assert block_experts == sorted(block_experts), "each expert's blocks are contiguous, ascending"
+    for e in set(block_experts):
+        run = blocks[torch.tensor(block_experts) == e].flatten()
+        n_real = int(counts[e])
+        assert bool((run[:n_real] < m).all()) and bool((run[n_real:] == m).all()), "sentinels only in padding"
+        assert len(run) - n_real < block_m
+        assert bool((flat[run[:n_real]] == e).all())
+    assert set(block_experts) == set(flat.tolist())
+
+
+def _routed_ids(n, seed, skew=False):
+    g = _gen(seed)
+    if skew:  # every token on experts 3 and 5: runs longer than one block
+        return torch.tensor([[3, 5]] * n, dtype=torch.int32)
+    return torch.argsort(torch.rand(n, E, generator=g), dim=-1)[:, :K].to(torch.int32)
+
+
+ALIGN_IMPLS = {
+    "public": moe_align,
+    "triton_single_launch": _moe_align_triton,
+    "triton_chunked": functools.partial(_moe_align_triton, sub=16),
+    "triton_chunked_multi_slice": functools.partial(_moe_align_triton, sub=16, max_chunks=2),
+    "torch": _moe_align_torch,
+}
+
+
+@pytest.mark.parametrize("impl", ALIGN_IMPLS.values(), ids=ALIGN_IMPLS.keys())
+@pytest.mark.parametrize("block_m", [4, 16])
+@pytest.mark.parametrize("n,skew", [(1, False), (7, False), (33, False), (33, True), (16, True)])
+def test_moe_align_groups_pads_and_covers_every_pair(impl, block_m, n, skew):
+    topk_ids = _routed_ids(n, seed=n + block_m, skew=skew)
+    got = impl(topk_ids, E, block_m)
+    _check_align(topk_ids, block_m, *got)
+    for a, b in zip(got, moe_align_ref(topk_ids, E, block_m)):
+        assert torch.equal(a, b)
+
+
+def test_moe_align_accepts_int64_ids_and_unused_experts():
+    topk_ids = torch.tensor([[0, 7], [7, 2], [2, 0]], dtype=torch.int64)
+    for impl in ALIGN_IMPLS.values():
+        got = impl(topk_ids, E, 4)
+        _check_align(topk_ids, 4, *got)
+        assert got[1][:3].tolist() == [0, 2, 7]
+
+
+# ---------------------------------------------------------------- fused experts
+
+
+@pytest.mark.parametrize("n", TOKENS)
+def test_fused_moe_matches_reference_fp32(n):
+    x, w13, w2, w, ids = _moe_inputs(n, torch.float32, seed=10 + n)
+    out = torch.full_like(x, float("nan"))
+    got = fused_moe(x, w13, w2, w, ids, out=out)
+    assert got is out
+    torch.testing.assert_close(got, fused_moe_ref(x, w13, w2, w, ids), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("n", TOKENS)
+def test_fused_moe_matches_reference_fp16(n):
+    x, w13, w2, w, ids = _moe_inputs(n, torch.float16, seed=20 + n)
+    out = torch.full_like(x, float("nan"))
+    fused_moe(x, w13, w2, w, ids, out=out)
+    want = fused_moe_ref(x.float(), w13.float(), w2.float(), w, ids)
+    assert out.dtype == torch.float16
+    torch.testing.assert_close(out.float(), want, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("cfg", [
+    MoEKernelConfig(16, 16, 16, 16, 1, 4, 2),
+    MoEKernelConfig(32, 32, 32, 32, 2, 4, 2),
+    MoEKernelConfig(64, 64, 64, 64, 8, 4, 2),
+])
+def test_fused_moe_any_tile_config_and_ragged_shapes(cfg):
+    # H=40, I=24: neither a multiple of the K tile nor of the N tile, so every mask is exercised
+    x, w13, w2, w, ids = _moe_inputs(19, torch.float32, seed=30, hidden=40, inter=24, top_k=3, norm=False)
+    out = torch.full_like(x, float("nan"))
+    fused_moe(x, w13, w2, w, ids, out=out, config=cfg)
+    torch.testing.assert_close(out, fused_moe_ref(x, w13, w2, w, ids), rtol=1e-5, atol=1e-5)
+
+
+def test_fused_moe_takes_bf16_cast_weights_and_allocates_output():
+    x, w13, w2, w, ids = _moe_inputs(7, torch.float32, seed=40)
+    got = fused_moe(x, w13, w2, w.half(), ids.long())
+    torch.testing.assert_close(got, fused_moe_ref(x, w13, w2, w.half().float(), ids), rtol=1e-5, atol=1e-5)
+
+
+def test_fused_moe_rejects_mismatched_shapes():
+    x, w13, w2, w, ids = _moe_inputs(3, torch.float32, seed=41)
+    with pytest.raises(ValueError, match="inconsistent"):
+        fused_moe(x, w13, w2[:, :, :-1], w, ids)
+    with pytest.raises(ValueError, match="top_k"):
+        fused_moe(x, w13, w2, w[:, :1], ids)
+
+
+# ---------------------------------------------------------------- vs HF transformers
+
+
+def _hf_qwen3_block(norm, seed):
+    cfg = Qwen3MoeConfig(hidden_size=H, moe_intermediate_size=I, num_experts=E, num_experts_per_tok=K,
+                         norm_topk_prob=norm, experts_implementation="eager")
+    block = Qwen3MoeSparseMoeBlock(cfg).eval()
+    g = _gen(seed)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
+    return block
+
+
+def _experts_weights(experts):
+    # HF 5.x stores experts fused: gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I]
+    return experts.gate_up_proj.detach(), experts.down_proj.detach()
+
+
+@pytest.mark.parametrize("norm", [True, False])
+def test_reference_matches_hf_qwen3_moe_block(norm):
+    block = _hf_qwen3_block(norm, seed=50)
+    x = torch.randn(1, 33, H, generator=_gen(51))
+    with torch.no_grad():
+        want = block(x)[0]
+        _, w, ids = route(F.linear(x[0], block.gate.weight), K, norm)
+        w13, w2 = _experts_weights(block.experts)
+        got = fused_moe_ref(x[0], w13, w2, w, ids)
+        fused = fused_moe(x[0], w13, w2, w, ids, out=torch.full_like(x[0], float("nan")))
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(fused, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("norm", [False, True])
+def test_reference_plus_shared_expert_matches_hf_qwen2_moe_block(norm):
+    cfg = Qwen2MoeConfig(hidden_size=H, moe_intermediate_size=I, shared_expert_intermediate_size=2 * I,
+                         num_experts=E, num_experts_per_tok=K, norm_topk_prob=norm,
+                         experts_implementation="eager")
+    block = Qwen2MoeSparseMoeBlock(cfg).eval()
+    g = _gen(60)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
+        x = torch.randn(1, 7, H, generator=_gen(61))
+        want = block(x)[0]
+        h = x[0]
+        _, w, ids = route(F.linear(h, block.gate.weight), K, norm)
+        w13, w2 = _experts_weights(block.experts)
+        shared = torch.sigmoid(block.shared_expert_gate(h)) * block.shared_expert(h)
+        got = fused_moe_ref(h, w13, w2, w, ids) + shared
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
