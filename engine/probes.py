@@ -113,10 +113,12 @@ class ProbeBuffers:
             max_ctx = ctx.block_tables.shape[1] * k_cache.shape[1]
             outs = []
             for w in range(len(plan.last_rows)):
-                b = self.last_batch[w]
+                # index_select, not t[tensor]: a 0-d tensor index would sync (and break capture)
+                row = self.last_rows[w:w + 1]
+                b = self.last_batch[w:w + 1]
                 out = torch.empty(q.shape[1], max_ctx, dtype=torch.float32, device=q.device)
-                fn(q[self.last_rows[w]], k_cache, ctx.block_tables[b],
-                   ctx.context_lens[b].reshape(1), scale, out)
+                fn(q.index_select(0, row)[0], k_cache, ctx.block_tables.index_select(0, b)[0],
+                   ctx.context_lens.index_select(0, b), scale, out)
                 outs.append(out)
             self.attn[layer] = torch.stack(outs)            # [W, Hq_local, max_ctx]
         for start, n in plan.pattern_layers.get(layer, ()):
@@ -196,6 +198,7 @@ class ProbeManager:
         return tk.decode([tok]) if tk is not None else str(tok)
 
     def plan(self, scheduled) -> ProbePlan | None:
+        self.llm.runner._expert_load = None     # this step's load only; none when not recorded
         entries, row, sampling_rows = [], 0, []
         for b, s in enumerate(scheduled):
             if s.samples:
@@ -330,9 +333,12 @@ def _put(lst: list, pos: int, value) -> None:
     if pos < len(lst):
         lst[pos] = value
     else:
+        # positions this request never computed (prefix-cache hits) are unknown: NaN, or -1
+        # for ids; never a copy of another token's row
+        value = np.asarray(value)
+        unknown = np.nan if np.issubdtype(value.dtype, np.floating) else -1
         while len(lst) < pos:
-            lst.append(value * np.nan if np.issubdtype(np.asarray(value).dtype, np.floating)
-                       else value)
+            lst.append(np.full_like(value, unknown))
         lst.append(value)
 
 
