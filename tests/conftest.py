@@ -7,6 +7,11 @@ import sys
 import pytest
 import torch
 
+# Triton reads TRITON_INTERPRET when a kernel is defined: set it before anything (transformers
+# included) imports triton, so CPU machines run our kernels in the interpreter.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 sys.path.insert(0, os.path.dirname(__file__))
 from tiny_models import build_model_dir  # noqa: E402
 

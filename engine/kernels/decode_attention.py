@@ -1,0 +1,256 @@
+"""Paged decode attention: one new query per sequence against its paged KV, split-KV + GQA packing.
+
+Flash-decoding: the grid is (batch, kv_head, split). One program holds every query head that
+shares a KV head (GQA packing, padded to 16 rows so tl.dot applies), walks its slice of the
+context through the block table, and writes a partial output plus its log-sum-exp; the split
+that finishes last for its (sequence, kv head) merges them (MERGE_IN_KERNEL; else a second
+kernel does). The split count depends on shapes only (batch, KV heads, block-table width, SM
+count), never on context values, so the call can be captured in a CUDA graph; each split then
+takes an equal share of the *runtime* context length, rounded to whole tiles.
+
+Scratch (fp32 partial outputs + lse, int32 arrival counters) lives in a module-level cache keyed
+by (device, batch, num_q_heads, num_kv_heads, head_dim, num_splits): allocated on first use (also
+during graph capture, where the cache keeps it alive for every replay) and reused by every layer
+and step. Calls sharing a key must run on one stream, one after another (as layers do).
+"""
+import functools
+import math
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+MAX_SPLITS = 32
+# True: the last split to finish merges (one launch; saves a graph node per layer at batch 1).
+# False: a second kernel merges (the plain flash-decoding shape).
+MERGE_IN_KERNEL = True
+_WORKSPACES: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+
+@functools.lru_cache(maxsize=None)
+def num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 8  # interpreter/CPU: any small value keeps the split path exercised
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    # fp32 engines want fp32 attention; tf32 would cost ~3 decimal digits
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
+    out_ptr, part_out_ptr, part_lse_ptr, counters_ptr,
+    scale_log2, num_splits,
+    stride_qb, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt, stride_ob, stride_oh,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, MERGE_IN_KERNEL: tl.constexpr,
+    BLOCK_S: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    ctx = tl.load(context_lens_ptr + b)
+    # this split's share of the runtime context, in whole tiles
+    tiles_per_split = tl.cdiv(tl.cdiv(ctx, BLOCK_N), num_splits)
+    start = split * tiles_per_split * BLOCK_N
+    end = tl.minimum(start + tiles_per_split * BLOCK_N, ctx)
+
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    heads = kvh * GROUP + g
+    row_mask = g < GROUP
+    d_mask = d < HEAD_DIM
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
+                mask=row_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_G, BLOCK_D]
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
+    for tile_start in range(start, end, BLOCK_N):
+        t = tile_start + tl.arange(0, BLOCK_N)
+        valid = t < end
+        block = tl.load(bt_row + t // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
+        kv_off = block * stride_cb + (t % PAGE_SIZE) * stride_cs + kvh * stride_ch  # [BLOCK_N]
+        kv_mask = valid[:, None] & d_mask[None, :]
+        k = tl.load(k_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2  # [BLOCK_G, BLOCK_N]
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: every tile has a valid token
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+        m_i = m_new
+
+    o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # empty split / context 0: zeros, not NaN
+    out_mask = row_mask[:, None] & d_mask[None, :]
+    if DIRECT:
+        tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        # workspace [B, Hq, S, D] and [B, Hq, S], contiguous
+        row = (b * (tl.num_programs(1) * GROUP) + heads).to(tl.int64) * num_splits + split
+        tl.store(part_out_ptr + row[:, None] * HEAD_DIM + d[None, :], o, mask=out_mask)
+        tl.store(part_lse_ptr + row, m_i + tl.log2(l_i), mask=row_mask)  # -inf when empty
+        if MERGE_IN_KERNEL:
+            # Merge without a second launch: the split that finishes last for this (sequence,
+            # kv head) merges them all. The CTA barrier + acq_rel atomic publish every thread's
+            # partials before the count; .cg loads then read them from L2, past this SM's L1.
+            tl.debug_barrier()
+            counter = counters_ptr + b * tl.num_programs(1) + kvh
+            if tl.atomic_add(counter, 1, sem="acq_rel") == num_splits - 1:
+                tl.store(counter, 0)  # ready for the next launch or graph replay
+                # (fresh names only inside this runtime `if`: Triton would try to merge rebinds)
+                split_ids = tl.arange(0, BLOCK_S)
+                split_mask = split_ids < num_splits
+                for gi in tl.static_range(GROUP):
+                    head = kvh * GROUP + gi
+                    base = (b * (tl.num_programs(1) * GROUP) + head).to(tl.int64) * num_splits
+                    lse = tl.load(part_lse_ptr + base + split_ids, mask=split_mask, other=float("-inf"),
+                                  cache_modifier=".cg")
+                    m = tl.max(lse, axis=0)
+                    m = tl.where(m == float("-inf"), 0.0, m)
+                    w = tl.exp2(lse - m)  # [BLOCK_S]; 0 for empty splits
+                    denom = tl.sum(w, axis=0)
+                    denom = tl.where(denom == 0.0, 1.0, denom)
+                    parts = tl.load(part_out_ptr + (base + split_ids)[:, None] * HEAD_DIM + d[None, :],
+                                    mask=split_mask[:, None] & d_mask[None, :], other=0.0, cache_modifier=".cg")
+                    merged = tl.sum(parts * w[:, None], axis=0) / denom  # [BLOCK_D]
+                    tl.store(out_ptr + b * stride_ob + head * stride_oh + d,
+                             merged.to(out_ptr.dtype.element_ty), mask=d_mask)
+
+
+@triton.jit
+def _combine_splits_kernel(
+    part_out_ptr, part_lse_ptr, out_ptr, num_splits, num_heads, stride_on, stride_oh,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)  # (token or sequence) * num_heads + head
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    s_mask = s < num_splits
+    lse = tl.load(part_lse_ptr + row * num_splits + s, mask=s_mask, other=float("-inf"))
+    m = tl.max(lse, axis=0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m)  # [BLOCK_S]; 0 for empty splits
+    denom = tl.sum(w, axis=0)
+    denom = tl.where(denom == 0.0, 1.0, denom)
+    o = tl.load(part_out_ptr + (row * num_splits + s)[:, None] * HEAD_DIM + d[None, :],
+                mask=s_mask[:, None] & (d < HEAD_DIM)[None, :], other=0.0)
+    o = tl.sum(o * w[:, None], axis=0) / denom
+    dst = out_ptr + (row // num_heads) * stride_on + (row % num_heads) * stride_oh + d
+    tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+
+
+def combine_splits(part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor) -> None:
+    """Merge split partials [R, H, S, D] + lse [R, H, S] (log2 domain) into out [R, H, D]."""
+    rows, heads, splits, head_dim = part_out.shape
+    _combine_splits_kernel[(rows * heads,)](
+        part_out, part_lse, out, splits, heads, out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_S=triton.next_power_of_2(splits), num_warps=1 if head_dim <= 64 else 2,
+    )
+
+
+def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
+    """Enough programs for ~2 waves on the GPU, but no split shorter than one tile's worth."""
+    want = triton.cdiv(2 * num_sms(device), max(1, batch * num_kv_heads))
+    return max(1, min(want, MAX_SPLITS, triton.cdiv(max_context, 64)))
+
+
+def _workspace(device, batch, num_heads, num_kv_heads, head_dim, num_splits):
+    key = (device, batch, num_heads, num_kv_heads, head_dim, num_splits)
+    ws = _WORKSPACES.get(key)
+    if ws is None:
+        ws = (torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=device),
+              torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=device),
+              # arrival counts per (sequence, kv head); the merging program resets its count to 0
+              torch.zeros(batch, num_kv_heads, dtype=torch.int32, device=device))
+        _WORKSPACES[key] = ws
+    return ws
+
+
+def paged_decode_attention(
+    q: torch.Tensor,             # [B, Hq, D]
+    k_cache: torch.Tensor,       # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,       # [num_blocks, block_size, Hkv, D]
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    context_lens: torch.Tensor,  # [B] int32, KV length including the current token; 0 = padding row
+    scale: float,
+    out: torch.Tensor | None = None,  # [B, Hq, D]
+    num_splits: int | None = None,    # None: chosen from shapes (tests force a value)
+) -> torch.Tensor:
+    batch, num_q_heads, head_dim = q.shape
+    _, page_size, num_kv_heads, _ = k_cache.shape
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or k_cache.stride() != v_cache.stride():
+        raise ValueError("paged_decode_attention needs a contiguous head_dim and one layout for k/v caches")
+    if out is None:
+        out = torch.empty_like(q)
+    if batch == 0:
+        return out
+    group = num_q_heads // num_kv_heads
+    if num_splits is None:
+        num_splits = choose_num_splits(batch, num_kv_heads, block_tables.shape[1] * page_size, q.device)
+    direct = num_splits == 1
+    if direct:
+        part_out = part_lse = counters = out  # unused
+    else:
+        part_out, part_lse, counters = _workspace(q.device, batch, num_q_heads, num_kv_heads, head_dim, num_splits)
+    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse, counters,
+        scale * math.log2(math.e), num_splits,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0), out.stride(0), out.stride(1),
+        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        PAGE_SIZE=page_size, BLOCK_N=64 if direct else 32, DIRECT=direct,
+        MERGE_IN_KERNEL=MERGE_IN_KERNEL, BLOCK_S=triton.next_power_of_2(num_splits),
+        DOT_PREC=dot_precision(q.dtype), num_warps=4, num_stages=2,
+    )
+    if not direct and not MERGE_IN_KERNEL:
+        combine_splits(part_out, part_lse, out)
+    return out
+
+
+def gather_context(
+    cache: torch.Tensor, block_tables: torch.Tensor, num_tokens: int,
+) -> torch.Tensor:  # [B, num_tokens, Hkv, D]: the first num_tokens positions of each row, in order
+    page_size = cache.shape[1]
+    num_blocks = triton.cdiv(num_tokens, page_size)
+    # unused table entries may hold anything (e.g. -1): clamp so the gather stays in bounds
+    ids = block_tables[:, :num_blocks].long().clamp(0, cache.shape[0] - 1)
+    gathered = cache[ids]  # [B, num_blocks, page_size, Hkv, D]
+    return gathered.flatten(1, 2)[:, :num_tokens]
+
+
+def paged_decode_attention_ref(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    context_lens: torch.Tensor, scale: float, out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Torch reference (and the CPU path): gather each row's context, one masked batched SDPA."""
+    batch, num_q_heads, head_dim = q.shape
+    if out is None:
+        out = torch.empty_like(q)
+    max_ctx = int(context_lens.max()) if batch else 0
+    if max_ctx == 0:
+        return out.zero_()
+    valid = torch.arange(max_ctx, device=q.device)[None, :] < context_lens[:, None]  # [B, T]
+    # slots past a row's context may hold anything, NaN included; 0 * NaN would leak through SDPA
+    keep = valid[:, None, :, None]
+    k = gather_context(k_cache, block_tables, max_ctx).transpose(1, 2).float().where(keep, 0.0)  # [B, Hkv, T, D]
+    v = gather_context(v_cache, block_tables, max_ctx).transpose(1, 2).float().where(keep, 0.0)
+    o = F.scaled_dot_product_attention(
+        q.float()[:, :, None, :], k, v, attn_mask=valid[:, None, None, :], scale=scale,
+        enable_gqa=num_q_heads != k.shape[1],
+    )[:, :, 0]  # [B, Hq, D]
+    o = torch.where(context_lens[:, None, None] > 0, o, 0.0)  # a fully masked row comes back NaN
+    out.copy_(o)
+    return out

@@ -1,0 +1,379 @@
+"""Each Triton kernel against its torch reference at small shapes (Triton's interpreter on a CPU,
+compiled where CUDA is present), and each reference against an independent dense computation,
+so a wrong reference fails too."""
+import os
+
+import torch  # does not import triton
+
+# On a CPU-only machine the kernels run in Triton's interpreter. TRITON_INTERPRET must be set
+# before triton is first imported (transformers imports it too): @triton.jit reads it at
+# decoration time. With CUDA present the same tests run compiled on the GPU and the environment
+# is left alone, so a `-m gpu` session is not switched to the interpreter by collecting this file.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu":
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import triton.language.standard as triton_stdlib
+import triton.runtime.jit as triton_jit
+from transformers import Qwen3Config
+from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, Qwen3RotaryEmbedding, apply_rotary_pos_emb
+
+pytestmark = pytest.mark.filterwarnings("ignore:divide by zero encountered in log2")  # lse of an empty split
+
+
+from engine.kernels import activation, rmsnorm as norm, rotary, store_kvcache as kvstore
+from engine.kernels import attention_probe as probe, decode_attention as decode, prefill_attention as prefill
+
+# If an earlier test module imported triton with the interpreter off, triton's own library
+# (tl.sum, tl.cdiv, ...) and our kernels are compiled-only and cannot be rebuilt in this process:
+# run this file again in a fresh one instead (a tests/conftest.py that sets TRITON_INTERPRET on
+# CPU-only machines avoids the detour).
+TRITON_IMPORTED_COMPILED = DEVICE == "cpu" and any(
+    isinstance(fn, triton_jit.JITFunction) for fn in (triton_stdlib.sum, decode._decode_split_kernel))
+
+
+def test_kernels_pass_in_a_fresh_interpreter_process():
+    if not TRITON_IMPORTED_COMPILED:
+        pytest.skip("triton is interpreted in this process; the tests below run here")
+    root = Path(__file__).resolve().parents[1]
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", str(Path(__file__).resolve()), "-q", "-p", "no:cacheprovider"],
+        cwd=root, env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True,
+    )
+    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
+
+
+NAN = float("nan")
+TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.float16: dict(atol=4e-3, rtol=4e-3)}
+
+
+@pytest.fixture(autouse=True)
+def _seed(request):
+    if TRITON_IMPORTED_COMPILED and request.node.originalname != "test_kernels_pass_in_a_fresh_interpreter_process":
+        pytest.skip("triton was imported compiled in this process; covered by the fresh-process test")
+    torch.manual_seed(0)
+    with torch.device(DEVICE):
+        yield
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# ---------------------------------------------------------------- paged-cache helpers (independent of the kernels)
+
+def paged_kv(ctxs, block_size, num_kv_heads, head_dim, dtype, spare_blocks=3):
+    """Random contiguous K/V per sequence, written slot by slot into a NaN-poisoned paged cache
+    through shuffled block ids; unused table entries hold -1 or out-of-range garbage."""
+    num_blocks = sum(_cdiv(c, block_size) for c in ctxs) + spare_blocks
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.full(shape, NAN, dtype=dtype)
+    v_cache = torch.full(shape, NAN, dtype=dtype)
+    ids = torch.randperm(num_blocks)
+    max_blocks = max(_cdiv(c, block_size) for c in ctxs) + 2
+    block_tables = torch.full((len(ctxs), max_blocks), -1, dtype=torch.int32)
+    keys, values, used = [], [], 0
+    for b, ctx in enumerate(ctxs):
+        n = _cdiv(ctx, block_size)
+        block_tables[b, :n] = ids[used:used + n].int()
+        block_tables[b, n:] = -1 if b % 2 else 10**6 + b
+        used += n
+        k = torch.randn(ctx, num_kv_heads, head_dim).to(dtype)
+        v = torch.randn(ctx, num_kv_heads, head_dim).to(dtype)
+        for t in range(ctx):
+            k_cache[block_tables[b, t // block_size], t % block_size] = k[t]
+            v_cache[block_tables[b, t // block_size], t % block_size] = v[t]
+        keys.append(k)
+        values.append(v)
+    return k_cache, v_cache, block_tables, keys, values
+
+
+def dense_attention(q, k, v, scale, q_positions):
+    """q [n, Hq, D] against contiguous k/v [ctx, Hkv, D] in float64, causal mask built by hand."""
+    group = q.shape[1] // k.shape[1]
+    k = k.double().repeat_interleave(group, dim=1)
+    v = v.double().repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
+    future = torch.arange(k.shape[0])[None, :] > q_positions[:, None]  # [n, ctx]
+    scores = scores.masked_fill(future[None], float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+
+
+# ---------------------------------------------------------------- store_kvcache
+
+@pytest.mark.parametrize("block_size", [1, 5, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64])
+def test_store_kvcache_writes_each_token_to_its_slot_and_skips_padding(block_size, dtype, slot_dtype):
+    num_blocks, hkv, d, n = 12, 2, 32, 9
+    # key/value as strided views of one fused qkv projection, as the model produces them
+    qkv = torch.randn(n, (4 + 2 * hkv) * d).to(dtype)
+    key = qkv[:, 4 * d:(4 + hkv) * d].view(n, hkv, d)
+    value = qkv[:, (4 + hkv) * d:].view(n, hkv, d)
+    slots = torch.randperm(num_blocks * block_size)[:n].to(slot_dtype)
+    slots[[1, 5]] = -1
+    caches = {}
+    for name, fn in (("kernel", kvstore.store_kvcache), ("ref", kvstore.store_kvcache_ref)):
+        kv = torch.full((2, num_blocks, block_size, hkv, d), NAN, dtype=dtype)
+        fn(key, value, kv[0], kv[1], slots)
+        caches[name] = kv
+    assert torch.equal(caches["kernel"].nan_to_num(7.0), caches["ref"].nan_to_num(7.0))
+    flat = caches["ref"].view(2, -1, hkv, d)
+    keep = slots >= 0
+    assert torch.equal(flat[0, slots[keep].long()], key[keep])
+    assert torch.equal(flat[1, slots[keep].long()], value[keep])
+    assert flat.isnan().all(-1).all(-1).sum().item() == 2 * (num_blocks * block_size - keep.sum().item())
+
+
+# ---------------------------------------------------------------- rmsnorm
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_rms_norm_ref_equals_hf_qwen3_rmsnorm(dtype):
+    hf = Qwen3RMSNorm(96, eps=1e-6).to(dtype)
+    with torch.no_grad():
+        hf.weight.copy_(torch.randn(96))
+    x = torch.randn(11, 96).to(dtype)
+    with torch.no_grad():
+        assert torch.equal(norm.rms_norm_ref(x, hf.weight, 1e-6), hf(x))
+        residual = torch.randn(11, 96).to(dtype)
+        out, res_out = norm.fused_add_rms_norm_ref(x, residual, hf.weight, 1e-6)
+        assert torch.equal(res_out, x + residual)
+        assert torch.equal(out, hf(x + residual))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("hidden", [96, 256])
+def test_rms_norm_kernel_matches_ref(dtype, hidden):
+    x = torch.randn(37, hidden).to(dtype)
+    w = torch.randn(hidden).to(dtype)
+    torch.testing.assert_close(norm.rms_norm(x, w, 1e-6), norm.rms_norm_ref(x, w, 1e-6), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_rms_norm_kernel_normalises_head_rows_of_a_strided_q_view(dtype):
+    n, heads, d = 5, 4, 32
+    qkv = torch.randn(n, (heads + 4) * d).to(dtype)
+    q = qkv[:, :heads * d].view(n, heads, d)  # non-contiguous rows: the q/k-norm case
+    w = torch.randn(d).to(dtype)
+    out = norm.rms_norm(q, w, 1e-6)
+    assert out.shape == q.shape
+    torch.testing.assert_close(out, norm.rms_norm_ref(q, w, 1e-6), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_fused_add_rms_norm_kernel_matches_ref(dtype):
+    x, residual = torch.randn(2, 13, 96).to(dtype)
+    w = torch.randn(96).to(dtype)
+    out, res_out = norm.fused_add_rms_norm(x, residual, w, 1e-5)
+    ref_out, ref_res = norm.fused_add_rms_norm_ref(x, residual, w, 1e-5)
+    torch.testing.assert_close(res_out, ref_res, atol=0, rtol=0)
+    torch.testing.assert_close(out, ref_out, **TOL[dtype])
+
+
+# ---------------------------------------------------------------- rotary
+
+@pytest.mark.parametrize("head_dim,base", [(32, 10000.0), (128, 1e6)])
+def test_cos_sin_cache_equals_hf_rotary_embedding(head_dim, base):
+    config = Qwen3Config(head_dim=head_dim, rope_parameters={"rope_type": "default", "rope_theta": base},
+                         max_position_embeddings=300)
+    with torch.device("cpu"):  # as a model built on the CPU and moved
+        hf_rope = Qwen3RotaryEmbedding(config)
+    cos, sin = hf_rope.to(DEVICE)(torch.zeros(1), torch.arange(300)[None])
+    cache = rotary.build_cos_sin_cache(head_dim, 300, base, DEVICE)
+    assert cache.dtype == torch.float32 and cache.shape == (300, head_dim)
+    half = head_dim // 2
+    assert torch.equal(cache[:, :half], cos[0, :, :half])
+    assert torch.equal(cache[:, half:], sin[0, :, :half])
+
+
+def test_rotary_ref_equals_hf_apply_rotary_pos_emb():
+    n, hq, hkv, d = 9, 4, 2, 32
+    cache = rotary.build_cos_sin_cache(d, 64, 10000.0, DEVICE)
+    positions = torch.randint(0, 64, (n,))
+    q, k = torch.randn(n, hq, d), torch.randn(n, hkv, d)
+    cos = torch.cat([cache[positions, :d // 2]] * 2, -1)[None]  # [1, n, D], HF's layout
+    sin = torch.cat([cache[positions, d // 2:]] * 2, -1)[None]
+    hf_q, hf_k = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
+    out_q, out_k = rotary.apply_rotary_ref(q.clone(), k.clone(), positions, cache)
+    torch.testing.assert_close(out_q, hf_q[0].transpose(0, 1), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(out_k, hf_k[0].transpose(0, 1), atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("head_dim", [32, 64])
+def test_rotary_kernel_rotates_strided_q_and_k_in_place_like_ref(dtype, head_dim):
+    n, hq, hkv = 7, 4, 2
+    cache = rotary.build_cos_sin_cache(head_dim, 128, 1e6, DEVICE)
+    positions = torch.randint(0, 128, (n,))
+    qkv = torch.randn(n, (hq + 2 * hkv) * head_dim).to(dtype)
+    expected = qkv.clone()
+    q = qkv[:, :hq * head_dim].view(n, hq, head_dim)
+    k = qkv[:, hq * head_dim:(hq + hkv) * head_dim].view(n, hkv, head_dim)
+    ref_q, ref_k = rotary.apply_rotary_ref(q.clone(), k.clone(), positions, cache)
+    out_q, out_k = rotary.apply_rotary(q, k, positions, cache)
+    assert out_q.data_ptr() == q.data_ptr() and out_k.data_ptr() == k.data_ptr()
+    torch.testing.assert_close(out_q, ref_q, **TOL[dtype])
+    torch.testing.assert_close(out_k, ref_k, **TOL[dtype])
+    assert torch.equal(qkv[:, (hq + hkv) * head_dim:], expected[:, (hq + hkv) * head_dim:])  # v untouched
+
+
+# ---------------------------------------------------------------- activation
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("inter", [40, 1500])
+def test_silu_and_mul_kernel_matches_ref_and_definition(dtype, inter):
+    x = torch.randn(6, 2 * inter).to(dtype)
+    ref = activation.silu_and_mul_ref(x)
+    gate, up = x[:, :inter].double(), x[:, inter:].double()
+    torch.testing.assert_close(ref.double(), gate * torch.sigmoid(gate) * up, **TOL[dtype])
+    torch.testing.assert_close(activation.silu_and_mul(x), ref, **TOL[dtype])
+
+
+# ---------------------------------------------------------------- decode attention
+
+DECODE_CASES = [  # block_size, Hq, Hkv, head_dim
+    (1, 4, 2, 32),
+    (5, 4, 2, 32),
+    (16, 4, 2, 64),
+    (16, 2, 2, 32),
+    (5, 2, 2, 64),
+]
+DECODE_CTXS = [0, 1, 17, 40, 33, 0]  # padding rows (0), lengths off the block grid
+
+
+def _decode_inputs(block_size, hq, hkv, d, dtype):
+    k_cache, v_cache, tables, keys, values = paged_kv(DECODE_CTXS, block_size, hkv, d, dtype)
+    q = torch.randn(len(DECODE_CTXS), hq, d).to(dtype)
+    return q, k_cache, v_cache, tables, torch.tensor(DECODE_CTXS, dtype=torch.int32), keys, values
+
+
+@pytest.mark.parametrize("block_size,hq,hkv,d", DECODE_CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_kernel_matches_ref(block_size, hq, hkv, d, dtype, num_splits):
+    q, k_cache, v_cache, tables, ctx, _, _ = _decode_inputs(block_size, hq, hkv, d, dtype)
+    out = torch.full_like(q, NAN)
+    got = decode.paged_decode_attention(q, k_cache, v_cache, tables, ctx, 0.17, out=out, num_splits=num_splits)
+    assert got is out
+    ref = decode.paged_decode_attention_ref(q, k_cache, v_cache, tables, ctx, 0.17, out=torch.full_like(q, NAN))
+    assert torch.isfinite(out).all()
+    assert (out[ctx == 0] == 0).all()
+    torch.testing.assert_close(out, ref, **TOL[dtype])
+
+
+@pytest.mark.parametrize("block_size,hq,hkv,d", DECODE_CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_decode_ref_matches_dense_attention(block_size, hq, hkv, d, dtype):
+    q, k_cache, v_cache, tables, ctx, keys, values = _decode_inputs(block_size, hq, hkv, d, dtype)
+    ref = decode.paged_decode_attention_ref(q, k_cache, v_cache, tables, ctx, 0.17)
+    for b, c in enumerate(DECODE_CTXS):
+        if c == 0:
+            assert (ref[b] == 0).all()
+            continue
+        want = dense_attention(q[b:b + 1], keys[b], values[b], 0.17, torch.tensor([c - 1]))[0]
+        torch.testing.assert_close(ref[b].double(), want, **TOL[dtype])
+
+
+@pytest.mark.parametrize("merge_in_kernel", [True, False])
+def test_decode_kernel_reusing_its_workspace_call_after_call_matches_ref(monkeypatch, merge_in_kernel):
+    # the split merge's arrival counters must be back at zero for the next call / graph replay
+    monkeypatch.setattr(decode, "MERGE_IN_KERNEL", merge_in_kernel)
+    q, k_cache, v_cache, tables, ctx, _, _ = _decode_inputs(5, 4, 2, 32, torch.float32)
+    for _ in range(3):
+        q = torch.randn_like(q)
+        out = decode.paged_decode_attention(q, k_cache, v_cache, tables, ctx, 0.17,
+                                            out=torch.full_like(q, NAN), num_splits=4)
+        ref = decode.paged_decode_attention_ref(q, k_cache, v_cache, tables, ctx, 0.17)
+        torch.testing.assert_close(out, ref, **TOL[torch.float32])
+
+
+def test_decode_kernel_with_splits_chosen_from_shapes_matches_ref():
+    q, k_cache, v_cache, tables, ctx, _, _ = _decode_inputs(5, 4, 2, 32, torch.float32)
+    out = decode.paged_decode_attention(q, k_cache, v_cache, tables, ctx, 0.17, out=torch.full_like(q, NAN))
+    ref = decode.paged_decode_attention_ref(q, k_cache, v_cache, tables, ctx, 0.17)
+    torch.testing.assert_close(out, ref, **TOL[torch.float32])
+
+
+def test_decode_splits_come_from_shapes_only():
+    dev = torch.device("cpu")
+    assert decode.choose_num_splits(1, 8, 4096, dev) == decode.choose_num_splits(1, 8, 4096, dev) > 1
+    assert decode.choose_num_splits(256, 8, 4096, dev) == 1
+    assert decode.choose_num_splits(1, 8, 16, dev) == 1  # a context of one tile is never split
+
+
+# ---------------------------------------------------------------- prefill attention
+
+# (q_len, context_len): plain prefill, chunk after a prefix / prefix-cache hit, a single token,
+# an empty entry, and a prompt longer than one query tile
+PREFILL_SEQS = [(5, 5), (3, 20), (1, 7), (0, 4), (37, 37), (9, 23)]
+PREFILL_CASES = [(1, 4, 2, 32), (5, 4, 2, 32), (16, 2, 2, 64), (16, 4, 2, 64)]
+
+
+def _prefill_inputs(block_size, hq, hkv, d, dtype):
+    qlens = [s[0] for s in PREFILL_SEQS]
+    ctxs = [s[1] for s in PREFILL_SEQS]
+    k_cache, v_cache, tables, keys, values = paged_kv(ctxs, block_size, hkv, d, dtype)
+    q = torch.randn(sum(qlens), hq, d).to(dtype)
+    cu = torch.tensor([0] + torch.tensor(qlens).cumsum(0).tolist(), dtype=torch.int32)
+    return q, k_cache, v_cache, cu, torch.tensor(ctxs, dtype=torch.int32), tables, max(qlens), keys, values
+
+
+@pytest.mark.parametrize("block_size,hq,hkv,d,dtype,num_splits", [
+    *[(*case, dtype, 1) for case in PREFILL_CASES for dtype in (torch.float32, torch.float16)],
+    (5, 4, 2, 32, torch.float32, 3),   # KV range split, merged by the combine kernel
+    (16, 4, 2, 64, torch.float16, 3),
+    (1, 2, 2, 32, torch.float16, 2),
+])
+def test_prefill_kernel_matches_ref(block_size, hq, hkv, d, dtype, num_splits):
+    q, k_cache, v_cache, cu, ctx, tables, max_q, _, _ = _prefill_inputs(block_size, hq, hkv, d, dtype)
+    out = prefill.paged_prefill_attention(q, k_cache, v_cache, cu, ctx, tables, 0.2, max_q, num_splits=num_splits)
+    ref = prefill.paged_prefill_attention_ref(q, k_cache, v_cache, cu, ctx, tables, 0.2, max_q)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, ref, **TOL[dtype])
+
+
+@pytest.mark.parametrize("block_size,hq,hkv,d", PREFILL_CASES)
+def test_prefill_ref_matches_dense_causal_attention(block_size, hq, hkv, d):
+    q, k_cache, v_cache, cu, ctx, tables, max_q, keys, values = _prefill_inputs(block_size, hq, hkv, d, torch.float32)
+    ref = prefill.paged_prefill_attention_ref(q, k_cache, v_cache, cu, ctx, tables, 0.2, max_q)
+    for b, (q_len, c) in enumerate(PREFILL_SEQS):
+        lo = cu[b].item()
+        want = dense_attention(q[lo:lo + q_len], keys[b], values[b], 0.2, torch.arange(c - q_len, c))
+        torch.testing.assert_close(ref[lo:lo + q_len].double(), want, atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------- attention probe
+
+@pytest.mark.parametrize("block_size,hq,hkv,d", [(5, 4, 2, 32), (16, 2, 2, 64), (1, 4, 2, 32)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_attention_probs_kernel_matches_ref_and_dense_softmax(block_size, hq, hkv, d, dtype):
+    ctxs = [23, 0, 70]
+    k_cache, _, tables, keys, _ = paged_kv(ctxs, block_size, hkv, d, dtype)
+    q = torch.randn(hq, d).to(dtype)
+    max_context = 130  # not a multiple of the tile, longer than any context
+    for b, c in enumerate(ctxs):
+        length = torch.tensor([c], dtype=torch.int32)
+        out = torch.full((hq, max_context), NAN)
+        probe.attention_probs(q, k_cache, tables[b], length, 0.3, out)
+        ref = probe.attention_probs_ref(q, k_cache, tables[b], length, 0.3, torch.full((hq, max_context), NAN))
+        torch.testing.assert_close(out, ref, **TOL[dtype])
+        assert (ref[:, c:] == 0).all()
+        if c == 0:
+            assert (out == 0).all()
+            continue
+        k = keys[b].double().repeat_interleave(hq // hkv, dim=1)  # [c, Hq, D]
+        want = (torch.einsum("hd,thd->ht", q.double(), k) * 0.3).softmax(-1)
+        torch.testing.assert_close(ref[:, :c].double(), want, **TOL[dtype])
+
+
+def test_block_mass_sums_probabilities_per_kv_block():
+    probs = torch.rand(3, 23)
+    mass = probe.block_mass(probs, 5)
+    assert mass.shape == (3, 5)
+    want = torch.stack([probs[:, i:i + 5].sum(-1) for i in range(0, 23, 5)], dim=1)
+    torch.testing.assert_close(mass, want)
