@@ -134,14 +134,16 @@ class ModelRunner:
         num_tokens = min(num_tokens, max(self.max_model_len, 1) * num_seqs)
         n_seqs = max(1, min(num_seqs, num_tokens))
         per = num_tokens // n_seqs
-        # a throwaway one-block cache: slots all -1 so nothing is written
+        # a throwaway one-block cache: slots all -1 so nothing is written; every table entry
+        # points at that block, so the attention kernels read valid memory for every position
         self.allocate_kv_cache(1)
         d = self.device
         cu = torch.arange(0, n_seqs + 1, device=d, dtype=torch.int32) * per
+        width = (per + self.block_size - 1) // self.block_size
         ctx = ForwardContext(
             slot_mapping=torch.full((per * n_seqs,), -1, dtype=torch.int64, device=d),
-            context_lens=torch.full((n_seqs,), 1, dtype=torch.int32, device=d),
-            block_tables=torch.zeros(n_seqs, 1, dtype=torch.int32, device=d),
+            context_lens=torch.full((n_seqs,), per, dtype=torch.int32, device=d),
+            block_tables=torch.zeros(n_seqs, width, dtype=torch.int32, device=d),
             cu_seqlens_q=cu, max_seqlen_q=per, is_decode=False)
         ids = torch.zeros(per * n_seqs, dtype=torch.int64, device=d)
         with torch.inference_mode():
