@@ -13,12 +13,13 @@ from .sequence import Sequence
 
 
 class Block:
-    __slots__ = ("block_id", "ref_count", "prefix_hash", "token_ids")
+    __slots__ = ("block_id", "ref_count", "prefix_hash", "parent_hash", "token_ids")
 
     def __init__(self, block_id: int):
         self.block_id = block_id
         self.ref_count = 0
         self.prefix_hash: int | None = None
+        self.parent_hash: int | None = None     # the previous block's hash in the chain
         self.token_ids: tuple[int, ...] = ()    # the tokens a hashed block holds
 
 
@@ -63,8 +64,10 @@ class BlockManager:
             ids = tuple(seq.token_ids[i * bs:(i + 1) * bs])
             h = chain_hash(parent, ids)
             bid = self.hash_to_block.get(h)
-            # compare tokens too: a hash collision must never reuse the wrong K/V
-            if bid is None or self.blocks[bid].token_ids != ids:
+            # compare the whole key (parent, tokens): a hash collision must never reuse the
+            # wrong K/V, not even a block with the same tokens at another position
+            if bid is None or self.blocks[bid].token_ids != ids or \
+                    self.blocks[bid].parent_hash != parent:
                 break
             hits.append(bid)
             parent = h
@@ -83,7 +86,7 @@ class BlockManager:
         if block.prefix_hash is not None:          # evict: its cached prefix is gone
             if self.hash_to_block.get(block.prefix_hash) == bid:
                 del self.hash_to_block[block.prefix_hash]
-            block.prefix_hash, block.token_ids = None, ()
+            block.prefix_hash, block.parent_hash, block.token_ids = None, None, ()
             self.evictions += 1
         block.ref_count = 1
         return block
@@ -159,11 +162,12 @@ class BlockManager:
         bs, hashes = self.block_size, self.hashes.setdefault(seq.request_id, [])
         for i in range(len(hashes), seq.num_computed_tokens // bs):
             ids = tuple(seq.token_ids[i * bs:(i + 1) * bs])
-            h = chain_hash(hashes[-1] if hashes else None, ids)
+            parent = hashes[-1] if hashes else None
+            h = chain_hash(parent, ids)
             hashes.append(h)
             block = self.blocks[seq.block_table[i]]
             if block.prefix_hash is None and h not in self.hash_to_block:
-                block.prefix_hash, block.token_ids = h, ids
+                block.prefix_hash, block.parent_hash, block.token_ids = h, parent, ids
                 self.hash_to_block[h] = block.block_id
 
     # ---- invariants (tests and debugging) ------------------------------------------------

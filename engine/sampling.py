@@ -109,6 +109,8 @@ class SamplingTensors:
                 need_sort=any(p.top_k > 0 or p.top_p < 1.0 for p in params),
                 need_min_p=any(p.min_p > 0 for p in params),
                 max_logprobs=max((p.logprobs for p in params), default=0), banned=banned)
+        if t.all_greedy:        # argmax needs none of the per-row tensors: skip the copies
+            return t
         nb = torch.device(device).type == "cuda"
         for name in ("temperature", "top_k", "top_p", "min_p", "seeds", "positions"):
             v = getattr(t, name)
@@ -139,6 +141,8 @@ def sample(logits: torch.Tensor, t: SamplingTensors):
     logits = logits.float()
     if t.banned:
         rows, toks = zip(*t.banned)
+        # a copy: fp32 logits from the runner are inference tensors and must not be written
+        logits = logits.clone()
         logits[list(rows), list(toks)] = float("-inf")
     logprobs = torch.log_softmax(logits, dim=-1)
     if t.all_greedy:
