@@ -80,10 +80,14 @@ class ProbeBuffers:
 
     def load_plan(self, plan: ProbePlan, num_valid_rows: int) -> None:
         """Point a CUDA graph's static buffers at this step's watched rows."""
+        # the template records one row; a plan that needs none points it at row 0, and the
+        # host then ignores what was recorded there
+        def one(t: torch.Tensor) -> torch.Tensor:
+            return t if len(t) == 1 else torch.zeros(1, dtype=torch.int64)
         self.plan_host = plan
-        self.rows.copy_(plan.rows, non_blocking=True)
-        self.last_rows.copy_(plan.last_rows, non_blocking=True)
-        self.last_batch.copy_(plan.last_batch, non_blocking=True)
+        self.rows.copy_(one(plan.rows), non_blocking=True)
+        self.last_rows.copy_(one(plan.last_rows), non_blocking=True)
+        self.last_batch.copy_(one(plan.last_batch), non_blocking=True)
         if self.row_valid is not None:
             self.row_valid.zero_()
             self.row_valid[:num_valid_rows] = 1.0
@@ -234,7 +238,7 @@ class ProbeManager:
 
     def after_sample(self, plan: ProbePlan, bufs: ProbeBuffers, tokens: torch.Tensor | None) -> None:
         """Rank and probability of the finally sampled token under each layer's lens."""
-        if bufs is None or bufs.lens_out is None or tokens is None:
+        if bufs is None or bufs.lens_out is None or tokens is None or not len(plan.last_rows):
             return
         sample_index = self._sample_index(plan)
         lo = bufs.lens_out
@@ -250,18 +254,26 @@ class ProbeManager:
     def collect(self, plan: ProbePlan, bufs: ProbeBuffers, scheduled, tokens: list[int]) -> None:
         if bufs is None:
             return
-        # one device->host transfer: pack every buffer into one flat fp32 tensor
+        # one device->host transfer: pack what this plan asked for into one flat fp32 tensor
+        # (a CUDA graph's template records more; only the plan's part crosses to the host)
         named = []
-        for name in ("norms", "router_probs", "router_ids", "router_w", "shared_gate", "expert_load"):
-            t = getattr(bufs, name)
-            if t is not None:
-                named.append((name, t))
-        if bufs.lens_out is not None:
+        if plan.norms and len(plan.rows):
+            named.append(("norms", bufs.norms))
+        if plan.routing and len(plan.rows):
+            for name in ("router_probs", "router_ids", "router_w", "shared_gate"):
+                if getattr(bufs, name) is not None:
+                    named.append((name, getattr(bufs, name)))
+        if plan.expert_load and bufs.expert_load is not None:
+            named.append(("expert_load", bufs.expert_load))
+        if plan.lens and len(plan.last_rows) and bufs.lens_out is not None:
             for k in ("top_i", "top_p", "entropy", "sampled_prob", "sampled_rank"):
                 if k in bufs.lens_out:
                     named.append(("lens_" + k, bufs.lens_out[k]))
-        for l, t in bufs.attn.items():
-            named.append((f"attn{l}", t))
+        if plan.attention_layers and len(plan.last_rows):
+            ctx = max(e.start_pos + e.num_tokens for e in plan.entries if e.samples)
+            for l in plan.attention_layers:
+                if l in bufs.attn:
+                    named.append((f"attn{l}", bufs.attn[l][..., :ctx]))
         for (l, start), t in bufs.patterns.items():
             named.append((f"pat{l}_{start}", t))
         if not named:
@@ -368,10 +380,10 @@ def graph_probe_buffers(runner, batch: int) -> ProbeBuffers:
 
 
 def graph_supports(plan: ProbePlan, runner) -> bool:
-    """A decode step whose probes fit the captured template: one watched request."""
+    """A decode step whose probes fit the captured template: at most one watched request
+    (none when only the global expert load is recorded)."""
     if plan is None:
         return True
-    if len(plan.entries) != 1 or plan.pattern_layers:
+    if len(plan.entries) > 1 or plan.pattern_layers or plan.lens_top_k > GRAPH_LENS_TOP_K:
         return False
-    e = plan.entries[0]
-    return len(plan.rows) == 1 and len(plan.last_rows) == 1 and e.num_tokens == 1 and e.samples and plan.lens_top_k <= GRAPH_LENS_TOP_K
+    return len(plan.rows) <= 1 and len(plan.last_rows) <= 1
