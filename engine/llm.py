@@ -187,10 +187,14 @@ class LLM:
         if bad:
             raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
         if len(ids) >= self.max_model_len:
+            cache_tokens = self.num_kv_blocks * self.block_size
+            why = (f"the KV cache holds only {cache_tokens} tokens ({self.num_kv_blocks} blocks "
+                   f"x {self.block_size}); raise num_kv_blocks (or gpu_memory_utilization)"
+                   if self.max_model_len == cache_tokens else
+                   f"max_model_len is {self.max_model_len}; raise max_model_len")
             raise PromptTooLongError(
-                f"prompt has {len(ids)} tokens but max_model_len is {self.max_model_len} "
-                "(prompt + at least one new token must fit); shorten the prompt or raise "
-                "max_model_len / num_kv_blocks")
+                f"prompt has {len(ids)} tokens and can never fit with at least one new token: "
+                f"{why}, or shorten the prompt")
         rid = request_id or f"req-{self.engine_id}-{next(self._ids)}"
         if rid in self._seqs:
             raise ValueError(f"request id {rid!r} is already in use")
