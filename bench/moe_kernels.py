@@ -6,7 +6,6 @@ import os
 import sys
 
 import torch
-import triton
 from triton.testing import do_bench, do_bench_cudagraph
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -204,7 +204,7 @@ def markdown_section(report: dict) -> str:
         "`model.generate` eager for latency and MoE (batch 32 for MoE throughput), "
         "continuous batching (`generate_batch`'s manager) for throughput, on the first "
         "requests of the same workload. Ratios are glassbox / peer (> 1: glassbox faster).",
-        f"- Sections: " + ", ".join(f"{s['section']} {s['status']} ({s['seconds']}s)"
+        "- Sections: " + ", ".join(f"{s['section']} {s['status']} ({s['seconds']}s)"
                                     for s in report["sections"]),
         "",
         "### Targets (BENCH.md)",

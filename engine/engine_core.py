@@ -5,7 +5,6 @@ from __future__ import annotations
 import time
 from collections import deque
 
-import torch
 
 from .block_manager import BlockManager
 from .detokenizer import IncrementalDetokenizer

@@ -1,7 +1,6 @@
 """take_snapshot: a host-side copy of the engine's state for views and tests (under the lock)."""
 from __future__ import annotations
 
-import torch
 
 from .snapshot import BlockInfo, EngineSnapshot, KVLayout
 

@@ -11,9 +11,8 @@ import torch
 from .config import EngineConfig
 from .context import ForwardContext, set_context
 from .loader import init_dummy_weights, load_weights
-from .models.qwen import head_dim_of
 from .models.registry import model_class
-from .parallel_state import TPGroup, get_tp_size, use_tp
+from .parallel_state import TPGroup, use_tp
 
 
 @dataclass

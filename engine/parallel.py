@@ -123,7 +123,7 @@ class TPDriver:
         self._broadcast(cmd, *args)
         try:
             return getattr(self.local, cmd)(*args)
-        except RuntimeError as e:          # a collective broke: most likely a worker died
+        except RuntimeError:          # a collective broke: most likely a worker died
             self.check_workers()
             raise
 

@@ -7,7 +7,6 @@ joined by one all-reduce. The router is replicated. Routing is reported to the p
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..context import get_context
