@@ -1,0 +1,199 @@
+"""Glassbox playground: parse flags, load the engine once, build the Gradio UI, launch it.
+
+`python app.py` serves the bundled demo checkpoint (assets/demo-qwen3); when that is missing it
+builds a tiny random Qwen3 in a temp dir so the app still runs offline, and says so in a banner.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+DEMO_DENSE = ROOT / "assets" / "demo-qwen3"
+DEMO_MOE = ROOT / "assets" / "demo-qwen3-moe"
+CSS_PATH = ROOT / "assets" / "style.css"
+FALLBACK_BANNER = ("**assets/demo-qwen3 is missing**: running a tiny *random* Qwen3 built at "
+                   "start, so replies are gibberish. The engine and every view work the same; "
+                   "pass `--model` for a real checkpoint.")
+
+# a few sentences to train the fallback's byte-level BPE tokenizer on
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Glassbox is an inference engine with glass walls: you can watch it think.",
+    "A paged KV cache stores keys and values in fixed-size blocks.",
+    "Continuous batching mixes prefill chunks with decode steps.",
+    "Prefix caching lets requests that share a system prompt reuse the same blocks.",
+    "Hello! How are you today? Tell me a story about a small robot.",
+    "You are a helpful assistant. Answer briefly and clearly.",
+]
+_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def build_fallback_checkpoint(out_dir: str | Path, seed: int = 0) -> Path:
+    """A tiny random Qwen3 (4 layers, hidden 64) with a freshly trained tokenizer, in HF format."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(_CORPUS * 4, trainers.BpeTrainer(
+        vocab_size=400, special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
+                                     pad_token="<|endoftext|>")
+    hf_tok.chat_template = _CHAT_TEMPLATE
+    hf_tok.save_pretrained(out)
+    eos = hf_tok.convert_tokens_to_ids("<|im_end|>")
+    cfg = Qwen3Config(vocab_size=len(hf_tok), hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=16, max_position_embeddings=2048, tie_word_embeddings=True,
+                      rope_theta=10000.0, eos_token_id=eos,
+                      bos_token_id=hf_tok.convert_tokens_to_ids("<|endoftext|>"))
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(cfg)
+    with torch.no_grad():   # wider than HF's 0.02 init so the random model's choices vary
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.2)
+        # EOS logit pinned at 0 (tied embedding row) while others spread ~±5: replies run to
+        # max tokens instead of stopping at a random early EOS, which makes streaming visible
+        model.get_input_embeddings().weight[eos].zero_()
+    model.save_pretrained(out)
+    return out
+
+
+def resolve_model(model: str | None) -> tuple[str, str | None]:
+    """(path or hub id, banner or None): the flag, else the demo checkpoint, else the fallback."""
+    if model:
+        return model, None
+    if (DEMO_DENSE / "config.json").exists():
+        return str(DEMO_DENSE), None
+    tmp = Path(tempfile.gettempdir()) / "glassbox-fallback-qwen3"
+    if not (tmp / "config.json").exists():
+        build_fallback_checkpoint(tmp)
+    return str(tmp), FALLBACK_BANNER
+
+
+def demo_choices() -> dict[str, str]:
+    """The bundled demos present on disk, for the model switch (shown when there are two)."""
+    found = {"dense demo (demo-qwen3)": DEMO_DENSE, "MoE demo (demo-qwen3-moe)": DEMO_MOE}
+    return {k: str(v) for k, v in found.items() if (v / "config.json").exists()}
+
+
+def build_app(llm, *, banner: str | None = None, choices: dict[str, str] | None = None,
+              llm_kwargs: dict | None = None):
+    """The playground as a gr.Blocks over a running LLM (tests launch it in-process)."""
+    import gradio as gr
+
+    from views import chat, engine_view, kv_cache, layers
+    from views.live import EngineHub
+
+    hub = EngineHub(llm, llm_kwargs=llm_kwargs or {}, choices=choices or {})
+    with gr.Blocks(title="Glassbox") as demo:
+        with gr.Row(elem_id="header"):
+            gr.Markdown("## Glassbox — an inference engine with glass walls",
+                        elem_id="title")
+            switch = gr.Dropdown(list(hub.choices), value=hub.current_choice(),
+                                 label="model", visible=len(hub.choices) > 1,
+                                 elem_id="model-switch", scale=0, min_width=260)
+        gr.Markdown(banner or "", visible=bool(banner), elem_id="banner")
+        model_line = gr.Markdown(hub.model_line(), elem_id="model-line")
+        with gr.Tabs(elem_id="tabs"):
+            with gr.Tab("Chat", id="chat", elem_id="tab-chat") as tab_chat:
+                chat.build(hub)
+            with gr.Tab("KV cache", id="kv", elem_id="tab-kv") as tab_kv:
+                kv_timer = kv_cache.build(hub)
+            with gr.Tab("Layers", id="layers", elem_id="tab-layers") as tab_layers:
+                layers_timer = layers.build(hub)
+            with gr.Tab("Engine", id="engine", elem_id="tab-engine") as tab_engine:
+                engine_timer = engine_view.build(hub)
+        # only the visible tab polls the engine: hidden tabs cost nothing
+        timers = [kv_timer, layers_timer, engine_timer]
+        for tab, live in ((tab_chat, None), (tab_kv, kv_timer), (tab_layers, layers_timer),
+                          (tab_engine, engine_timer)):
+            tab.select(lambda live=live: [gr.Timer(active=t is live) for t in timers],
+                       outputs=timers, api_visibility="private", queue=False)
+        switch.change(hub.switch_ui, inputs=switch, outputs=model_line,
+                      api_visibility="private", concurrency_limit=1)
+        demo.load(hub.model_line, outputs=model_line, api_visibility="private", queue=False)
+        demo.unload(hub.on_unload)
+    demo.queue(default_concurrency_limit=64)
+    demo.hub = hub          # tests reach the shared engine state through this
+    return demo
+
+
+def launch(demo, host: str = "127.0.0.1", port: int | None = None, share: bool = False,
+           prevent_thread_lock: bool = False):
+    """Launch with the app's stylesheet (Gradio 6 takes css at launch, not in Blocks)."""
+    return demo.launch(server_name=host, server_port=port, share=share,
+                       prevent_thread_lock=prevent_thread_lock, css=CSS_PATH.read_text(),
+                       max_threads=96, show_error=True, footer_links=["api", "gradio"])
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", help="HF-format dir or hub id (default: assets/demo-qwen3)")
+    p.add_argument("--device", help="cuda or cpu (default: cuda if available)")
+    p.add_argument("--dtype", help="bfloat16, float16 or float32 (default: per device)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--num-kv-blocks", type=int, help="KV blocks (default: sized from memory)")
+    p.add_argument("--max-model-len", type=int, help="max prompt + reply tokens")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0 to expose)")
+    p.add_argument("--port", type=int, default=7860)
+    p.add_argument("--share", action="store_true", help="make a public gradio.live link")
+    return p.parse_args(argv)
+
+
+def load_llm(model: str, llm_kwargs: dict):
+    """Load the engine once, with a progress bar over the stages."""
+    from tqdm import tqdm
+    with tqdm(total=2, desc="loading", bar_format="{desc}{bar} {n}/{total} {elapsed}") as bar:
+        bar.set_description("importing engine")
+        from engine import LLM
+        bar.update(1)
+        bar.set_description(f"loading {model}")
+        llm = LLM(model, **llm_kwargs)
+        bar.update(1)
+        bar.set_description("loaded")
+    return llm
+
+
+def main(argv: list[str] | None = None) -> None:
+    os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")   # offline-friendly: no pings
+    args = parse_args(argv)
+    if args.tp < 1 or args.block_size < 1:
+        sys.exit("--tp and --block-size must be positive integers")
+    model, banner = resolve_model(args.model)
+    llm_kwargs = dict(device=args.device, dtype=args.dtype, tensor_parallel_size=args.tp,
+                      block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
+                      max_model_len=args.max_model_len)
+    if banner is not None and args.device in (None, "cpu") and args.num_kv_blocks is None:
+        llm_kwargs["num_kv_blocks"] = 256   # the tiny fallback: a cache the grid shows whole
+    try:
+        llm = load_llm(model, llm_kwargs)
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        sys.exit(f"could not load {model}: {e}")
+    choices = demo_choices() if args.model is None else {}
+    demo = build_app(llm, banner=banner, choices=choices, llm_kwargs=llm_kwargs)
+    _, url, share_url = launch(demo, args.host, args.port, args.share, prevent_thread_lock=True)
+    print(f"Glassbox playground: {url}" + (f"  (public: {share_url})" if share_url else ""),
+          flush=True)
+    try:
+        demo.block_thread()
+    finally:
+        llm.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Gradio playground views: one module per tab, plus pure figure builders (figures*.py)."""
