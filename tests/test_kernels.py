@@ -377,3 +377,39 @@ def test_block_mass_sums_probabilities_per_kv_block():
     assert mass.shape == (3, 5)
     want = torch.stack([probs[:, i:i + 5].sum(-1) for i in range(0, 23, 5)], dim=1)
     torch.testing.assert_close(mass, want)
+
+
+# ---- the engine's CPU fast paths agree with the references ----------------------------------
+@pytest.mark.parametrize("lens", [[37], [5, 16, 33], [16, 16]])
+def test_cpu_decode_attention_equals_reference(lens):
+    from engine.kernels.decode_attention import (paged_decode_attention_cpu,
+                                                 paged_decode_attention_ref)
+    torch.manual_seed(len(lens))
+    bs, hkv, hq, d = 4, 2, 4, 16
+    nblocks = 40
+    k_cache, v_cache = torch.randn(2, nblocks, bs, hkv, d).unbind(0)
+    perm = torch.randperm(nblocks)
+    width = max((n + bs - 1) // bs for n in lens)
+    tables = torch.zeros(len(lens), width, dtype=torch.int32)
+    used = 0
+    for i, n in enumerate(lens):
+        nb = (n + bs - 1) // bs
+        tables[i, :nb] = perm[used:used + nb].int()
+        used += nb
+    q = torch.randn(len(lens), hq, d)
+    ctx = torch.tensor(lens, dtype=torch.int32)
+    got = paged_decode_attention_cpu(q, k_cache, v_cache, tables, ctx, 0.25)
+    ref = paged_decode_attention_ref(q, k_cache, v_cache, tables, ctx, 0.25)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_cpu_store_kvcache_equals_reference():
+    from engine.kernels.store_kvcache import store_kvcache_cpu, store_kvcache_ref
+    torch.manual_seed(3)
+    base = torch.randn(2, 10, 4, 2, 8)
+    caches = [base.clone(), base.clone()]
+    key, value = torch.randn(2, 7, 2, 8).unbind(0)
+    slots = torch.randperm(40)[:7]
+    store_kvcache_cpu(key, value, caches[0][0], caches[0][1], slots)
+    store_kvcache_ref(key, value, caches[1][0], caches[1][1], slots)
+    torch.testing.assert_close(caches[0], caches[1], rtol=0, atol=0)

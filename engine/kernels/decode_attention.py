@@ -254,3 +254,29 @@ def paged_decode_attention_ref(
     o = torch.where(context_lens[:, None, None] > 0, o, 0.0)  # a fully masked row comes back NaN
     out.copy_(o)
     return out
+
+
+def paged_decode_attention_cpu(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    context_lens: torch.Tensor, scale: float, out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The engine's CPU path: the reference without its defences against garbage in unused
+    slots (the engine's cache starts zeroed and its block tables are zero-padded), and with no
+    mask at all when every row has the same context (always at batch 1). Tested against the ref."""
+    batch, num_q_heads, _ = q.shape
+    lens = context_lens.tolist()
+    max_ctx = max(lens) if lens else 0
+    if max_ctx == 0 or min(lens) == 0:
+        return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale, out)
+    ids = block_tables[:, :triton.cdiv(max_ctx, k_cache.shape[1])].long()
+    k = k_cache[ids].flatten(1, 2)[:, :max_ctx].transpose(1, 2)     # [B, Hkv, T, D]
+    v = v_cache[ids].flatten(1, 2)[:, :max_ctx].transpose(1, 2)
+    mask = None
+    if min(lens) != max_ctx:
+        mask = (torch.arange(max_ctx)[None, :] < context_lens[:, None])[:, None, None, :]
+    o = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=mask, scale=scale,
+                                       enable_gqa=num_q_heads != k.shape[1])[:, :, 0]
+    if out is None:
+        return o
+    out.copy_(o)
+    return out

@@ -66,3 +66,16 @@ def store_kvcache_ref(
     # advanced indexing on (block, offset) works for any cache strides, contiguous or not
     k_cache[blocks, offsets] = key[keep].to(k_cache.dtype)
     v_cache[blocks, offsets] = value[keep].to(v_cache.dtype)
+
+
+def store_kvcache_cpu(
+    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """The engine's CPU path: one index_copy_ per cache through the flat slot axis (the CPU
+    engine never pads, so every slot is valid; a negative slot falls back to the reference)."""
+    if not k_cache.is_contiguous() or bool((slot_mapping < 0).any()):
+        return store_kvcache_ref(key, value, k_cache, v_cache, slot_mapping)
+    slots = slot_mapping.long()
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, key.to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, value.to(v_cache.dtype))

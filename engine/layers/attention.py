@@ -23,13 +23,13 @@ class Attention(nn.Module):
         """q [N, Hq, D], k/v [N, Hkv, D] -> [N, Hq, D]"""
         ctx = get_context()
         cuda = q.is_cuda
-        (store_kvcache.store_kvcache if cuda else store_kvcache.store_kvcache_ref)(
+        (store_kvcache.store_kvcache if cuda else store_kvcache.store_kvcache_cpu)(
             k, v, self.k_cache, self.v_cache, ctx.slot_mapping)
         if ctx.probes is not None:
             ctx.probes.on_attention(self.layer_idx, q, self.k_cache, ctx)
         if ctx.is_decode:
             fn = (decode_attention.paged_decode_attention if cuda
-                  else decode_attention.paged_decode_attention_ref)
+                  else decode_attention.paged_decode_attention_cpu)
             return fn(q, self.k_cache, self.v_cache, ctx.block_tables, ctx.context_lens,
                       self.scale)
         fn = (prefill_attention.paged_prefill_attention if cuda
