@@ -156,7 +156,11 @@ class TPDriver:
         for q in getattr(self, "cmd_qs", []) + getattr(self, "res_qs", []):
             q.close()
             q.join_thread()
-        self.procs = []
+        # spawn-context queues hold named semaphores in /dev/shm that are unlinked when the
+        # queue objects are collected: drop them now so shutdown leaves nothing behind
+        self.cmd_qs, self.res_qs, self.procs = [], [], []
+        import gc
+        gc.collect()
         local = self.__dict__.get("local")
         if local is not None:
             local.shutdown()

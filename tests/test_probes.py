@@ -432,3 +432,37 @@ def test_export_round_trip_keeps_routing(moe, tmp_path):
     assert ("blocks.0.mlp.hook_shared_expert_gate" in keys) == (arch == "qwen2_moe")
     for a, b in zip(trace.routing(), back.routing()):
         np.testing.assert_array_equal(a, b)
+
+
+# ---- off means off -----------------------------------------------------------------------------
+def _forward_ops(llm, prompt_ids, watch=None, manager=True) -> dict[str, int]:
+    """ATen op counts of one eager decode forward (run on this thread, under the engine lock).
+    manager=False plans nothing at all: the bare model's forward."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from engine.model_runner import build_step_inputs
+    from engine.scheduler import ScheduledSeq
+    with llm._lock:
+        seq, _ = llm._make_sequence(prompt_ids, greedy(4), watch, None)
+        if watch is not None:
+            llm.probes.register(seq)
+        llm.block_manager.allocate(seq)
+        try:
+            entry = [ScheduledSeq(seq, 1, len(seq) - 1)]
+            plan = llm.probes.plan(entry) if manager else None
+            inp = build_step_inputs(entry, BLOCK, plan)
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                llm.runner.execute_step(inp)
+        finally:
+            llm.block_manager.free(seq)
+    return {e.key: e.count for e in prof.key_averages()}
+
+
+def test_probes_off_add_no_ops_to_the_forward(llm):
+    """An unwatched step runs exactly the bare model's ops; a watched one runs more (so the
+    comparison can fail)."""
+    p = prompt(40, 12)
+    off = _forward_ops(llm, p)
+    assert off == _forward_ops(llm, p, manager=False)
+    on = _forward_ops(llm, p, watch=ProbeSpec())
+    assert sum(on.values()) > sum(off.values())

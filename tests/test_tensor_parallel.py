@@ -17,12 +17,14 @@ GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2
 
 def _run(path, tp, watch=None):
     llm = LLM(path, num_kv_blocks=48, block_size=4, tensor_parallel_size=tp)
+    procs = list(getattr(llm.runner, "procs", []))
     try:
         outs = llm.generate(PROMPTS, GREEDY, watch=[watch, None, None])
         trace = llm.trace(outs[0].request_id) if watch else None
         return outs, trace, llm.inspect()
     finally:
         llm.shutdown()
+        assert not any(p.is_alive() for p in procs), "a TP worker outlived shutdown"
 
 
 @pytest.mark.parametrize("arch,overrides", [
@@ -77,10 +79,12 @@ def test_two_tp_engines_run_at_once(model_factory):
 
 def test_killed_worker_raises_on_rank0_within_seconds(model_factory):
     path = model_factory("qwen3")
+    shm_before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
     llm = LLM(path, num_kv_blocks=48, block_size=4, tensor_parallel_size=2)
     try:
         llm.generate([PROMPTS[0]], GREEDY)          # healthy first
-        pid = llm.runner.procs[0].pid
+        procs = list(llm.runner.procs)
+        pid = procs[0].pid
         os.kill(pid, signal.SIGKILL)
         llm.runner.procs[0].join(timeout=10)
         t0 = time.time()
@@ -91,4 +95,6 @@ def test_killed_worker_raises_on_rank0_within_seconds(model_factory):
         assert "rank 1" in str(info.value)
     finally:
         llm.shutdown()
-    assert not any(p.is_alive() for p in llm.runner.procs)
+    assert not any(p.is_alive() for p in procs)
+    if os.path.isdir("/dev/shm"):
+        assert set(os.listdir("/dev/shm")) - shm_before == set(), "shared memory left behind"
