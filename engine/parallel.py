@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import socket
 import traceback
 
@@ -54,7 +55,7 @@ def _worker_main(rank, size, port, config, hf_config, model_path, max_model_len,
         runner = ModelRunner(config, hf_config, model_path, max_model_len, tp)
         res_q.put(("ready", rank))
         while True:
-            cmd, args = cmd_q.get()
+            cmd, args = pickle.loads(cmd_q.get())
             if cmd == "shutdown":
                 res_q.put(("bye", rank))
                 os._exit(0)     # skip process-group destructors, which can block on exit
@@ -116,8 +117,11 @@ class TPDriver:
 
     def _broadcast(self, cmd: str, *args) -> None:
         self.check_workers()
+        # plain pickle, by value: a multiprocessing queue would move tensors into shared
+        # memory from its feeder thread while this rank's forward is still reading them
+        msg = pickle.dumps((cmd, args))
         for q in self.cmd_qs:
-            q.put((cmd, args))
+            q.put(msg)
 
     def _run(self, cmd: str, *args):
         self._broadcast(cmd, *args)
@@ -145,7 +149,7 @@ class TPDriver:
     def shutdown(self) -> None:
         for q in getattr(self, "cmd_qs", []):
             try:
-                q.put(("shutdown", ()))
+                q.put(pickle.dumps(("shutdown", ())))
             except Exception:
                 pass
         for p in getattr(self, "procs", []):
