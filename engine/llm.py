@@ -8,6 +8,7 @@ import os
 import queue
 import random
 import threading
+import time
 
 from .block_manager import BlockManager
 from .config import EngineConfig
@@ -216,6 +217,10 @@ class LLM:
                     self._fail_all(e)
                 for ev in events:
                     self._deliver(ev)
+            # between steps, outside the lock: give waiting threads (inspect, abort, new
+            # requests from the UI) the lock; CPython locks are not fair, and without this
+            # the loop can re-take it at once, step after step
+            time.sleep(0)
 
     def _deliver(self, ev: TokenEvent) -> None:
         q = self._queues.get(ev.request_id)
