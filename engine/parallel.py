@@ -146,6 +146,12 @@ class TPDriver:
     def execute_step(self, inp):
         return self._run("execute_step", inp)
 
+    def last_step_info(self) -> dict:
+        # the probes store the step's expert load on the runner they see: this driver
+        info = dict(self.local.last_step_info())
+        info["expert_load"] = self.__dict__.get("_expert_load")
+        return info
+
     def shutdown(self) -> None:
         for q in getattr(self, "cmd_qs", []):
             try:

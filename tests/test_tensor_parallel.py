@@ -18,6 +18,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2
 def _run(path, tp, watch=None):
     llm = LLM(path, num_kv_blocks=48, block_size=4, tensor_parallel_size=tp)
     procs = list(getattr(llm.runner, "procs", []))
+    llm.probes.record_expert_load = True
     try:
         outs = llm.generate(PROMPTS, GREEDY, watch=[watch, None, None])
         trace = llm.trace(outs[0].request_id) if watch else None
@@ -44,6 +45,10 @@ def test_tp2_greedy_tokens_equal_tp1(model_factory, arch, overrides):
     assert snap.tp_size == 2 and len(snap.tp_layout) == 2
     heads = sorted(h for r in snap.tp_layout for h in r.q_heads)
     assert heads == list(range(snap.num_heads))
+    if snap.moe:                    # the expert load of the last step reaches rank 0's trace
+        last = snap.steps[-1]
+        tokens = last.num_prefill_tokens + last.num_decode_tokens
+        np.testing.assert_array_equal(last.expert_load.sum(1), tokens * snap.moe["top_k"])
 
 
 def test_probes_gather_every_head_to_rank0(model_factory):
