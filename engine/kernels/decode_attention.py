@@ -268,9 +268,11 @@ def paged_decode_attention_cpu(
     max_ctx = max(lens) if lens else 0
     if max_ctx == 0 or min(lens) == 0:
         return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale, out)
-    ids = block_tables[:, :triton.cdiv(max_ctx, k_cache.shape[1])].long()
-    k = k_cache[ids].flatten(1, 2)[:, :max_ctx].transpose(1, 2)     # [B, Hkv, T, D]
-    v = v_cache[ids].flatten(1, 2)[:, :max_ctx].transpose(1, 2)
+    nb = -(-max_ctx // k_cache.shape[1])
+    ids = block_tables[:, :nb].reshape(-1).long()                   # index_select: no gather kernel
+    k = k_cache.index_select(0, ids).view(batch, -1, *k_cache.shape[2:])[:, :max_ctx]
+    v = v_cache.index_select(0, ids).view(batch, -1, *v_cache.shape[2:])[:, :max_ctx]
+    k, v = k.transpose(1, 2), v.transpose(1, 2)                     # [B, Hkv, T, D]
     mask = None
     if min(lens) != max_ctx:
         mask = (torch.arange(max_ctx)[None, :] < context_lens[:, None])[:, None, None, :]
