@@ -137,14 +137,14 @@ def apply_filters(probs: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, t: SamplingTensors):
-    """logits [B, V] -> (token ids [B] int64, logprobs [B] fp32, top ids [B,k], top lps [B,k])."""
+    """logits [B, V] -> (token ids [B] int64, logprobs [B] fp32, top ids [B,k], top lps [B,k]).
+    The logprob outputs are None when no request in the batch asked for logprobs."""
     logits = logits.float()
     if t.banned:
         rows, toks = zip(*t.banned)
         # a copy: fp32 logits from the runner are inference tensors and must not be written
         logits = logits.clone()
         logits[list(rows), list(toks)] = float("-inf")
-    logprobs = torch.log_softmax(logits, dim=-1)
     if t.all_greedy:
         tokens = logits.argmax(dim=-1)
     else:
@@ -155,8 +155,9 @@ def sample(logits: torch.Tensor, t: SamplingTensors):
         e = -torch.log(uniform_noise(t.seeds, t.positions, logits.shape[-1]))
         sampled = (probs / e).argmax(dim=-1)
         tokens = torch.where(t.temperature == 0, logits.argmax(dim=-1), sampled)
+    if not t.max_logprobs:          # nobody asked: no log-softmax over the vocabulary
+        return tokens, None, None, None
+    logprobs = torch.log_softmax(logits, dim=-1)
     chosen_lp = logprobs.gather(-1, tokens[:, None]).squeeze(-1)
-    top_lp = top_ids = None
-    if t.max_logprobs:
-        top_lp, top_ids = logprobs.topk(t.max_logprobs, dim=-1)
+    top_lp, top_ids = logprobs.topk(t.max_logprobs, dim=-1)
     return tokens, chosen_lp, top_ids, top_lp
