@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .config import EngineConfig
@@ -31,31 +32,39 @@ class StepInputs:
 
 
 def build_step_inputs(scheduled, block_size: int, probe_plan=None) -> StepInputs:
-    ids, pos, slots, ctx_lens, tables, cu, rows = [], [], [], [], [], [0], []
-    max_q, max_blocks = 0, 0
-    for s in scheduled:
+    """Flatten a scheduled batch. Plain Python lists and one numpy block table: this runs on
+    every step, serial with the GPU, so per-row tensor creation is avoided."""
+    ids, pos, slots, ctx_lens, cu, rows = [], [], [], [], [0], []
+    max_q = 0
+    max_blocks = max((len(s.seq.block_table) for s in scheduled), default=1) or 1
+    table = np.zeros((len(scheduled), max_blocks), dtype=np.int32)
+    total = 0
+    for i, s in enumerate(scheduled):
         seq, n, start = s.seq, s.num_tokens, s.start
-        ids.extend(seq.token_ids[start:start + n])
-        p = range(start, start + n)
-        pos.extend(p)
         bt = seq.block_table
-        slots.extend(bt[i // block_size] * block_size + i % block_size for i in p)
+        table[i, :len(bt)] = bt
+        if n == 1:                                   # decode: no per-token ranges
+            ids.append(seq.token_ids[start])
+            pos.append(start)
+            slots.append(bt[start // block_size] * block_size + start % block_size)
+        else:
+            ids.extend(seq.token_ids[start:start + n])
+            p = range(start, start + n)
+            pos.extend(p)
+            slots.extend(bt[j // block_size] * block_size + j % block_size for j in p)
         ctx_lens.append(start + n)
-        tables.append(bt)
-        max_blocks = max(max_blocks, len(bt))
-        cu.append(cu[-1] + n)
-        max_q = max(max_q, n)
+        total += n
+        cu.append(total)
+        if n > max_q:
+            max_q = n
         if s.samples:
-            rows.append(cu[-1] - 1)
-    table = torch.zeros(len(tables), max(max_blocks, 1), dtype=torch.int32)
-    for i, bt in enumerate(tables):
-        table[i, :len(bt)] = torch.tensor(bt, dtype=torch.int32)
+            rows.append(total - 1)
     return StepInputs(
         input_ids=torch.tensor(ids, dtype=torch.int64),
         positions=torch.tensor(pos, dtype=torch.int64),
         slot_mapping=torch.tensor(slots, dtype=torch.int64),
         context_lens=torch.tensor(ctx_lens, dtype=torch.int32),
-        block_tables=table, cu_seqlens_q=torch.tensor(cu, dtype=torch.int32),
+        block_tables=torch.from_numpy(table), cu_seqlens_q=torch.tensor(cu, dtype=torch.int32),
         max_seqlen_q=max_q, sample_rows=torch.tensor(rows, dtype=torch.int64),
         is_decode=max_q == 1, probe_plan=probe_plan)
 
