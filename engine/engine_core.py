@@ -29,7 +29,8 @@ class EngineCore:
         self.detok: dict[str, IncrementalDetokenizer] = {}
 
     def add(self, seq: Sequence) -> None:
-        self.detok[seq.request_id] = IncrementalDetokenizer(self.tokenizer, seq.params.stop)
+        if self.tokenizer is not None:      # token-id-only engines (benchmarks) skip all text work
+            self.detok[seq.request_id] = IncrementalDetokenizer(self.tokenizer, seq.params.stop)
         self.scheduler.add(seq)
 
     def abort(self, seq: Sequence) -> TokenEvent:
@@ -111,7 +112,7 @@ class EngineCore:
                 seq.first_token_time = now
             d = self.detok.get(seq.request_id)
             if d is not None:
-                d.add(seq.output_token_ids)
+                d.add(seq.token_ids, seq.num_prompt_tokens)
                 if d.stopped and not seq.is_finished:
                     self.scheduler.finish(seq, "stop")
             if seq.is_finished:

@@ -5,7 +5,7 @@ later, with nothing lost)."""
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .block_manager import BlockManager
 from .sequence import Sequence, SequenceStatus
@@ -16,11 +16,12 @@ class ScheduledSeq:
     seq: Sequence
     num_tokens: int             # tokens computed this step (a prefill chunk, or 1 to decode)
     start: int                  # position of the first of them
+    # this chunk reaches the end of the sequence, so its last logits are sampled (fixed when
+    # scheduled: the sampled token is appended later in the step)
+    samples: bool = field(init=False)
 
-    @property
-    def samples(self) -> bool:
-        """This chunk reaches the end of the sequence, so its last logits are sampled."""
-        return self.start + self.num_tokens == len(self.seq)
+    def __post_init__(self):
+        self.samples = self.start + self.num_tokens == len(self.seq)
 
 
 class Scheduler:
@@ -58,18 +59,20 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         out: list[ScheduledSeq] = []
         # 1. running requests, oldest first; make room by preempting the youngest
-        i = 0
+        i, bs = 0, self.bm.block_size
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            while not self.bm.can_append(seq, len(seq)):
-                victim = self.running[-1]
-                self._preempt(victim)
-                if victim is seq:
-                    break
-            if seq.status != SequenceStatus.RUNNING:
-                break                                # seq preempted itself: nothing left after it
-            self.bm.append_slots(seq, len(seq))
-            n = min(len(seq) - seq.num_computed_tokens, budget)
+            length = len(seq.token_ids)
+            if (length + bs - 1) // bs > len(seq.block_table):   # needs a new block (1 step in bs)
+                while not self.bm.can_append(seq, length):
+                    victim = self.running[-1]
+                    self._preempt(victim)
+                    if victim is seq:
+                        break
+                if seq.status != SequenceStatus.RUNNING:
+                    break                            # seq preempted itself: nothing left after it
+                self.bm.append_slots(seq, length)
+            n = min(length - seq.num_computed_tokens, budget)
             out.append(ScheduledSeq(seq, n, seq.num_computed_tokens))
             budget -= n
             i += 1
