@@ -1,0 +1,68 @@
+"""Host time of one engine step with the forward stubbed out: scheduling, building inputs,
+sampling bookkeeping, postprocessing and the step trace — the Python work that runs serially
+with the GPU. Runs anywhere (no GPU, no weights).
+
+    python bench/host_overhead.py --batch 256
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine.block_manager import BlockManager  # noqa: E402
+from engine.engine_core import EngineCore  # noqa: E402
+from engine.sampling import SamplingParams  # noqa: E402
+from engine.scheduler import Scheduler  # noqa: E402
+from engine.sequence import Sequence  # noqa: E402
+
+
+class StubRunner:
+    """Returns logits of the right shape at once: only host work remains."""
+    device = torch.device("cpu")
+
+    def __init__(self, vocab: int):
+        self.logits = torch.randn(4096, vocab)
+
+    def execute_step(self, inp):
+        return self.logits[:len(inp.sample_rows)], None
+
+    def last_step_info(self) -> dict:
+        return {}
+
+
+def main(batch: int = 256, steps: int = 50, vocab: int = 1000, seed: int = 0) -> dict:
+    rng = random.Random(seed)
+    bm = BlockManager(batch * 80, 16)
+    sched = Scheduler(bm, batch, 8192, 4096, {0})
+    core = EngineCore(StubRunner(vocab), sched, bm, None, {0})
+    for i in range(batch):
+        n = rng.randint(100, 1000)
+        core.add(Sequence(str(i), [rng.randint(1, vocab - 1) for _ in range(n)],
+                          SamplingParams(temperature=0, max_tokens=4000, ignore_eos=True), i))
+    while sched.waiting or any(s.num_computed_tokens < len(s.token_ids) - 1 for s in sched.running):
+        core.step()                                   # prefill everything first
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        core.step()
+        times.append(time.perf_counter() - t)
+    med = statistics.median(times) * 1e3
+    print(f"host time per decode step, {batch} requests (greedy, stub forward): {med:.2f} ms "
+          f"(median of {steps})")
+    return {"batch": batch, "host_ms_per_step": med}
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=50)
+    a = ap.parse_args()
+    main(a.batch, a.steps)
