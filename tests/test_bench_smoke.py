@@ -200,3 +200,9 @@ def test_a_section_past_its_time_limit_keeps_its_finished_figures():
     assert time.perf_counter() - t0 < 5
     assert [s["status"] for s in status] == ["timeout", "ok"]
     assert [r["metric"] for r in rows] == ["done_before_timeout", "error", "m"]
+
+
+def test_host_overhead_bench_runs_and_reports_a_positive_time():
+    from bench import host_overhead
+    out = host_overhead.main(batch=8, steps=3)
+    assert out["batch"] == 8 and out["host_ms_per_step"] > 0
