@@ -4,6 +4,7 @@ Model code then reads `forward(input_ids, positions)` and stays close to the mat
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -20,14 +21,16 @@ class ForwardContext:
     probes: object | None = None        # ProbeBuffers of this step, or None (probes off)
 
 
-_ctx: ForwardContext | None = None
+# per thread: each engine runs its forward on its own loop thread, and two engines may live in
+# one process (two UI models, two TP engines), so a process-wide global would be shared by both
+_local = threading.local()
 
 
 def set_context(ctx: ForwardContext | None) -> None:
-    global _ctx
-    _ctx = ctx
+    _local.ctx = ctx
 
 
 def get_context() -> ForwardContext:
-    assert _ctx is not None, "no forward context: call through ModelRunner"
-    return _ctx
+    ctx = getattr(_local, "ctx", None)
+    assert ctx is not None, "no forward context: call through ModelRunner"
+    return ctx

@@ -128,3 +128,28 @@ def test_abort_does_not_disturb_other_requests(llm):
 
 def test_abort_of_an_unknown_request_returns_false(llm):
     assert llm.abort("no-such-request") is False
+
+
+def test_two_engines_in_one_process_run_at_once(qwen3_dir):
+    """Each engine's forward reads its own context, even when both step at the same time."""
+    import threading as th
+
+    from engine import LLM, SamplingParams
+    engines = [LLM(qwen3_dir, device="cpu", num_kv_blocks=64, block_size=4) for _ in range(2)]
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [3, 4, 5]]
+    try:
+        ref = [o.token_ids for o in engines[0].generate(prompts, sp)]
+        got: dict = {}
+
+        def run(i):
+            got[i] = [[o.token_ids for o in engines[i].generate(prompts, sp)] for _ in range(3)]
+        threads = [th.Thread(target=run, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert got[0] == got[1] == [ref] * 3
+    finally:
+        for e in engines:
+            e.shutdown()
