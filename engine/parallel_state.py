@@ -8,6 +8,7 @@ per step (shown in the Engine tab).
 from __future__ import annotations
 
 import contextlib
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -41,30 +42,33 @@ class TPGroup:
         return n
 
 
-_current = TPGroup()
+# per thread: layers read the group while they are built, and two engines may be built at
+# once in one process (on two threads)
+_local = threading.local()
 
 
 def get_tp() -> TPGroup:
-    return _current
+    g = getattr(_local, "group", None)
+    return g if g is not None else TPGroup()
 
 
 def get_tp_rank() -> int:
-    return _current.rank
+    return get_tp().rank
 
 
 def get_tp_size() -> int:
-    return _current.size
+    return get_tp().size
 
 
 @contextlib.contextmanager
 def use_tp(group: TPGroup):
-    """Build layers inside this block to bind them to `group`."""
-    global _current
-    prev, _current = _current, group
+    """Build layers inside this block (on this thread) to bind them to `group`."""
+    prev = getattr(_local, "group", None)
+    _local.group = group
     try:
         yield group
     finally:
-        _current = prev
+        _local.group = prev
 
 
 def divide(a: int, b: int, what: str) -> int:

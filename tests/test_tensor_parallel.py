@@ -103,3 +103,22 @@ def test_killed_worker_raises_on_rank0_within_seconds(model_factory):
     assert not any(p.is_alive() for p in procs)
     if os.path.isdir("/dev/shm"):
         assert set(os.listdir("/dev/shm")) - shm_before == set(), "shared memory left behind"
+
+
+def test_tp_group_binding_is_per_thread():
+    """Two engines built at once on two threads each bind their own group (no shared global)."""
+    from engine.parallel_state import TPGroup, get_tp, use_tp
+    barrier, seen = threading.Barrier(2), {}
+
+    def build(rank):
+        with use_tp(TPGroup(rank=rank, size=2)):
+            barrier.wait()                  # both inside their block at the same time
+            seen[rank] = get_tp().rank
+            barrier.wait()
+    threads = [threading.Thread(target=build, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=10)
+    assert seen == {0: 0, 1: 1}
+    assert get_tp().size == 1               # outside any block: a single rank
