@@ -4,6 +4,7 @@ batch into flat tensors (input_ids, positions, slot_mapping, block tables), run 
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -14,6 +15,9 @@ from .context import ForwardContext, set_context
 from .loader import init_dummy_weights, load_weights
 from .models.registry import model_class
 from .parallel_state import TPGroup, use_tp
+
+
+_BUILD_LOCK = threading.Lock()
 
 
 @dataclass
@@ -83,13 +87,16 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         torch.manual_seed(config.seed)
-        prev = torch.get_default_dtype()
-        torch.set_default_dtype(self.dtype)
-        try:
-            with torch.device(self.device), use_tp(self.tp):
-                self.model = model_class(hf_config)(hf_config, max_model_len + config.block_size)
-        finally:
-            torch.set_default_dtype(prev)
+        # the default dtype is process-wide: engines built at once on two threads take turns
+        with _BUILD_LOCK:
+            prev = torch.get_default_dtype()
+            torch.set_default_dtype(self.dtype)
+            try:
+                with torch.device(self.device), use_tp(self.tp):
+                    self.model = model_class(hf_config)(hf_config,
+                                                        max_model_len + config.block_size)
+            finally:
+                torch.set_default_dtype(prev)
         for m in self.model.modules():      # the rotary table stays fp32 like HF's
             if hasattr(m, "cos_sin_cache"):
                 m.cos_sin_cache = m.cos_sin_cache.float().to(self.device)
