@@ -180,6 +180,7 @@ class ProbeManager:
         self.max_traces = max_traces
         self.record_expert_load = False      # global aggregate (the UI turns it on)
         self._specs: dict[str, object] = {}
+        self._active: set[str] = set()         # watched requests not yet finished
 
     @property
     def moe_layers(self) -> list[int]:
@@ -193,6 +194,7 @@ class ProbeManager:
         tr.token_texts = [self._text(t) for t in seq.prompt_token_ids]
         self.traces[seq.request_id] = tr
         self._specs[seq.request_id] = seq.watch
+        self._active.add(seq.request_id)
         while len(self.traces) > self.max_traces:
             old, _ = self.traces.popitem(last=False)
             self._specs.pop(old, None)
@@ -203,6 +205,8 @@ class ProbeManager:
 
     def plan(self, scheduled) -> ProbePlan | None:
         self.llm.runner._expert_load = None     # this step's load only; none when not recorded
+        if not self._active and not (self.record_expert_load and self.moe_layers):
+            return None                         # off means off: no per-step walk of the batch
         entries, row, sampling_rows = [], 0, []
         for b, s in enumerate(scheduled):
             if s.samples:
@@ -332,6 +336,7 @@ class ProbeManager:
                 tr.output_token_ids = list(seq.output_token_ids)
 
     def finish_request(self, seq) -> None:
+        self._active.discard(seq.request_id)
         tr = self.traces.get(seq.request_id)
         if tr is not None:
             tr.output_token_ids = list(seq.output_token_ids)
