@@ -1,5 +1,10 @@
 """CUDA graphs for decode: one graph per batch-size bucket, captured with and without probes.
 
+The probe-free graphs are captured at start-up. Probe-capturing variants — (lens, attention)
+on top of norms and routing, see probes.graph_variant — are captured the first time a watched
+request needs one at that bucket: start-up stays as fast as with probes off, and a watch for
+norms never pays for the logit lens or the attention rows.
+
 Graph inputs are static device buffers sized for max_num_seqs rows and max_model_len plus one
 block of context, so any decode batch up to the largest bucket replays (padded rows get
 context_len 0 and slot -1); larger batches run eagerly. Inputs are staged in pinned host
@@ -19,7 +24,7 @@ def graph_buckets(max_num_seqs: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, runner, max_num_seqs: int, probe_factory=None):
+    def __init__(self, runner, max_num_seqs: int):
         self.runner = runner
         dev = runner.device
         self.max_bs = min(max_num_seqs, 1024)
@@ -38,9 +43,10 @@ class DecodeGraphs:
         self.h_slots = torch.zeros(n, dtype=torch.int64).pin_memory()
         self.h_ctx = torch.zeros(n, dtype=torch.int32).pin_memory()
         self.h_tables = torch.zeros(n, self.max_blocks, dtype=torch.int32).pin_memory()
-        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
-        self.logits: dict[tuple[int, bool], torch.Tensor] = {}
-        self.probe_bufs: dict[int, object] = {}
+        # key: (bucket, variant); variant None = probes off, else probes.graph_variant(plan)
+        self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[tuple, torch.Tensor] = {}
+        self.probe_bufs: dict[tuple, object] = {}
         self.pool = torch.cuda.graph_pool_handle()
         self._capture_all()
 
@@ -59,22 +65,33 @@ class DecodeGraphs:
         finally:
             set_context(None)
 
-    def _capture_all(self) -> None:
+    def _capture(self, bs: int, variant) -> None:
         from .probes import graph_probe_buffers
-        self.context_lens.fill_(1)          # a valid context for warm-up and capture
+        probes = graph_probe_buffers(self.runner, bs, variant) if variant is not None else None
         with torch.inference_mode():
-            for with_probes in (False, True):
-                for bs in reversed(self.buckets):
-                    probes = graph_probe_buffers(self.runner, bs) if with_probes else None
-                    self._run(bs, probes)                   # warm-up: compile, allocate scratch
-                    torch.cuda.synchronize()
-                    g = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(g, pool=self.pool):
-                        self.logits[(bs, with_probes)] = self._run(bs, probes)
-                    self.graphs[(bs, with_probes)] = g
-                    if with_probes:
-                        self.probe_bufs[bs] = probes
+            self._run(bs, probes)                   # warm-up: compile, allocate scratch
+            torch.cuda.synchronize()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=self.pool):
+                self.logits[(bs, variant)] = self._run(bs, probes)
+        self.graphs[(bs, variant)] = g
+        if probes is not None:
+            self.probe_bufs[(bs, variant)] = probes
+
+    def _capture_all(self) -> None:
+        self.context_lens.fill_(1)          # a valid context for warm-up and capture
+        for bs in reversed(self.buckets):
+            self._capture(bs, None)
         self.context_lens.zero_()
+        torch.cuda.synchronize()
+
+    def _capture_late(self, bs: int, variant) -> None:
+        """Capture a probe variant between steps. Warm-up and capture run the forward on the
+        static inputs, so first make them harmless: no KV write (slot -1), context 1."""
+        torch.cuda.synchronize()
+        self.slot_mapping.fill_(-1)
+        self.context_lens.fill_(1)
+        self._capture(bs, variant)
         torch.cuda.synchronize()
 
     # ---- replay ------------------------------------------------------------------------------
@@ -92,9 +109,14 @@ class DecodeGraphs:
         from .probes import graph_supports
         return graph_supports(plan, self.runner)
 
-    def replay(self, inp, plan) -> torch.Tensor:
+    def replay(self, inp, plan):
+        """-> (logits [B, vocab], the variant's probe buffers or None)."""
+        from .probes import graph_variant
         B = len(inp.context_lens)
         bs = self.bucket(B)
+        variant = graph_variant(plan)
+        if (bs, variant) not in self.graphs:
+            self._capture_late(bs, variant)
         nb = inp.block_tables.shape[1]
         self.h_ids[:B] = inp.input_ids
         self.h_pos[:B] = inp.positions
@@ -108,9 +130,9 @@ class DecodeGraphs:
         self.slot_mapping[:bs].copy_(self.h_slots[:bs], non_blocking=True)
         self.context_lens[:bs].copy_(self.h_ctx[:bs], non_blocking=True)
         self.block_tables[:B, :nb].copy_(self.h_tables[:B, :nb], non_blocking=True)
-        with_probes = plan is not None
-        if with_probes:
-            self.probe_bufs[bs].load_plan(plan, B)
-        self.graphs[(bs, with_probes)].replay()
+        bufs = self.probe_bufs.get((bs, variant))
+        if bufs is not None:
+            bufs.load_plan(plan)
+        self.graphs[(bs, variant)].replay()
         self.runner._graph_bucket = bs
-        return self.logits[(bs, with_probes)][:B]
+        return self.logits[(bs, variant)][:B], bufs

@@ -179,6 +179,7 @@ class ModelRunner:
                                     device=self.device)
         for i, attn in enumerate(self.model.attention_layers):
             attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+        self.model.k_cache_all = self.kv_cache[0]     # the attention probe reads every layer
         self.num_blocks = num_blocks
 
     # ---- running a step ----------------------------------------------------------------------
@@ -203,11 +204,11 @@ class ModelRunner:
                 set_context(None)
         return logits
 
-    def capture_graphs(self, max_num_seqs: int, probe_factory=None) -> None:
+    def capture_graphs(self, max_num_seqs: int) -> None:
         if self.device.type != "cuda" or self.config.enforce_eager:
             return
         from .cuda_graphs import DecodeGraphs
-        self.graphs = DecodeGraphs(self, max_num_seqs, probe_factory)
+        self.graphs = DecodeGraphs(self, max_num_seqs)
 
     # ---- the step API the engine core calls (a TP driver offers the same) -------------------
     def execute_step(self, inp: StepInputs):
@@ -217,14 +218,15 @@ class ModelRunner:
         self._graph_bucket = None
         if self.graphs is not None and inp.is_decode and self.graphs.can_run(inp, plan):
             with torch.inference_mode():
-                logits = self.graphs.replay(inp, plan)
-            bufs = self.graphs.probe_bufs[self._graph_bucket] if plan is not None else None
+                logits, bufs = self.graphs.replay(inp, plan)
         else:
             bufs = None
             if plan is not None:
                 from .probes import ProbeBuffers
                 bufs = ProbeBuffers.for_step(self, inp)
             logits = self.execute(inp, bufs)
+        if bufs is not None:
+            bufs.start_copy()       # the step's one device->host copy, read after the sync
         self._collectives = self.tp.take_collective_count()
         return logits, bufs
 

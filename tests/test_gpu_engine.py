@@ -51,20 +51,47 @@ def test_bf16_logprobs_close_to_hf(model_factory, block_size):
     np.testing.assert_allclose([x.logprob for x in out.logprobs], ref, atol=0.08)
 
 
-def test_graph_probes_equal_eager_probes(model_factory):
-    path = model_factory("qwen3")
+SPECS = {
+    "all": ProbeSpec(),
+    "norms+routing": ProbeSpec(logit_lens=False, attention=False),
+    "attention-subset": ProbeSpec(norms=False, logit_lens=False, routing=False, layers=(1,)),
+}
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("spec", list(SPECS))
+def test_graph_probes_equal_eager_probes(model_factory, arch, spec):
+    """Each probe-capturing graph variant (captured on first use) records what the eager
+    forward records: norms from the norm kernels' sums, routing from the router's own
+    buffers, attention for all layers in one launch pair, the lens."""
+    path = model_factory(arch)
     sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    traces = []
+    traces, loads = [], []
     for eager in (False, True):
         llm = LLM(path, device="cuda", dtype="float32", num_kv_blocks=64, block_size=16,
                   max_num_seqs=4, enforce_eager=eager)
-        outs = llm.generate(PROMPTS, sp, watch=[ProbeSpec(), None, None])
+        outs = llm.generate(PROMPTS, sp, watch=[SPECS[spec], None, None])
         traces.append((outs[0].token_ids, llm.trace(outs[0].request_id)))
+        steps = llm.inspect().steps
+        assert any(st.graph_bucket is not None for st in steps) != eager
+        loads.append([st.expert_load for st in steps if st.expert_load is not None])
         llm.shutdown()
     (ta, a), (tb, b) = traces
     assert ta == tb
     np.testing.assert_allclose(a.norms(), b.norms(), rtol=1e-3)
+    assert len(a.attention) == len(b.attention)
     for x, y in zip(a.attention, b.attention):
+        assert x.layers == y.layers
         np.testing.assert_allclose(x.probs, y.probs, atol=1e-4)
+    assert len(a.lens) == len(b.lens)
     for x, y in zip(a.lens, b.lens):
         np.testing.assert_array_equal(x.top_ids[:, 0], y.top_ids[:, 0])
+    # expert load of every step (graph padding rows excluded) is the same either way
+    assert len(loads[0]) == len(loads[1])
+    for x, y in zip(*loads):
+        np.testing.assert_array_equal(x, y)
+    ra, rb = a.routing(), b.routing()
+    assert (ra is None) == (rb is None)
+    if ra is not None:
+        np.testing.assert_allclose(ra[0], rb[0], atol=1e-5)
+        np.testing.assert_array_equal(ra[1], rb[1])

@@ -175,6 +175,30 @@ def test_fused_add_rms_norm_kernel_matches_ref(dtype):
     torch.testing.assert_close(out, ref_out, **TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("fused", [False, True])
+def test_rms_norm_kernel_writes_residual_sumsq_for_probes(dtype, fused):
+    """The probes' residual norms come from the norm kernel's own sum of squares: it must be
+    ||x + residual||^2 of the stored (rounded) residual, row by row, and leave rows past N alone."""
+    x, residual = torch.randn(2, 21, 256).to(dtype) * 3
+    w = torch.randn(256).to(dtype)
+    sumsq = torch.full((25,), -7.0)
+    ref_sumsq = torch.full((25,), -7.0)
+    if fused:
+        out, res = norm.fused_add_rms_norm(x, residual, w, 1e-6, sumsq)
+        ref_out, ref_res = norm.fused_add_rms_norm_ref(x, residual, w, 1e-6, ref_sumsq)
+        stream = ref_res
+    else:
+        out = norm.rms_norm(x, w, 1e-6, sumsq)
+        ref_out = norm.rms_norm_ref(x, w, 1e-6, ref_sumsq)
+        stream = x
+    torch.testing.assert_close(out, ref_out, **TOL[dtype])
+    expect = stream.float().pow(2).sum(-1)
+    torch.testing.assert_close(sumsq[:21], expect, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(ref_sumsq[:21], expect, rtol=1e-5, atol=1e-4)
+    assert (sumsq[21:] == -7.0).all() and (ref_sumsq[21:] == -7.0).all()
+
+
 # ---------------------------------------------------------------- rotary
 
 @pytest.mark.parametrize("head_dim,base", [(32, 10000.0), (128, 1e6)])
@@ -369,6 +393,43 @@ def test_attention_probs_kernel_matches_ref_and_dense_softmax(block_size, hq, hk
         k = keys[b].double().repeat_interleave(hq // hkv, dim=1)  # [c, Hq, D]
         want = (torch.einsum("hd,thd->ht", q.double(), k) * 0.3).softmax(-1)
         torch.testing.assert_close(ref[:, :c].double(), want, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_attention_probs_layers_reads_each_layer_of_the_stacked_cache(dtype):
+    """The batched probe: A query rows, each scored against its own layer of a [L, ...] K cache
+    (layers chosen out of order, one repeated) equal per-layer dense softmaxes."""
+    block_size, hq, hkv, d, c = 5, 4, 2, 32, 23
+    layers, tables = [], None
+    for _ in range(3):
+        k_cache, _, t, keys, _ = paged_kv([c], block_size, hkv, d, dtype)
+        tables = t if tables is None else tables
+        layers.append((k_cache, keys[0]))
+    # the same block table for every layer, as in the engine: reuse layer 0's
+    k_all = torch.stack([layers[0][0]] + [
+        _relayout(layers[0][0], tables[0], c, block_size, keys) for _, keys in layers[1:]])
+    key_sets = [layers[0][1]] + [k for _, k in layers[1:]]
+    layer_ids = torch.tensor([2, 0, 2], dtype=torch.int32)
+    q = torch.randn(3, hq, d).to(dtype)
+    length = torch.tensor([c], dtype=torch.int32)
+    out = probe.attention_probs_layers(q, k_all, layer_ids, tables[0], length, 0.3,
+                                       torch.full((3, hq, 40), NAN))
+    ref = probe.attention_probs_layers_ref(q, k_all, layer_ids, tables[0], length, 0.3,
+                                           torch.full((3, hq, 40), NAN))
+    torch.testing.assert_close(out, ref, **TOL[dtype])
+    for i, layer in enumerate(layer_ids.tolist()):
+        k = key_sets[layer].double().repeat_interleave(hq // hkv, dim=1)
+        want = (torch.einsum("hd,thd->ht", q[i].double(), k) * 0.3).softmax(-1)
+        torch.testing.assert_close(out[i, :, :c].double(), want, **TOL[dtype])
+        assert (out[i, :, c:] == 0).all()
+
+
+def _relayout(k_cache_like, table, ctx, block_size, keys):
+    """A K cache shaped like k_cache_like holding `keys` at the positions `table` maps."""
+    k = torch.full_like(k_cache_like, NAN)
+    for t in range(ctx):
+        k[table[t // block_size], t % block_size] = keys[t]
+    return k
 
 
 def test_block_mass_sums_probabilities_per_kv_block():

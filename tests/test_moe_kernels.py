@@ -78,6 +78,27 @@ def test_route_triton_kernel_matches_reference(n, experts, top_k, norm):
     torch.testing.assert_close(w, w_r, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("triton_path", [False, True])
+def test_route_writes_into_given_buffers(triton_path):
+    """The probes hand route() slices of their stacked per-layer buffers: the results must land
+    there, equal to a fresh route, and leave the rest of the buffer alone."""
+    n, experts, top_k = 7, 16, 4
+    logits = 2 * torch.randn(n, experts, generator=_gen(99))
+    probs_all = torch.full((2, 9, experts), -5.0)
+    w_all = torch.full((2, 9, top_k), -5.0)
+    ids_all = torch.full((2, 9, top_k), -5, dtype=torch.int32)
+    out = (probs_all[1, :n], w_all[1, :n], ids_all[1, :n])
+    got = _route_triton(logits, top_k, True, out) if triton_path else route(logits, top_k, True, out)
+    want = route_ref(logits, top_k, True)
+    for g, o, w in zip(got, out, want):
+        assert g.data_ptr() == o.data_ptr()
+        torch.testing.assert_close(o, w.to(o.dtype), rtol=1e-5, atol=1e-7)
+    assert (probs_all[0] == -5).all() and (probs_all[1, n:] == -5).all()
+    assert (ids_all[0] == -5).all() and (w_all[1, n:] == -5).all()
+    with pytest.raises(ValueError, match="contiguous"):
+        route(logits, top_k, True, (probs_all[1, :n, :8], w_all[1, :n], ids_all[1, :n]))
+
+
 def test_route_triton_kernel_breaks_ties_toward_lower_expert():
     logits = torch.tensor([[1.0, 3.0, 3.0, 0.0, 3.0, -1.0, 2.0, 2.0]] * 3, dtype=torch.float16)
     _, w, ids = _route_triton(logits, 4, False)

@@ -370,6 +370,31 @@ def test_routing_after_prefix_cache_hit_leaves_cached_rows_unknown(moe):
         np.testing.assert_array_equal(ids[cached:, j], indices[cached:].numpy())
 
 
+def test_big_steps_select_routing_rows_and_still_match_hf(moe, monkeypatch):
+    """Steps with more rows than STACK_ROUTING_ROWS record routing by selecting the watched
+    rows per layer instead of through the router's stacked buffers: still HF's routing."""
+    import engine.probes as probes_mod
+    arch, engine, hf, out, trace, ref = moe
+    monkeypatch.setattr(probes_mod, "STACK_ROUTING_ROWS", 0)
+    res = engine.generate([prompt(40, 7), prompt(41, 5)], greedy(4), watch=[ProbeSpec(), None])
+    t = engine.trace(res[0].request_id)
+    r = hf_run(hf, processed(t))
+    probs, ids, weights = t.routing()
+    for j, layer in enumerate(MOE[arch]):
+        logits, scores, indices = r["router"][layer]
+        np.testing.assert_allclose(probs[:, j], torch.softmax(logits.float(), -1).numpy(),
+                                   rtol=RTOL, atol=1e-6)
+        np.testing.assert_array_equal(ids[:, j], indices.numpy())
+        np.testing.assert_allclose(weights[:, j], scores.float().numpy(), rtol=RTOL, atol=1e-6)
+        if arch == "qwen2_moe":
+            np.testing.assert_allclose(np.stack(t.shared_expert_gate)[:, j],
+                                       r["shared"][layer].numpy(), rtol=RTOL, atol=1e-6)
+    k = hf.config.num_experts_per_tok
+    for st in engine.inspect().steps[-4:]:
+        np.testing.assert_array_equal(st.expert_load.sum(-1),
+                                      (st.num_prefill_tokens + st.num_decode_tokens) * k)
+
+
 def test_moe_norms_and_attention_match_hf(moe):
     arch, engine, hf, out, trace, ref = moe
     assert_norms_match(trace, ref)

@@ -68,12 +68,15 @@ def _route_kernel(
     tl.store(ids_ptr + out_off, top_i, mask=kmask)
 
 
-def _route_triton(router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool):
+def _route_triton(router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool, out=None):
     num_tokens, num_experts = router_logits.shape
     dev = router_logits.device
-    probs = torch.empty(num_tokens, num_experts, dtype=torch.float32, device=dev)
-    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=dev)
-    ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=dev)
+    if out is not None:
+        probs, weights, ids = out
+    else:
+        probs = torch.empty(num_tokens, num_experts, dtype=torch.float32, device=dev)
+        weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=dev)
+        ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=dev)
     if num_tokens == 0:
         return probs, weights, ids
     logits = router_logits if router_logits.stride(1) == 1 else router_logits.contiguous()
@@ -88,9 +91,14 @@ def _route_triton(router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool)
 
 
 def route(
-    router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool
+    router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool,
+    out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Router for the engine; same contract as `route_ref`.
+
+    `out` = (probs, weights, ids), contiguous [N, E] fp32 / [N, k] fp32 / [N, k] int32: write
+    there instead of allocating. The probes pass slices of their per-step buffers, so recording
+    routing costs no launch.
 
     On CUDA one Triton kernel replaces torch's ~6 launches (softmax, topk, sort, sum, div, cast:
     ~16 µs per layer at decode on an H200). Same experts as torch.topk except on exact ties,
@@ -102,6 +110,17 @@ def route(
     num_experts = router_logits.shape[1]
     if not 1 <= top_k <= num_experts:
         raise ValueError(f"top_k must be in [1, num_experts={num_experts}], got {top_k}")
+    if out is not None:
+        n = router_logits.shape[0]
+        want = ((n, num_experts, torch.float32), (n, top_k, torch.float32), (n, top_k, torch.int32))
+        for t, (rows, cols, dtype) in zip(out, want):
+            if tuple(t.shape) != (rows, cols) or t.dtype != dtype or not t.is_contiguous():
+                raise ValueError(f"route out tensors must be contiguous {want}")
     if router_logits.is_cuda and num_experts <= 1024:
-        return _route_triton(router_logits, top_k, norm_topk_prob)
-    return route_ref(router_logits, top_k, norm_topk_prob)
+        return _route_triton(router_logits, top_k, norm_topk_prob, out)
+    res = route_ref(router_logits, top_k, norm_topk_prob)
+    if out is None:
+        return res
+    for dst, src in zip(out, res):
+        dst.copy_(src)
+    return out

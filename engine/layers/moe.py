@@ -57,8 +57,10 @@ class FusedMoE(nn.Module):
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor, layer_idx: int,
                 shared_gate: torch.Tensor | None = None) -> torch.Tensor:
         """x [N, H], router_logits [N, E] -> partial (un-reduced) output [N, H]."""
-        probs, topk_w, topk_ids = moe_routing.route(router_logits, self.top_k, self.norm_topk_prob)
         probes = get_context().probes
+        out = probes.route_out(layer_idx, x.shape[0]) if probes is not None else None
+        probs, topk_w, topk_ids = moe_routing.route(router_logits, self.top_k, self.norm_topk_prob,
+                                                    out)
         if probes is not None:
             probes.on_router(layer_idx, probs, topk_ids, topk_w, shared_gate)
         w = topk_w.to(x.dtype)      # HF casts the routing weights to the hidden dtype

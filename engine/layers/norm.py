@@ -1,7 +1,8 @@
 """RMSNorm with an optional fused residual add (Triton on GPU, the torch reference on CPU).
 
 With a residual, returns (normed, residual_out) where residual_out = x + residual is the true
-residual stream: the probes read their norms from it.
+residual stream. `sumsq` (probes only) receives sum(residual^2) per row, computed by the same
+kernel: residual norms for the probes cost no extra launch.
 """
 from __future__ import annotations
 
@@ -17,9 +18,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
+                sumsq: torch.Tensor | None = None):
         cuda = x.is_cuda
         if residual is None:
-            return (k.rms_norm if cuda else k.rms_norm_ref)(x, self.weight, self.eps)
+            return (k.rms_norm if cuda else k.rms_norm_ref)(x, self.weight, self.eps, sumsq)
         return (k.fused_add_rms_norm if cuda else k.fused_add_rms_norm_ref)(
-            x, residual, self.weight, self.eps)
+            x, residual, self.weight, self.eps, sumsq)

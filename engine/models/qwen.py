@@ -80,12 +80,15 @@ class QwenDecoderLayer(nn.Module):
         self.mlp = mlp
 
     def forward(self, positions, hidden, residual):
-        if residual is None:
-            residual, hidden = hidden, self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+        # the residual entering layer i is hook_embed (i = 0) or blocks.{i-1}.hook_resid_post;
+        # its norm kernel also stores sum(residual^2) for the probes (no extra launch)
         probes = _probes()
-        if probes is not None:      # residual entering layer i = hook_embed / resid_post of i-1
+        sumsq = probes.sumsq_out(self.layer_idx) if probes is not None else None
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden, sumsq=sumsq)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual, sumsq)
+        if probes is not None:
             probes.on_resid(self.layer_idx, residual)
         hidden = self.self_attn(positions, hidden)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
@@ -105,10 +108,12 @@ class QwenModel(nn.Module):
         hidden, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual)
-        hidden, residual = self.norm(hidden, residual)
         probes = _probes()
+        last = len(self.layers)
+        hidden, residual = self.norm(hidden, residual,
+                                     probes.sumsq_out(last) if probes is not None else None)
         if probes is not None:
-            probes.on_resid(len(self.layers), residual)
+            probes.on_resid(last, residual)
         return hidden
 
 

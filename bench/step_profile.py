@@ -1,0 +1,126 @@
+"""Where a step's time goes, on the GPU: per-kernel CUDA time of one batch-1 decode step and of a
+full-batch decode step (torch profiler), and, for the `throughput` workload, the engine's own
+StepTraces grouped by step kind (graph-replayed decode, eager decode, mixed, prefill-only).
+
+    python bench/step_profile.py [--model qwen3-0.6b] [--num-requests 256]
+
+A diagnostic, not a benchmark: it prints tables, it does not write RESULTS.md.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+
+from bench.common import (base_parser, build_engine, make_workload, random_prompt, resolve_device,
+                          sampling, shutdown_engine, TINY_OF)
+from bench.throughput import run_glassbox, warmup_glassbox, workload_kwargs
+
+
+def kernel_table(llm, prompts: list[list[int]], new_tokens: int, top: int = 25,
+                 temperature: float = 0.0) -> None:
+    """Profile decoding `new_tokens` for these prompts; print CUDA time per kernel per step,
+    and the wall time per step of the same run without the profiler."""
+    from torch.profiler import ProfilerActivity, profile
+    params = sampling(temperature=temperature, ignore_eos=True, max_tokens=new_tokens)
+    llm.generate(prompts, params)                       # warm every graph bucket used
+    n0 = llm.core.step_id
+    t0 = time.perf_counter()
+    llm.generate(prompts, params)
+    plain = (time.perf_counter() - t0) / max(llm.core.step_id - n0, 1)
+    fresh = [llm.core.steps[i] for i in range(-min(new_tokens - 1, 8), 0)]
+    host = sum(s.t_schedule + s.t_prepare + s.t_forward for s in fresh) / len(fresh)
+    n0 = llm.core.step_id
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        llm.generate(prompts, params)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    steps = max(llm.core.step_id - n0, 1)
+    rows = []
+    for e in prof.key_averages():
+        dev_us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if e.device_type == torch.autograd.DeviceType.CUDA and dev_us > 0:
+            rows.append((dev_us, e.count, e.key))
+    rows.sort(reverse=True)
+    total = sum(r[0] for r in rows)
+    print(f"\n== batch {len(prompts)}, T={temperature}, {steps} steps ({new_tokens} tokens incl. "
+          f"prefill step): no profiler {1e3 * plain:.3f} ms/step (last decode steps: host "
+          f"sched+prep+launch {1e3 * host:.3f} ms); profiled {1e3 * wall / steps:.3f} ms/step, "
+          f"CUDA kernels {total / steps / 1e3:.3f} ms/step, "
+          f"{sum(r[1] for r in rows) / steps:.0f} kernels/step")
+    print(f"{'us/step':>9} {'calls/step':>10}  kernel")
+    for us, cnt, key in rows[:top]:
+        print(f"{us / steps:9.1f} {cnt / steps:10.1f}  {key[:110]}")
+
+
+def step_kinds(llm, model: str, num_requests: int, tiny: bool = False) -> None:
+    """Run the throughput workload; group the engine's StepTraces by kind."""
+    kw = workload_kwargs(model, tiny)
+    reqs = make_workload(num_requests, seed=0, id_stream=77, **kw)
+    n0 = llm.core.step_id
+    tok_s, tokens, secs = run_glassbox(llm, reqs, llm.runner.device)
+    steps = [s for s in llm.core.steps if s.step_id >= n0]
+    print(f"\n== throughput workload: {num_requests} requests, {tokens} tokens in {secs:.2f}s = "
+          f"{tok_s:,.0f} tok/s, {llm.core.step_id - n0} steps ({len(steps)} traced)")
+    agg = defaultdict(lambda: [0, 0.0, 0.0, 0.0, 0.0, 0.0, 0, 0])
+    for s in steps:
+        if s.num_prefill_tokens and s.num_decode_tokens:
+            kind = "mixed"
+        elif s.num_prefill_tokens:
+            kind = "prefill"
+        else:
+            kind = "decode-graph" if s.graph_bucket is not None else "decode-eager"
+        a = agg[kind]
+        a[0] += 1
+        a[1] += s.t_schedule
+        a[2] += s.t_prepare
+        a[3] += s.t_forward
+        a[4] += s.t_sample
+        a[5] += s.t_schedule + s.t_prepare + s.t_forward + s.t_sample
+        a[6] += s.num_prefill_tokens
+        a[7] += s.num_decode_tokens
+    print(f"{'kind':>13} {'steps':>6} {'total s':>8} {'ms/step':>8} {'sched':>7} {'prep':>7} "
+          f"{'fwd':>7} {'sample+post':>11} {'prefill tok':>11} {'decode tok':>10}")
+    for kind, a in sorted(agg.items(), key=lambda kv: -kv[1][5]):
+        n = a[0]
+        print(f"{kind:>13} {n:6d} {a[5]:8.2f} {1e3 * a[5] / n:8.2f} {1e3 * a[1] / n:7.2f} "
+              f"{1e3 * a[2] / n:7.2f} {1e3 * a[3] / n:7.2f} {1e3 * a[4] / n:11.2f} "
+              f"{a[6]:11d} {a[7]:10d}")
+    buckets = defaultdict(int)
+    for s in steps:
+        if s.graph_bucket is not None:
+            buckets[s.graph_bucket] += 1
+    print("graph buckets replayed:", dict(sorted(buckets.items())))
+
+
+def main(argv=None) -> None:
+    p = base_parser(__doc__)
+    p.add_argument("--num-requests", type=int, default=256)
+    a = p.parse_args(argv)
+    dev = resolve_device(a.device)
+    model = TINY_OF.get(a.model, a.model) if a.tiny else a.model
+    n_req, plen = (8, 32) if a.tiny else (a.num_requests, 512)
+    llm = build_engine(model, dev, None, max_model_len=256 if a.tiny else 4096,
+                       trace_history=100_000)
+    try:
+        warmup_glassbox(llm, model, a.tiny, dev)
+        id_high = workload_kwargs(model, a.tiny)["id_high"]
+        kernel_table(llm, [random_prompt(plen, id_high, 1)], 32)
+        kernel_table(llm, [random_prompt(plen, id_high, 100 + i) for i in range(64)], 16, top=15)
+        kernel_table(llm, [random_prompt(2 * plen, id_high, 300 + i) for i in range(128)], 16,
+                     top=20, temperature=0.6)
+        step_kinds(llm, model, n_req, a.tiny)
+    finally:
+        shutdown_engine(llm)
+
+
+if __name__ == "__main__":
+    main()
