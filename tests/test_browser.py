@@ -1,8 +1,11 @@
 """Headless Chromium clicks through the playground: chat streams, every tab's plots render,
-two browser sessions batch together in the block map, Stop frees their blocks. Saves the
-README screenshots to assets/screenshots/."""
+two browser sessions batch together in the block map, Stop frees their blocks. Takes the
+README's screenshots: into a temporary folder, or into assets/screenshots/ when
+GLASSBOX_SCREENSHOTS=1 (a test run must not rewrite tracked files)."""
 import io
 import os
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -13,7 +16,8 @@ CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
                  "--no-first-run", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync"]
-SHOTS = ROOT / "assets" / "screenshots"
+SHOTS = (ROOT / "assets" / "screenshots" if os.environ.get("GLASSBOX_SCREENSHOTS") == "1"
+         else Path(tempfile.gettempdir()) / "glassbox-screenshots")
 MAX_SHOT_BYTES = 300_000
 
 
