@@ -28,10 +28,13 @@ from engine.kernels.decode_attention import paged_decode_attention, paged_decode
 from engine.kernels.prefill_attention import paged_prefill_attention, paged_prefill_attention_ref  # noqa: E402
 from engine.kernels.rmsnorm import fused_add_rms_norm, fused_add_rms_norm_ref, rms_norm, rms_norm_ref  # noqa: E402
 from engine.kernels.rotary import apply_rotary, apply_rotary_ref, build_cos_sin_cache  # noqa: E402
+from engine.kernels.sampling_kernel import gumbel_argmax  # noqa: E402
+from engine.sampling import uniform_noise  # noqa: E402
 from engine.kernels.store_kvcache import store_kvcache, store_kvcache_ref  # noqa: E402
 
 # Qwen3-0.6B
 HIDDEN, INTER, HQ, HKV, D = 1024, 3072, 16, 8, 128
+VOCAB = 151936
 BLOCK_SIZE = 16
 MAX_MODEL_LEN = 4096
 BF16 = torch.bfloat16
@@ -89,6 +92,13 @@ def _two_kernel_decode(*args, out):
         return paged_decode_attention(*args, out=out)
     finally:
         decode_attention.MERGE_IN_KERNEL = True
+
+
+def _torch_race(logits, temp, seeds, positions):
+    """What engine.sampling.sample ran for plain temperature rows before the fused kernel."""
+    probs = torch.softmax(logits / temp.clamp_min(1e-6)[:, None], dim=-1)
+    e = -torch.log(uniform_noise(seeds, positions, logits.shape[-1]))
+    return torch.where(temp == 0, logits.argmax(dim=-1), (probs / e).argmax(dim=-1))
 
 
 def cases():
@@ -162,6 +172,16 @@ def cases():
                lambda a=(q, k_cache, tables[0], length, scale, probs): attention_probs(*a),
                lambda a=(q, k_cache, tables[0], length, scale, probs): attention_probs_ref(*a),
                context * HKV * D * E + 3 * probs.numel() * 4, 2 * HQ * context * D)
+
+
+    for batch in (1, 128, 256):  # the sampler at decode: fp32 logits, half the rows greedy
+        logits = torch.randn(batch, VOCAB, device=dev)
+        temp = (torch.arange(batch, device=dev) % 2).float() * 0.8
+        seeds = torch.randint(0, 2**62, (batch,), device=dev)
+        pos = torch.randint(0, MAX_MODEL_LEN, (batch,), device=dev)
+        args = (logits, temp, seeds, pos)
+        yield ("gumbel_argmax (sampler)", f"B={batch} V={VOCAB} fp32 half greedy", lambda a=args: gumbel_argmax(*a),
+               lambda a=args: _torch_race(*a), batch * VOCAB * 4, 0)
 
 
 def main(out_json: str | None = None) -> list[dict]:

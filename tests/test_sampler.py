@@ -305,3 +305,16 @@ def test_logprobs_k_gives_k_entries_per_token(llm, k):
         assert lp.logprob <= vals[0] + 1e-6 and math.isfinite(lp.logprob)
         if tok in lp.top:
             assert lp.top[tok] == pytest.approx(lp.logprob, abs=1e-6)
+
+
+def test_a_hash_of_all_ones_never_draws_a_banned_token():
+    """Seed 682 at position 7 hashes token 2574 to all ones. The uniform must stay below 1: at
+    u == 1, E = -log u = 0 and the race's p / E is 0 / 0 = NaN for a banned token (p = 0),
+    which argmax picked (min_tokens bans EOS exactly like this)."""
+    for logit in (0.0, 5.0):
+        logits = torch.randn(1, 4096)
+        logits[0, 2574] = logit
+        st = SamplingTensors.build([SamplingParams(temperature=1.0)], [682], [7], [(0, 2574)],
+                                   "cpu")
+        tok, *_ = sample(logits, st)
+        assert tok.item() != 2574
