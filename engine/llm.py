@@ -322,7 +322,8 @@ class LLM:
             return take_snapshot(self)
 
     def trace(self, request_id: str):
-        return self.probes.traces.get(request_id)
+        with self._lock:
+            return self.probes.get(request_id)
 
     def read_kv_block(self, block_id: int, layer: int, head: int, which: str = "k"):
         """K or V of one physical block for one layer and KV head: [block_size, head_dim]."""

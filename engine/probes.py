@@ -9,6 +9,7 @@ watched: the context's `probes` is None and every hook is skipped.
 """
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -36,9 +37,10 @@ class WatchedEntry:
 class ProbePlan:
     """Host-side description of what to record this step (sent to every rank)."""
     entries: list[WatchedEntry]
-    rows: torch.Tensor              # [R] flat rows of all watched tokens (norms, routing)
-    last_rows: torch.Tensor         # [W] flat rows of watched entries that sample (lens, attention)
-    last_batch: torch.Tensor        # [W] their batch indices
+    # plain lists: the plan is built every watched step, and tensors cost more than the walk
+    rows: list[int]                 # [R] flat rows of all watched tokens (norms, routing)
+    last_rows: list[int]            # [W] flat rows of watched entries that sample (lens, attention)
+    last_batch: list[int]           # [W] their batch indices
     norms: bool
     lens: bool
     lens_top_k: int
@@ -71,7 +73,8 @@ class ProbeBuffers:
         self.num_rows = num_rows
         R, W = len(plan.rows), len(plan.last_rows)
         # rows | last_rows | last_batch in one device tensor: one host->device copy per step
-        self.index = torch.cat([plan.rows, plan.last_rows, plan.last_batch]).to(device)
+        self.index = torch.tensor(plan.rows + plan.last_rows + plan.last_batch,
+                                  dtype=torch.int64).to(device)
         self.rows, self.last_rows, self.last_batch = self.index.split([R, W, W])
         self.sumsq = (torch.zeros(num_layers + 1, num_rows, device=device)
                       if plan.norms and R else None)
@@ -114,10 +117,11 @@ class ProbeBuffers:
         """Point a CUDA graph's static buffers at this step's watched rows (one copy)."""
         # the template records one row; a plan that needs none points it at row 0, and the
         # host then ignores what was recorded there
-        def one(t: torch.Tensor) -> list[int]:
-            return t.tolist() if len(t) == 1 else [0]
+        st = self._staging_np
+        st[0] = plan.rows[0] if len(plan.rows) == 1 else 0
+        st[1] = plan.last_rows[0] if len(plan.last_rows) == 1 else 0
+        st[2] = plan.last_batch[0] if len(plan.last_batch) == 1 else 0
         self.plan_host = plan
-        self._staging[:] = torch.tensor(one(plan.rows) + one(plan.last_rows) + one(plan.last_batch))
         self.index.copy_(self._staging, non_blocking=True)
 
     @classmethod
@@ -282,7 +286,7 @@ class ProbeBuffers:
         if self.pinned is None:
             self.start_copy()
         flat = self.pinned.numpy()
-        return {name: flat[off:off + int(np.prod(shape))].reshape(shape)
+        return {name: flat[off:off + math.prod(shape)].reshape(shape)
                 for name, (off, shape) in self.layout.items()}
 
 
@@ -296,17 +300,20 @@ class ProbeManager:
         self.record_expert_load = False      # global aggregate (the UI turns it on)
         self._specs: dict[str, object] = {}
         self._active: set[str] = set()         # watched requests not yet finished
+        self._moe_layers: list[int] | None = None
+        self.num_layers = llm.hf_config.num_hidden_layers
 
     @property
     def moe_layers(self) -> list[int]:
-        return list(getattr(self.llm.runner, "moe_layers", []))
+        if self._moe_layers is None:
+            self._moe_layers = list(getattr(self.llm.runner, "moe_layers", []))
+        return self._moe_layers
 
     def register(self, seq) -> None:
         if seq.watch is None or not seq.watch.any:
             return
         tr = RequestTrace(seq.request_id, self.llm.hf_config.num_hidden_layers,
                           prompt_token_ids=list(seq.prompt_token_ids), moe_layers=self.moe_layers)
-        tr.token_texts = [self._text(t) for t in seq.prompt_token_ids]
         self.traces[seq.request_id] = tr
         self._specs[seq.request_id] = seq.watch
         self._active.add(seq.request_id)
@@ -337,7 +344,7 @@ class ProbeManager:
         rows = [r for e in entries if e.spec.norms or e.spec.routing
                 for r in range(e.row_start, e.row_start + e.num_tokens)]
         last = [e for e in entries if e.samples and (e.spec.logit_lens or e.spec.attention)]
-        L = self.llm.hf_config.num_hidden_layers
+        L = self.num_layers
         att = sorted({l for e in last if e.spec.attention
                       for l in (e.spec.layers if e.spec.layers is not None else range(L))})
         patterns = {}
@@ -346,9 +353,9 @@ class ProbeManager:
                 for l in e.spec.prefill_pattern_layers:
                     patterns.setdefault(l, []).append((e.row_start, e.num_tokens))
         return ProbePlan(
-            entries=entries, rows=torch.tensor(rows, dtype=torch.int64),
-            last_rows=torch.tensor([e.row_start + e.num_tokens - 1 for e in last], dtype=torch.int64),
-            last_batch=torch.tensor([e.batch_index for e in last], dtype=torch.int64),
+            entries=entries, rows=rows,
+            last_rows=[e.row_start + e.num_tokens - 1 for e in last],
+            last_batch=[e.batch_index for e in last],
             norms=any(e.spec.norms for e in entries),
             lens=any(e.spec.logit_lens for e in last),
             lens_top_k=max([e.spec.lens_top_k for e in entries] or [1]),
@@ -368,7 +375,7 @@ class ProbeManager:
 
     def _sample_index(self, plan: ProbePlan) -> list[int]:
         """Index among the step's sampled rows of each watched sampling entry."""
-        return [plan.sampling_rows.index(r) for r in plan.last_rows.tolist()]
+        return [plan.sampling_rows.index(r) for r in plan.last_rows]
 
     def collect(self, plan: ProbePlan, bufs: ProbeBuffers, scheduled, tokens: list[int]) -> None:
         if bufs is None:
@@ -439,19 +446,25 @@ class ProbeManager:
             for l in plan.pattern_layers:
                 if f"pat{l}_{e.row_start}" in host:
                     tr.prefill_pattern[l] = host[f"pat{l}_{e.row_start}"].copy()
-            if tr is not None:
-                known = len(tr.token_texts)
-                tr.token_texts.extend(self._text(t) for t in seq.token_ids[known:])
-                tr.output_token_ids = list(seq.output_token_ids)
+            if tr is not None:      # new output ids only; texts are decoded when read
+                out_ids = seq.token_ids[seq.num_prompt_tokens + len(tr.output_token_ids):]
+                tr.output_token_ids.extend(out_ids)
 
     def finish_request(self, seq) -> None:
         self._active.discard(seq.request_id)
         tr = self.traces.get(seq.request_id)
         if tr is not None:
             tr.output_token_ids = list(seq.output_token_ids)
-            known = len(tr.token_texts)
-            tr.token_texts.extend(self._text(t) for t in seq.token_ids[known:])
             tr.finished = True
+
+    def get(self, request_id: str) -> RequestTrace | None:
+        """The trace, with a text for every token so far (decoded here, on read, so the
+        engine step does no tokenizer work for the probes)."""
+        tr = self.traces.get(request_id)
+        if tr is not None:
+            ids = tr.prompt_token_ids + tr.output_token_ids
+            tr.token_texts.extend(self._text(t) for t in ids[len(tr.token_texts):])
+        return tr
 
 
 def _put(lst: list, pos: int, value) -> None:
@@ -483,8 +496,7 @@ def graph_variant(plan: ProbePlan | None) -> tuple[bool, bool] | None:
 def _template_plan(runner, variant: tuple[bool, bool]) -> ProbePlan:
     lens, attention = variant
     moe = bool(getattr(runner.model, "moe_layers", []))
-    one = torch.zeros(1, dtype=torch.int64)
-    return ProbePlan(entries=[], rows=one, last_rows=one.clone(), last_batch=one.clone(),
+    return ProbePlan(entries=[], rows=[0], last_rows=[0], last_batch=[0],
                      norms=True, lens=lens, lens_top_k=GRAPH_LENS_TOP_K,
                      attention_layers=list(range(runner.num_layers)) if attention else [],
                      routing=moe, expert_load=moe)
@@ -501,6 +513,7 @@ def graph_probe_buffers(runner, batch: int, variant: tuple[bool, bool]) -> Probe
                         getattr(cfg, "num_experts_per_tok", 0) or 0)
     bufs.graph_rows = True
     bufs._staging = torch.zeros(3, dtype=torch.int64).pin_memory()
+    bufs._staging_np = bufs._staging.numpy()
     return bufs
 
 

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..parallel_state import get_tp
+from .gemm import linear
 from .linear import copy_checked, materialize, narrow, shape_of
 
 
@@ -45,7 +46,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     """logits = hidden @ W^T, gathered over ranks and cut back to the true vocabulary."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)              # [n, vocab_per_rank]
+        logits = linear(hidden, self.weight)                # [n, vocab_per_rank]
         if self.tp.size > 1:
             logits = self.tp.all_gather_dim(logits, -1)[:, :self.vocab_size]
         return logits

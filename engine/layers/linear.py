@@ -7,10 +7,10 @@ by piece: the loader is told which piece (`shard_id`) it is given.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..parallel_state import divide, get_tp, get_tp_rank, get_tp_size
+from .gemm import linear
 
 
 def shape_of(w) -> list[int]:
@@ -57,7 +57,7 @@ class LinearBase(nn.Module):
         copy_checked(param, materialize(loaded))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class ReplicatedLinear(LinearBase):
@@ -139,6 +139,6 @@ class RowParallelLinear(LinearBase):
         super().weight_loader(param, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = linear(x, self.weight)
         y = self.tp.all_reduce(y)
         return y + self.bias if self.bias is not None else y

@@ -1,0 +1,262 @@
+"""Skinny GEMM for decode at small batch: out[M, N] = x[M, K] @ W[N, K]^T (+ bias), M <= 16.
+
+At M <= 8 a linear layer is a weight stream: every byte of W is read once and used M times, so
+the kernel's only job is to keep HBM busy. cuBLAS picks GEMM tilings made for large M here and
+reaches a fraction of the copy bandwidth. This kernel gives each program BLOCK_N rows of W (and,
+with SPLIT_K > 1, one slice of K) and sweeps K in BLOCK_K chunks with unmasked 16-byte loads.
+
+Two inner products, chosen per config:
+  * FMA (use_dot=False): broadcast-multiply on CUDA cores. W and x are loaded as 3-D tiles
+    [BLOCK_N, 1, BLOCK_K] and [1, BLOCK_M, BLOCK_K] into one fp32 accumulator [BLOCK_N, BLOCK_M,
+    BLOCK_K] that is reduced over K once, after the loop, so the loop body is loads and FMAs with
+    no cross-lane traffic. (Loading 2-D tiles and expanding them makes Triton re-lay W out through
+    shared memory every iteration.) With BLOCK_K = 16-byte vector x 32 lanes x num_warps (or twice
+    that) all warps lie along K and both tiles share the accumulator's layout. Best at M = 1..2.
+  * DOT (use_dot=True): tensor cores with A and B swapped (out^T = W @ x^T), so the weight tile
+    is the MMA's M side (BLOCK_N >= 16; 64+ gives Hopper wgmma) and x, padded to 16 rows, is its
+    N side. The MMA does the reduction over K, so the work per weight byte does not grow with M,
+    and Triton pipelines the W tiles through shared memory with cp.async. Best at M >= 4.
+
+Split-K writes fp32 partials to a [SPLIT_K, M, N] workspace and a second kernel sums them in a
+fixed order (deterministic, unlike atomics). Both launches are CUDA-graph safe: no host syncs,
+and the workspace size depends only on shapes, so torch.empty per call is captured like any
+other allocation from the graph's private pool.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+MAX_M = 16  # the DOT path pads x to 16 rows; beyond that an ordinary GEMM tiling is the right tool
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@dataclass(frozen=True)
+class SkinnyConfig:
+    block_n: int  # rows of W (output columns) per program
+    block_k: int  # K elements per loop iteration
+    split_k: int = 1  # K slices, each its own program; > 1 adds the reduce kernel
+    num_warps: int = 4
+    num_stages: int = 3  # software-pipelined loads in flight per program
+    use_dot: bool = False  # tensor-core (swap-AB) inner product instead of CUDA-core FMAs
+
+    def short(self) -> str:
+        return (f"{'dot' if self.use_dot else 'fma'} n{self.block_n} k{self.block_k} s{self.split_k} "
+                f"w{self.num_warps} st{self.num_stages}")
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int | None) -> int:
+    if device_index is None or not torch.cuda.is_available():
+        return 132  # H200 / H100 SXM; only shapes the CPU (interpreter) path, where speed is moot
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def fma_acc_regs(cfg: SkinnyConfig, M: int) -> int:
+    """fp32 accumulator registers per thread on the FMA path (BLOCK_N x BLOCK_M x BLOCK_K over the
+    threads); past ~128 the kernel spills."""
+    if cfg.use_dot:
+        return 0
+    return cfg.block_n * triton.next_power_of_2(M) * cfg.block_k // (32 * cfg.num_warps)
+
+
+def pick_config(M: int, N: int, K: int, elem_size: int = 2, num_sms: int = 132) -> SkinnyConfig:
+    """Heuristic for an H200 (132 SMs, ~4.1 TB/s copy), read off `bench/skinny_gemm.py --wide` at
+    the Qwen3 decode shapes (N 1024..151936, K 1024..4096) for M = 1, 2, 4, 8 in bf16.
+
+    A weight stream needs ~4 MB in flight chip-wide (Little's law: ~4 TB/s x ~1 us), i.e. tens
+    of KB per SM. The FMA path gets there with many small programs (no shared memory, several per
+    SM); its accumulator holds BLOCK_N x BLOCK_M x (BLOCK_K / threads) fp32 registers, so the
+    bytes it can keep in flight per SM shrink as 1/M, and past M = 2..4 it falls behind the
+    tensor-core path, whose cp.async pipeline keeps 2-3 stages of 16-32 KB in flight per program.
+    """
+    bm = triton.next_power_of_2(M)
+    scale = max(1, elem_size // 2)  # sizes below are for 2-byte types; fp32 halves BLOCK_K (same bytes)
+    fma = bm == 1 or (bm == 2 and N <= 5120) or (bm == 4 and N <= 1024)
+    if fma:
+        if N >= 4096 and bm <= 2:
+            # enough rows for ~8 programs per SM even at 4 rows each: narrow 2-warp programs,
+            # one 16-byte vector per thread per row per iteration
+            block_n, block_k, warps = 4, 512, 2
+        elif bm <= 2:
+            # few rows (o_proj, down_proj): 2 rows a program keeps >= 512 programs in the grid
+            block_n, block_k, warps = 2, 1024, 4
+        else:
+            # M = 3..4: two vectors per thread per row to keep loads in flight (128 acc registers)
+            block_n, block_k, warps = 2, 1024, 2
+        block_k //= scale
+        vec = 16 // elem_size
+        while block_k // 2 >= K and block_k > vec * 32:  # short K: shrink the chunk, then the warps
+            block_k //= 2
+            warps = max(1, min(warps, block_k // (vec * 32)))  # keep every warp along K
+        # tiny N (not Qwen shapes): split K while the grid is under 2 programs per SM and every
+        # slice keeps >= 2 chunks
+        k_chunks, split = triton.cdiv(K, block_k), 1
+        while triton.cdiv(N, block_n) * split < 2 * num_sms and k_chunks >= 4 * split:
+            split *= 2
+        return SkinnyConfig(block_n, block_k, split, warps, 3, False)
+    if triton.cdiv(N, 64) >= 8 * num_sms:  # vocab-sized N: many programs, smaller stages
+        cfg = SkinnyConfig(128, 128 // scale, 1, 4, 3, True)
+    elif N >= 4096:  # ~1 program per SM (160 KB of stages) but each keeps ~96 KB in flight
+        cfg = SkinnyConfig(64, 256 // scale, 1, 4, 4, True)
+    else:  # small N: split K so 1024-2048 rows still make 64-128 such programs
+        cfg = SkinnyConfig(64, 256 // scale, 4, 4, 3, True)
+    block_k = min(cfg.block_k, max(16, triton.next_power_of_2(K)))
+    split = min(cfg.split_k, max(1, triton.cdiv(K, block_k) // 2))  # >= 2 chunks per slice
+    return SkinnyConfig(cfg.block_n, block_k, split, cfg.num_warps, cfg.num_stages, True)
+
+
+@triton.jit
+def _skinny_kernel(
+    x_ptr, w_ptr, b_ptr, out_ptr, ws_ptr,
+    M, N, K, k_per_split, stride_xm, stride_wn, stride_om,
+    HAS_BIAS: tl.constexpr, IS_SPLIT: tl.constexpr, USE_DOT: tl.constexpr, IEEE_DOT: tl.constexpr,
+    EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    # Out-of-range rows of W and x are clamped to the last real row rather than masked, so the
+    # loads stay unmasked (vectorised); their results land in outputs that are never stored.
+    rows_n = tl.minimum(offs_n, N - 1).to(tl.int64)  # int64: N * stride_wn can pass 2^31 (lm_head)
+    rows_m = tl.minimum(offs_m, M - 1)
+    k_lo = pid_k * k_per_split
+    k_hi = tl.minimum(K, k_lo + k_per_split)
+    if USE_DOT:  # 2-D tiles: W [BLOCK_N, BLOCK_K], x [BLOCK_M, BLOCK_K]
+        w_ptrs = w_ptr + rows_n[:, None] * stride_wn + (k_lo + offs_k)[None, :]
+        x_ptrs = x_ptr + rows_m[:, None] * stride_xm + (k_lo + offs_k)[None, :]
+        k_idx = offs_k[None, :]
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        # 3-D tiles, W [BLOCK_N, 1, BLOCK_K] and x [1, BLOCK_M, BLOCK_K], loaded in that shape so
+        # both share the accumulator's layout: a 2-D load expanded afterwards gets re-laid out
+        # through shared memory every iteration. The accumulator keeps every product apart
+        # until after the loop, so the loop is loads and FMAs only, with one reduction at the end.
+        w_ptrs = w_ptr + rows_n[:, None, None] * stride_wn + (k_lo + offs_k)[None, None, :]
+        x_ptrs = x_ptr + rows_m[None, :, None] * stride_xm + (k_lo + offs_k)[None, None, :]
+        k_idx = offs_k[None, None, :]
+        acc = tl.zeros([BLOCK_N, BLOCK_M, BLOCK_K], dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        if EVEN_K:  # every chunk full: no mask at all
+            w = tl.load(w_ptrs)
+            x = tl.load(x_ptrs)
+        else:
+            k_ok = k0 + k_idx < k_hi
+            w = tl.load(w_ptrs, mask=k_ok, other=0.0)
+            x = tl.load(x_ptrs, mask=k_ok, other=0.0)
+        if USE_DOT:
+            if IEEE_DOT:  # fp32 weights: exact fp32 products, not tf32
+                acc = tl.dot(w, tl.trans(x), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(w, tl.trans(x), acc)
+        else:
+            acc += w.to(tl.float32) * x.to(tl.float32)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    if USE_DOT:
+        res = acc  # [BLOCK_N, BLOCK_M]: out transposed
+    else:
+        res = tl.sum(acc, axis=2)
+
+    store_mask = (offs_n < N)[:, None] & (offs_m < M)[None, :]
+    if IS_SPLIT:
+        part_ptrs = ws_ptr + (pid_k * M + offs_m[None, :]).to(tl.int64) * N + offs_n[:, None]
+        tl.store(part_ptrs, res, mask=store_mask)
+    else:
+        if HAS_BIAS:
+            res += tl.load(b_ptr + rows_n).to(tl.float32)[:, None]
+        out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
+        tl.store(out_ptrs, res.to(out_ptr.dtype.element_ty), mask=store_mask)
+
+
+@triton.jit
+def _splitk_reduce_kernel(ws_ptr, b_ptr, out_ptr, M, N, stride_om,
+                          HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+    idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    total = M * N
+    mask = idx < total
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):  # fixed order: the same bits on every run
+        acc += tl.load(ws_ptr + s * total + idx, mask=mask, other=0.0)
+    n = idx % N
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + n, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + (idx // N) * stride_om + n, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _check_config(cfg: SkinnyConfig) -> None:
+    for name in ("block_n", "block_k"):
+        v = getattr(cfg, name)
+        if v < 1 or v & (v - 1):
+            raise ValueError(f"{name} must be a power of two, got {v}")
+    if cfg.split_k < 1 or cfg.num_warps < 1 or cfg.num_stages < 1:
+        raise ValueError(f"bad config {cfg}")
+    if cfg.use_dot and (cfg.block_n < 16 or cfg.block_k < 16):
+        raise ValueError(f"use_dot needs block_n >= 16 and block_k >= 16 (tl.dot), got {cfg}")
+
+
+def skinny_linear(
+    x: torch.Tensor,       # [..., K], M = prod(leading dims) <= 16
+    weight: torch.Tensor,  # [N, K], unit stride along K (row slices and column slices are fine)
+    bias: torch.Tensor | None = None,  # [N]
+    config: SkinnyConfig | None = None,  # None: pick_config(M, N, K)
+) -> torch.Tensor:         # [..., N], x.dtype
+    if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"shapes do not match: x {tuple(x.shape)}, weight {tuple(weight.shape)}")
+    if weight.stride(1) != 1:
+        raise ValueError(f"weight must have unit stride along K (row-major [N, K]); strides {weight.stride()}")
+    if x.dtype not in _DTYPES or weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
+        raise ValueError(f"x, weight and bias must share one of {_DTYPES}; got {x.dtype}, {weight.dtype}, "
+                         f"{None if bias is None else bias.dtype}")
+    N, K = weight.shape
+    if bias is not None and tuple(bias.shape) != (N,):
+        raise ValueError(f"bias must be [{N}], got {tuple(bias.shape)}")
+    lead = x.shape[:-1]
+    x2 = x.reshape(lead.numel(), K)  # not -1: K may be 0
+    M = x2.shape[0]
+    if M > MAX_M:
+        raise ValueError(f"skinny_linear is for M <= {MAX_M} rows, got {M}: use F.linear")
+    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    if M == 0 or N == 0:
+        return out.reshape(*lead, N)
+    if K == 0:  # empty sum: the bias alone
+        return (out.zero_() if bias is None else out.copy_(bias.expand(M, N))).reshape(*lead, N)
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    if bias is not None and bias.stride(0) != 1:
+        bias = bias.contiguous()
+    cfg = config or pick_config(M, N, K, x.element_size(), _num_sms(x.device.index if x.is_cuda else None))
+    _check_config(cfg)
+
+    block_m = 16 if cfg.use_dot else triton.next_power_of_2(M)
+    k_per_split = triton.cdiv(triton.cdiv(K, cfg.split_k), cfg.block_k) * cfg.block_k
+    split = triton.cdiv(K, k_per_split)  # never launch an empty slice
+    grid = (triton.cdiv(N, cfg.block_n), split)
+    ws = torch.empty((split, M, N), dtype=torch.float32, device=x.device) if split > 1 else out
+    b = bias if bias is not None else out  # placeholder pointer, never read
+    _skinny_kernel[grid](
+        x2, weight, b, out, ws, M, N, K, k_per_split, x2.stride(0), weight.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, IS_SPLIT=split > 1, USE_DOT=cfg.use_dot,
+        IEEE_DOT=x.dtype == torch.float32, EVEN_K=K % cfg.block_k == 0,
+        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if split > 1:
+        block = 256
+        _splitk_reduce_kernel[(triton.cdiv(M * N, block),)](
+            ws, b, out, M, N, out.stride(0),
+            HAS_BIAS=bias is not None, SPLIT_K=split, BLOCK=block, num_warps=2,
+        )
+    return out.reshape(*lead, N)
+
+
+def skinny_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Reference: the same product in fp32, rounded once to x.dtype."""
+    return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
