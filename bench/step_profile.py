@@ -11,6 +11,7 @@ from __future__ import annotations
 import sys
 import time
 from collections import defaultdict
+from contextlib import contextmanager
 from pathlib import Path
 
 if __package__ in (None, ""):
@@ -24,22 +25,24 @@ from bench.throughput import run_glassbox, warmup_glassbox, workload_kwargs
 
 
 def kernel_table(llm, prompts: list[list[int]], new_tokens: int, top: int = 25,
-                 temperature: float = 0.0) -> None:
+                 temperature: float = 0.0, watch=None) -> None:
     """Profile decoding `new_tokens` for these prompts; print CUDA time per kernel per step,
     and the wall time per step of the same run without the profiler."""
     from torch.profiler import ProfilerActivity, profile
     params = sampling(temperature=temperature, ignore_eos=True, max_tokens=new_tokens)
-    llm.generate(prompts, params)                       # warm every graph bucket used
+    w = [watch] + [None] * (len(prompts) - 1) if watch is not None else None
+    llm.generate(prompts, params, watch=w)              # warm every graph bucket used
     n0 = llm.core.step_id
     t0 = time.perf_counter()
-    llm.generate(prompts, params)
+    with host_timers(llm) as timers:
+        llm.generate(prompts, params, watch=w)
     plain = (time.perf_counter() - t0) / max(llm.core.step_id - n0, 1)
     fresh = [llm.core.steps[i] for i in range(-min(new_tokens - 1, 8), 0)]
     host = sum(s.t_schedule + s.t_prepare + s.t_forward for s in fresh) / len(fresh)
     n0 = llm.core.step_id
     t0 = time.perf_counter()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        llm.generate(prompts, params)
+        llm.generate(prompts, params, watch=w)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
     wall = time.perf_counter() - t0
@@ -55,10 +58,38 @@ def kernel_table(llm, prompts: list[list[int]], new_tokens: int, top: int = 25,
           f"prefill step): no profiler {1e3 * plain:.3f} ms/step (last decode steps: host "
           f"sched+prep+launch {1e3 * host:.3f} ms); profiled {1e3 * wall / steps:.3f} ms/step, "
           f"CUDA kernels {total / steps / 1e3:.3f} ms/step, "
-          f"{sum(r[1] for r in rows) / steps:.0f} kernels/step")
+          f"{sum(r[1] for r in rows) / steps:.0f} kernels/step, watch={watch}")
+    n = max(new_tokens, 1)
+    print("host ms/step by phase (no profiler): " +
+          ", ".join(f"{k} {1e3 * v / n:.3f}" for k, v in sorted(timers.items())))
     print(f"{'us/step':>9} {'calls/step':>10}  kernel")
     for us, cnt, key in rows[:top]:
         print(f"{us / steps:9.1f} {cnt / steps:10.1f}  {key[:110]}")
+
+
+@contextmanager
+def host_timers(llm):
+    """Wall time spent in the engine step's phases (and the probes' host work), summed."""
+    timers: dict[str, float] = defaultdict(float)
+    targets = [(llm.runner, "execute_step"), (llm.probes, "plan"), (llm.probes, "collect"),
+               (llm.probes, "after_sample"), (llm.core, "_postprocess"), (llm.core, "_record")]
+    saved = []
+    for obj, name in targets:
+        fn = getattr(obj, name)
+        saved.append((obj, name))
+
+        def timed(*a, _fn=fn, _name=name, **k):
+            t = time.perf_counter()
+            try:
+                return _fn(*a, **k)
+            finally:
+                timers[_name] += time.perf_counter() - t
+        setattr(obj, name, timed)
+    try:
+        yield timers
+    finally:
+        for obj, name in saved:
+            delattr(obj, name)          # back to the class attribute
 
 
 def step_kinds(llm, model: str, num_requests: int, tiny: bool = False) -> None:
@@ -104,6 +135,8 @@ def step_kinds(llm, model: str, num_requests: int, tiny: bool = False) -> None:
 def main(argv=None) -> None:
     p = base_parser(__doc__)
     p.add_argument("--num-requests", type=int, default=256)
+    p.add_argument("--probes-only", action="store_true",
+                   help="batch-1 decode with each probe spec watched, nothing else")
     a = p.parse_args(argv)
     dev = resolve_device(a.device)
     model = TINY_OF.get(a.model, a.model) if a.tiny else a.model
@@ -113,6 +146,12 @@ def main(argv=None) -> None:
     try:
         warmup_glassbox(llm, model, a.tiny, dev)
         id_high = workload_kwargs(model, a.tiny)["id_high"]
+        if a.probes_only:
+            from bench.probes import probe_specs
+            kernel_table(llm, [random_prompt(plen // 2, id_high, 1)], 64)
+            for name, spec in probe_specs().items():
+                kernel_table(llm, [random_prompt(plen // 2, id_high, 2)], 64, watch=spec)
+            return
         kernel_table(llm, [random_prompt(plen, id_high, 1)], 32)
         kernel_table(llm, [random_prompt(plen, id_high, 100 + i) for i in range(64)], 16, top=15)
         kernel_table(llm, [random_prompt(2 * plen, id_high, 300 + i) for i in range(128)], 16,

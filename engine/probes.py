@@ -112,6 +112,8 @@ class ProbeBuffers:
         self.packed = None          # flat fp32: what the host reads every step
         self.layout: dict[str, tuple[int, tuple]] = {}
         self.pinned = None
+        self.attn_pinned = None
+        self.attn_host = None       # [A, W, Hq, ctx] on the host once start_copy ran
 
     def load_plan(self, plan: ProbePlan) -> None:
         """Point a CUDA graph's static buffers at this step's watched rows (one copy)."""
@@ -269,15 +271,31 @@ class ProbeBuffers:
 
     # ---- host side ---------------------------------------------------------------------------
     def start_copy(self) -> None:
-        """Issue the step's one device->host copy without blocking; read after the sync."""
-        if self.packed is None:
-            return
-        if self.packed.is_cuda:
-            if self.pinned is None or self.pinned.numel() != self.packed.numel():
-                self.pinned = torch.empty(self.packed.numel(), pin_memory=True)
-            self.pinned.copy_(self.packed, non_blocking=True)
-        else:
-            self.pinned = self.packed
+        """Issue the step's device->host copies without blocking, right after the forward: they
+        overlap sampling, and the host reads them after the step's one sync."""
+        self.attn_host = None
+        if self.packed is not None:
+            if self.packed.is_cuda:
+                if self.pinned is None or self.pinned.numel() != self.packed.numel():
+                    self.pinned = torch.empty(self.packed.numel(), pin_memory=True)
+                self.pinned.copy_(self.packed, non_blocking=True)
+            else:
+                self.pinned = self.packed
+        if self.attn and self.q_rows is not None:
+            plan = getattr(self, "plan_host", None) or self.plan
+            ctx = max((e.start_pos + e.num_tokens for e in plan.entries if e.samples), default=0)
+            if ctx == 0:
+                return
+            src = self.attn_probs[..., :ctx]                     # [A, W, Hq, ctx]
+            if src.is_cuda:
+                n = src.numel()
+                if self.attn_pinned is None or self.attn_pinned.numel() < n:
+                    self.attn_pinned = torch.empty(self.attn_probs.numel(), pin_memory=True)
+                dst = self.attn_pinned[:n].view(src.shape)
+                dst.copy_(src, non_blocking=True)
+                self.attn_host = dst
+            else:
+                self.attn_host = src
 
     def host(self) -> dict[str, np.ndarray]:
         """The packed results as numpy arrays (start_copy must have run; the step synced)."""
@@ -285,7 +303,9 @@ class ProbeBuffers:
             return {}
         if self.pinned is None:
             self.start_copy()
-        flat = self.pinned.numpy()
+        # a copy: a CUDA graph's pinned buffer is overwritten by the next step, and what we
+        # return is kept (step traces hold the expert load)
+        flat = self.pinned.numpy().copy()
         return {name: flat[off:off + math.prod(shape)].reshape(shape)
                 for name, (off, shape) in self.layout.items()}
 
@@ -389,9 +409,8 @@ class ProbeManager:
             for k in ("sampled_prob", "sampled_rank"):
                 if k in bufs.lens_out:
                     named.append(("lens_" + k, bufs.lens_out[k]))
-        if plan.attention_layers and len(plan.last_rows) and bufs.attn:
-            ctx = max(e.start_pos + e.num_tokens for e in plan.entries if e.samples)
-            named.append(("attn", bufs.attn_probs[..., :ctx]))
+        if plan.attention_layers and len(plan.last_rows) and bufs.attn_host is not None:
+            host["attn"] = bufs.attn_host.numpy()       # copied after the forward, synced since
         for (l, start), t in bufs.patterns.items():
             named.append((f"pat{l}_{start}", t))
         if named:
@@ -438,7 +457,11 @@ class ProbeManager:
                     layers = [l for l in plan.attention_layers
                               if e.spec.layers is None or l in e.spec.layers]
                     slots = [bufs.attn_slot[l] for l in layers]
-                    probs = host["attn"][slots, w, :, :pos + 1]      # [layers, Hq, pos + 1]
+                    a = host["attn"]
+                    if slots == list(range(a.shape[0])):     # every captured layer: one copy
+                        probs = a[:, w, :, :pos + 1].copy()  # [layers, Hq, pos + 1]
+                    else:
+                        probs = a[slots, w, :, :pos + 1]
                     bs = self.llm.block_size
                     tr.attention.append(AttentionStep(pos, layers, probs,
                                                       e.block_table[:pos // bs + 1], bs))

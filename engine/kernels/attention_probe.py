@@ -15,6 +15,7 @@ import triton.language as tl
 from engine.kernels.decode_attention import dot_precision, gather_context
 
 BLOCK_N = 64
+BLOCK_OUT = 512     # output positions per normalize program (zero-filling past the context)
 _STATS: dict[tuple, torch.Tensor] = {}
 
 
@@ -31,6 +32,8 @@ def _probe_scores_kernel(
     tile = tl.program_id(1)
     layer = tl.load(layer_ids_ptr + slot).to(tl.int64)
     ctx = tl.minimum(tl.load(context_len_ptr), max_blocks * PAGE_SIZE)
+    if tile * BLOCK_N >= ctx:
+        return  # past the context: the output is sized for the longest one; normalize zeroes it
     t = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     valid = t < ctx
     g = tl.arange(0, BLOCK_G)
@@ -56,21 +59,29 @@ def _probe_scores_kernel(
 
 @triton.jit
 def _probe_normalize_kernel(
-    out_ptr, stats_ptr, max_context, num_tiles, num_q_heads, stride_oa, stride_oh,
-    BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
+    out_ptr, stats_ptr, context_len_ptr, max_context, max_blocks, num_tiles, num_q_heads,
+    stride_oa, stride_oh,
+    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_OUT: tl.constexpr,
 ):
     row = tl.program_id(0)                      # slot * Hq + head
-    tile = tl.program_id(1)
+    chunk = tl.program_id(1)                    # BLOCK_OUT positions of the output row
+    ctx = tl.minimum(tl.load(context_len_ptr), max_blocks * PAGE_SIZE)
+    t = chunk * BLOCK_OUT + tl.arange(0, BLOCK_OUT)
+    ptr = out_ptr + (row // num_q_heads) * stride_oa + (row % num_q_heads) * stride_oh + t
+    if chunk * BLOCK_OUT >= ctx:                # wholly past the context: zeros, nothing to read
+        tl.store(ptr, tl.zeros([BLOCK_OUT], dtype=tl.float32), mask=t < max_context)
+        return
+    # only the tiles the scores kernel wrote (those below ctx) carry statistics
     i = tl.arange(0, BLOCK_T)
-    m_all = tl.load(stats_ptr + (row * num_tiles + i) * 2, mask=i < num_tiles, other=float("-inf"))
-    l_all = tl.load(stats_ptr + (row * num_tiles + i) * 2 + 1, mask=i < num_tiles, other=0.0)
+    live = i < tl.minimum(num_tiles, tl.cdiv(ctx, BLOCK_N))
+    m_all = tl.load(stats_ptr + (row * num_tiles + i) * 2, mask=live, other=float("-inf"))
+    l_all = tl.load(stats_ptr + (row * num_tiles + i) * 2 + 1, mask=live, other=0.0)
     m = tl.max(m_all, axis=0)
     m = tl.where(m == float("-inf"), 0.0, m)
     l = tl.sum(l_all * tl.exp2(m_all - m), axis=0)
-    l = tl.where(l == 0.0, 1.0, l)  # context 0: all zeros, not NaN
-    t = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    ptr = out_ptr + (row // num_q_heads) * stride_oa + (row % num_q_heads) * stride_oh + t
-    s = tl.load(ptr, mask=t < max_context, other=float("-inf"))
+    l = tl.where(l == 0.0, 1.0, l)
+    s = tl.load(ptr, mask=t < ctx, other=float("-inf"))
     tl.store(ptr, tl.exp2(s - m) / l, mask=t < max_context)
 
 
@@ -109,9 +120,10 @@ def attention_probs_layers(
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)), PAGE_SIZE=page_size, BLOCK_N=BLOCK_N,
         DOT_PREC=dot_precision(q.dtype), num_warps=4,
     )
-    _probe_normalize_kernel[(num_slots * num_q_heads, num_tiles)](
-        out, stats, max_context, num_tiles, num_q_heads, out.stride(0), out.stride(1),
-        BLOCK_N=BLOCK_N, BLOCK_T=triton.next_power_of_2(num_tiles), num_warps=2,
+    _probe_normalize_kernel[(num_slots * num_q_heads, triton.cdiv(max_context, BLOCK_OUT))](
+        out, stats, context_len, max_context, block_table.shape[0], num_tiles, num_q_heads,
+        out.stride(0), out.stride(1), PAGE_SIZE=page_size, BLOCK_N=BLOCK_N,
+        BLOCK_T=triton.next_power_of_2(num_tiles), BLOCK_OUT=BLOCK_OUT, num_warps=4,
     )
     return out
 
