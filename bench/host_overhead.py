@@ -38,7 +38,8 @@ class StubRunner:
         return {}
 
 
-def main(batch: int = 256, steps: int = 50, vocab: int = 1000, seed: int = 0) -> dict:
+def main(batch: int = 256, steps: int = 50, vocab: int = 1000, seed: int = 0,
+         temperature: float = 0.0, profile: bool = False) -> dict:
     rng = random.Random(seed)
     bm = BlockManager(batch * 80, 16)
     sched = Scheduler(bm, batch, 8192, 4096, {0})
@@ -46,16 +47,26 @@ def main(batch: int = 256, steps: int = 50, vocab: int = 1000, seed: int = 0) ->
     for i in range(batch):
         n = rng.randint(100, 1000)
         core.add(Sequence(str(i), [rng.randint(1, vocab - 1) for _ in range(n)],
-                          SamplingParams(temperature=0, max_tokens=4000, ignore_eos=True), i))
+                          SamplingParams(temperature=temperature, max_tokens=4000, ignore_eos=True), i))
     while sched.waiting or any(s.num_computed_tokens < len(s.token_ids) - 1 for s in sched.running):
         core.step()                                   # prefill everything first
     times = []
+    prof = None
+    if profile:
+        import cProfile
+        prof = cProfile.Profile()
+        prof.enable()
     for _ in range(steps):
         t = time.perf_counter()
         core.step()
         times.append(time.perf_counter() - t)
+    if prof is not None:
+        import pstats
+        prof.disable()
+        pstats.Stats(prof).sort_stats("tottime").print_stats(20)
     med = statistics.median(times) * 1e3
-    print(f"host time per decode step, {batch} requests (greedy, stub forward): {med:.2f} ms "
+    kind = "greedy" if temperature == 0 else f"T={temperature}"
+    print(f"host time per decode step, {batch} requests ({kind}, stub forward): {med:.2f} ms "
           f"(median of {steps})")
     return {"batch": batch, "host_ms_per_step": med}
 
@@ -64,5 +75,7 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--profile", action="store_true", help="cProfile the timed steps")
     a = ap.parse_args()
-    main(a.batch, a.steps)
+    main(a.batch, a.steps, temperature=a.temperature, profile=a.profile)

@@ -112,8 +112,6 @@ class ProbeBuffers:
         self.packed = None          # flat fp32: what the host reads every step
         self.layout: dict[str, tuple[int, tuple]] = {}
         self.pinned = None
-        self.attn_pinned = None
-        self.attn_host = None       # [A, W, Hq, ctx] on the host once start_copy ran
 
     def load_plan(self, plan: ProbePlan) -> None:
         """Point a CUDA graph's static buffers at this step's watched rows (one copy)."""
@@ -271,31 +269,17 @@ class ProbeBuffers:
 
     # ---- host side ---------------------------------------------------------------------------
     def start_copy(self) -> None:
-        """Issue the step's device->host copies without blocking, right after the forward: they
-        overlap sampling, and the host reads them after the step's one sync."""
-        self.attn_host = None
-        if self.packed is not None:
-            if self.packed.is_cuda:
-                if self.pinned is None or self.pinned.numel() != self.packed.numel():
-                    self.pinned = torch.empty(self.packed.numel(), pin_memory=True)
-                self.pinned.copy_(self.packed, non_blocking=True)
-            else:
-                self.pinned = self.packed
-        if self.attn and self.q_rows is not None:
-            plan = getattr(self, "plan_host", None) or self.plan
-            ctx = max((e.start_pos + e.num_tokens for e in plan.entries if e.samples), default=0)
-            if ctx == 0:
-                return
-            src = self.attn_probs[..., :ctx]                     # [A, W, Hq, ctx]
-            if src.is_cuda:
-                n = src.numel()
-                if self.attn_pinned is None or self.attn_pinned.numel() < n:
-                    self.attn_pinned = torch.empty(self.attn_probs.numel(), pin_memory=True)
-                dst = self.attn_pinned[:n].view(src.shape)
-                dst.copy_(src, non_blocking=True)
-                self.attn_host = dst
-            else:
-                self.attn_host = src
+        """Issue the step's one device->host copy without blocking, right after the forward: it
+        overlaps sampling, and the host reads it after the step's one sync. (Attention rows do
+        not cross here: see ProbeManager, they stay on the device until the trace is read.)"""
+        if self.packed is None:
+            return
+        if self.packed.is_cuda:
+            if self.pinned is None or self.pinned.numel() != self.packed.numel():
+                self.pinned = torch.empty(self.packed.numel(), pin_memory=True)
+            self.pinned.copy_(self.packed, non_blocking=True)
+        else:
+            self.pinned = self.packed
 
     def host(self) -> dict[str, np.ndarray]:
         """The packed results as numpy arrays (start_copy must have run; the step synced)."""
@@ -322,6 +306,12 @@ class ProbeManager:
         self._active: set[str] = set()         # watched requests not yet finished
         self._moe_layers: list[int] | None = None
         self.num_layers = llm.hf_config.num_hidden_layers
+        # attention rows (layers x heads x context, fp32: ~0.5 MB a token at 0.6B shapes and
+        # 300 tokens) stay on the device, one copy launch per step, and cross to the host when
+        # the trace is read; past this many bytes pending, they are moved during the step
+        self.max_pending_bytes = 256 << 20
+        self._pending: dict[str, list[AttentionStep]] = {}
+        self._pending_bytes = 0
 
     @property
     def moe_layers(self) -> list[int]:
@@ -339,6 +329,8 @@ class ProbeManager:
         self._active.add(seq.request_id)
         while len(self.traces) > self.max_traces:
             old, _ = self.traces.popitem(last=False)
+            for st in self._pending.pop(old, []):
+                self._pending_bytes -= st.probs.numel() * 4
             self._specs.pop(old, None)
 
     def _text(self, tok: int) -> str:
@@ -401,16 +393,14 @@ class ProbeManager:
         if bufs is None:
             return
         # the packed results (norms, routing, expert load, lens top-k) crossed in the step's
-        # one non-blocking copy; only lens ranks, attention rows and prefill patterns, which
-        # exist for watched requests that ask for them, take a second one
+        # one non-blocking copy; only lens ranks and prefill patterns, which exist for watched
+        # requests that ask for them, take a second one
         host = dict(bufs.host())
         named = []
         if plan.lens and len(plan.last_rows) and bufs.lens_out is not None:
             for k in ("sampled_prob", "sampled_rank"):
                 if k in bufs.lens_out:
                     named.append(("lens_" + k, bufs.lens_out[k]))
-        if plan.attention_layers and len(plan.last_rows) and bufs.attn_host is not None:
-            host["attn"] = bufs.attn_host.numpy()       # copied after the forward, synced since
         for (l, start), t in bufs.patterns.items():
             named.append((f"pat{l}_{start}", t))
         if named:
@@ -419,7 +409,7 @@ class ProbeManager:
             for name, t in named:
                 host[name] = flat[off:off + t.numel()].reshape(t.shape)
                 off += t.numel()
-        if not host:
+        if not host and not bufs.attn:
             return
         if "expert_load" in host:
             self.llm.runner._expert_load = host["expert_load"]
@@ -453,18 +443,18 @@ class ProbeManager:
                         host["lens_top_p"][:, w, :k].copy(),
                         host["lens_sampled_rank"][:, w].astype(np.int64),
                         host["lens_sampled_prob"][:, w].copy(), host["lens_entropy"][:, w].copy()))
-                if e.spec.attention and plan.attention_layers and "attn" in host:
+                if e.spec.attention and plan.attention_layers and bufs.attn:
                     layers = [l for l in plan.attention_layers
                               if e.spec.layers is None or l in e.spec.layers]
                     slots = [bufs.attn_slot[l] for l in layers]
-                    a = host["attn"]
-                    if slots == list(range(a.shape[0])):     # every captured layer: one copy
-                        probs = a[:, w, :, :pos + 1].copy()  # [layers, Hq, pos + 1]
+                    a = bufs.attn_probs                        # [A, W, Hq, max_ctx], device
+                    if slots == list(range(a.shape[0])):
+                        rows = a[:, w, :, :pos + 1].clone()    # [layers, Hq, pos + 1]
                     else:
-                        probs = a[slots, w, :, :pos + 1]
+                        rows = a[slots, w, :, :pos + 1]        # advanced indexing: a copy
                     bs = self.llm.block_size
-                    tr.attention.append(AttentionStep(pos, layers, probs,
-                                                      e.block_table[:pos // bs + 1], bs))
+                    self._defer_attention(tr, AttentionStep(pos, layers, rows,
+                                                            e.block_table[:pos // bs + 1], bs))
                 w += 1
             for l in plan.pattern_layers:
                 if f"pat{l}_{e.row_start}" in host:
@@ -480,11 +470,30 @@ class ProbeManager:
             tr.output_token_ids = list(seq.output_token_ids)
             tr.finished = True
 
+    def _defer_attention(self, tr: RequestTrace, step: AttentionStep) -> None:
+        self._pending.setdefault(tr.request_id, []).append(step)
+        self._pending_bytes += step.probs.numel() * 4
+        if self._pending_bytes > self.max_pending_bytes:
+            for rid in list(self._pending):
+                self._materialize(rid)
+
+    def _materialize(self, request_id: str) -> None:
+        """Move a request's pending attention rows to the host, in order, into its trace."""
+        steps = self._pending.pop(request_id, [])
+        tr = self.traces.get(request_id)
+        for st in steps:
+            self._pending_bytes -= st.probs.numel() * 4
+            st.probs = st.probs.cpu().numpy()
+            if tr is not None:
+                tr.attention.append(st)
+
     def get(self, request_id: str) -> RequestTrace | None:
-        """The trace, with a text for every token so far (decoded here, on read, so the
-        engine step does no tokenizer work for the probes)."""
+        """The trace, complete so far: attention rows still on the device come to the host,
+        and every token gets its text (both done here, on read, so the engine step does no
+        copies or tokenizer work for them)."""
         tr = self.traces.get(request_id)
         if tr is not None:
+            self._materialize(request_id)
             ids = tr.prompt_token_ids + tr.output_token_ids
             tr.token_texts.extend(self._text(t) for t in ids[len(tr.token_texts):])
         return tr

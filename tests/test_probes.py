@@ -261,6 +261,31 @@ def test_probes_do_not_change_outputs(dense_dir):
                                    [lp.logprob for lp in b.logprobs], rtol=1e-5, atol=1e-6)
 
 
+def test_attention_rows_wait_on_the_device_until_the_trace_is_read(llm, hf_dense):
+    """Attention rows are kept where the forward wrote them and cross to the host on read (or
+    when too many bytes are pending): either way the trace holds HF's attention."""
+    spec = ProbeSpec(norms=False, logit_lens=False, routing=False)
+    p = prompt(7, 9)
+    out = llm.generate([p], greedy(6), watch=spec)[0]
+    pm = llm.probes
+    assert pm.traces[out.request_id].attention == []          # nothing moved during the steps
+    assert len(pm._pending[out.request_id]) == 6 and pm._pending_bytes > 0
+    lazy = llm.trace(out.request_id)
+    assert pm._pending_bytes == 0 and out.request_id not in pm._pending
+    assert all(isinstance(st.probs, np.ndarray) for st in lazy.attention)
+    ref = hf_run(hf_dense, processed(lazy))
+    assert_attention_matches(lazy, ref, len(out.token_ids))
+    # a cap of one byte moves them every step: same rows
+    pm.max_pending_bytes = 1
+    try:
+        again = llm.generate([prompt(8, 9)], greedy(6), watch=spec)[0]
+        assert len(pm.traces[again.request_id].attention) == 6 and pm._pending_bytes == 0
+        tr = llm.trace(again.request_id)
+        assert_attention_matches(tr, hf_run(hf_dense, processed(tr)), len(again.token_ids))
+    finally:
+        pm.max_pending_bytes = 256 << 20
+
+
 def test_unwatched_request_has_no_trace(llm):
     out = llm.generate([prompt(13, 5)], greedy(2))[0]
     assert llm.trace(out.request_id) is None
