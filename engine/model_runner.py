@@ -32,7 +32,7 @@ class StepInputs:
     max_seqlen_q: int
     sample_rows: torch.Tensor       # [S] int64: flat rows whose logits are sampled
     is_decode: bool
-    probe_plan: object | None = None   # probes.ProbePlan, or None when nothing is watched
+    probe_plan: object | None = None   # probe_plan.ProbePlan, or None when nothing is watched
 
 
 def build_step_inputs(scheduled, block_size: int, probe_plan=None) -> StepInputs:
@@ -222,7 +222,7 @@ class ModelRunner:
         else:
             bufs = None
             if plan is not None:
-                from .probes import ProbeBuffers
+                from .probe_buffers import ProbeBuffers
                 bufs = ProbeBuffers.for_step(self, inp)
             logits = self.execute(inp, bufs)
         if bufs is not None:

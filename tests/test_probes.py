@@ -398,7 +398,7 @@ def test_routing_after_prefix_cache_hit_leaves_cached_rows_unknown(moe):
 def test_big_steps_select_routing_rows_and_still_match_hf(moe, monkeypatch):
     """Steps with more rows than STACK_ROUTING_ROWS record routing by selecting the watched
     rows per layer instead of through the router's stacked buffers: still HF's routing."""
-    import engine.probes as probes_mod
+    import engine.probe_buffers as probes_mod
     arch, engine, hf, out, trace, ref = moe
     monkeypatch.setattr(probes_mod, "STACK_ROUTING_ROWS", 0)
     res = engine.generate([prompt(40, 7), prompt(41, 5)], greedy(4), watch=[ProbeSpec(), None])

@@ -1,0 +1,303 @@
+"""ProbeBuffers: the device side of the probes, on every rank — what the forward writes into at
+the hook points (residual norms, the lens' residual rows, the watched query's attention over the
+paged K cache, MoE routing), the reductions over all layers after the forward, and the packed
+buffer the host reads. Also the CUDA-graph variants: static buffers captured per probe set.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from .context import get_context
+from .kernels import attention_probe
+from .probe_plan import ProbePlan
+
+
+# steps with at most this many rows record routing for every row into stacked per-layer
+# buffers the router writes directly (no launch per layer); bigger eager steps select rows
+STACK_ROUTING_ROWS = 1024
+
+
+class ProbeBuffers:
+    """Device-side outputs of one step's probes on one rank.
+
+    Per layer, recording costs at most one launch: residual norms come from the norm kernel's
+    own sum of squares, routing is written by the router into stacked buffers, the lens copies
+    one residual row, attention copies one query row. The reductions over all layers run once
+    in `on_final`, which also packs the small results into one flat buffer (`packed`) so the
+    host reads them with a single non-blocking copy."""
+
+    def __init__(self, plan: ProbePlan, num_rows: int, num_layers: int, hidden: int, device,
+                 dtype, moe_layers: list[int], num_experts: int, top_k: int):
+        self.plan = plan
+        self.device = device
+        self.num_rows = num_rows
+        R, W = len(plan.rows), len(plan.last_rows)
+        # rows | last_rows | last_batch in one device tensor: one host->device copy per step
+        self.index = torch.tensor(plan.rows + plan.last_rows + plan.last_batch,
+                                  dtype=torch.int64).to(device)
+        self.rows, self.last_rows, self.last_batch = self.index.split([R, W, W])
+        self.sumsq = (torch.zeros(num_layers + 1, num_rows, device=device)
+                      if plan.norms and R else None)
+        self.norms = None                                   # [L + 1, R], set by on_final
+        self.lens_resid = (torch.zeros(num_layers + 1, W, hidden, device=device, dtype=dtype)
+                           if plan.lens and W else None)
+        self.attn_layers = list(plan.attention_layers) if W else []
+        self.attn_slot = {layer: i for i, layer in enumerate(self.attn_layers)}
+        self.attn_layer_ids = torch.tensor(self.attn_layers, dtype=torch.int32, device=device)
+        self.q_rows = None                                  # [A, W, Hq, D], at first on_attention
+        self.attn_ctx = None                                # the step's ForwardContext
+        self.attn: dict[int, torch.Tensor] = {}             # layer -> [W, Hq, max_ctx]
+        self.patterns: dict[tuple[int, int], torch.Tensor] = {}   # (layer, row_start) -> [Hq, n, n]
+        self.moe_index = {layer: i for i, layer in enumerate(moe_layers)}
+        self.num_experts = num_experts
+        m = len(moe_layers)
+        self.record_routing = bool(plan.routing and R and m)
+        self.record_load = bool(plan.expert_load and m)
+        self.stacked = (self.record_routing or self.record_load) and num_rows <= STACK_ROUTING_ROWS
+        if self.stacked:
+            self.probs_all = torch.zeros(m, num_rows, num_experts, device=device)
+            self.w_all = torch.zeros(m, num_rows, top_k, device=device)
+            self.ids_all = torch.zeros(m, num_rows, top_k, dtype=torch.int32, device=device)
+            self.gate_all = torch.zeros(m, num_rows, device=device)
+        rec = self.record_routing and not self.stacked
+        self.router_probs = torch.zeros(m, R, num_experts, device=device) if rec else None
+        self.router_ids = torch.zeros(m, R, top_k, dtype=torch.int32, device=device) if rec else None
+        self.router_w = torch.zeros(m, R, top_k, device=device) if rec else None
+        self.shared_gate = torch.zeros(m, R, device=device) if rec else None
+        self.has_shared_gate = False
+        self.expert_load = (torch.zeros(m, num_experts, device=device)
+                            if self.record_load and not self.stacked else None)
+        self.lens_out = None
+        self.graph_rows = False     # a CUDA graph's padded batch: rows with context 0 are padding
+        self.packed = None          # flat fp32: what the host reads every step
+        self.layout: dict[str, tuple[int, tuple]] = {}
+        self.pinned = None
+
+    def load_plan(self, plan: ProbePlan) -> None:
+        """Point a CUDA graph's static buffers at this step's watched rows (one copy)."""
+        # the template records one row; a plan that needs none points it at row 0, and the
+        # host then ignores what was recorded there
+        st = self._staging_np
+        st[0] = plan.rows[0] if len(plan.rows) == 1 else 0
+        st[1] = plan.last_rows[0] if len(plan.last_rows) == 1 else 0
+        st[2] = plan.last_batch[0] if len(plan.last_batch) == 1 else 0
+        self.plan_host = plan
+        self.index.copy_(self._staging, non_blocking=True)
+
+    @classmethod
+    def for_step(cls, runner, inp) -> "ProbeBuffers":
+        cfg = runner.hf_config
+        moe_layers = getattr(runner.model, "moe_layers", [])
+        return cls(inp.probe_plan, len(inp.input_ids), runner.num_layers, cfg.hidden_size,
+                   runner.device, runner.dtype, moe_layers,
+                   getattr(cfg, "num_experts", 0) or 0, getattr(cfg, "num_experts_per_tok", 0) or 0)
+
+    # ---- hook points (called from the forward) -------------------------------------------------
+    def sumsq_out(self, index: int) -> torch.Tensor | None:
+        """Where the norm kernel at hook `index` stores sum(residual^2) per row, or None."""
+        return self.sumsq[index] if self.sumsq is not None else None
+
+    def on_resid(self, index: int, residual: torch.Tensor) -> None:
+        """index 0 = hook_embed, index l + 1 = blocks.l.hook_resid_post. residual [N, H]."""
+        if self.lens_resid is not None:
+            torch.index_select(residual, 0, self.last_rows, out=self.lens_resid[index])
+
+    def on_attention(self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, ctx) -> None:
+        """q [N, Hq, D]; K of this step is already in the cache."""
+        slot = self.attn_slot.get(layer)
+        if slot is not None:
+            if self.q_rows is None:
+                self.q_rows = torch.empty(len(self.attn_layers), len(self.last_rows),
+                                          *q.shape[1:], dtype=q.dtype, device=q.device)
+                self.attn_ctx = ctx
+                self.page_size = k_cache.shape[1]
+            torch.index_select(q, 0, self.last_rows, out=self.q_rows[slot])
+        for start, n in self.plan.pattern_layers.get(layer, ()):
+            qs = q[start:start + n].float()                 # [n, Hq, D]
+            b = [e.batch_index for e in self.plan.entries if e.row_start == start][0]
+            bs = k_cache.shape[1]
+            ids = ctx.block_tables[b, :(n + bs - 1) // bs].long()
+            k = k_cache[ids].reshape(-1, *k_cache.shape[2:])[:n].float()   # [n, Hkv, D]
+            k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+            s = torch.einsum("qhd,khd->hqk", qs, k) * q.shape[-1] ** -0.5
+            causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+            self.patterns[layer, start] = torch.softmax(s.masked_fill(~causal, float("-inf")), -1)
+
+    def route_out(self, layer: int, num_rows: int):
+        """(probs, weights, ids) slices the router writes into, or None."""
+        if not self.stacked or num_rows != self.num_rows:
+            return None
+        i = self.moe_index[layer]
+        return self.probs_all[i], self.w_all[i], self.ids_all[i]
+
+    def on_router(self, layer: int, probs, topk_ids, topk_w, shared_gate=None) -> None:
+        """probs [N, E] fp32, topk_ids/topk_w [N, k], shared_gate [N] (sigmoid) or None."""
+        i = self.moe_index[layer]
+        if self.stacked:                # the router already wrote probs/ids/weights
+            if shared_gate is not None:
+                self.gate_all[i].copy_(shared_gate.reshape(-1))
+                self.has_shared_gate = True
+            return
+        if self.router_probs is not None:
+            torch.index_select(probs, 0, self.rows, out=self.router_probs[i])
+            torch.index_select(topk_ids, 0, self.rows, out=self.router_ids[i])
+            torch.index_select(topk_w, 0, self.rows, out=self.router_w[i])
+            if shared_gate is not None:
+                torch.index_select(shared_gate.reshape(-1).float(), 0, self.rows,
+                                   out=self.shared_gate[i])
+                self.has_shared_gate = True
+        if self.expert_load is not None:
+            ids = topk_ids.reshape(-1).long()
+            self.expert_load[i].zero_().scatter_add_(0, ids, torch.ones_like(ids, dtype=torch.float32))
+
+    def on_final(self, model) -> None:
+        """After the forward: every reduction over the layers, then pack for the host."""
+        parts: dict[str, torch.Tensor] = {}
+        if self.sumsq is not None:
+            self.norms = self.sumsq.index_select(1, self.rows).sqrt()          # [L + 1, R]
+            parts["norms"] = self.norms
+        if self.stacked:
+            self._reduce_stacked()
+        if self.router_probs is not None:
+            parts.update(router_probs=self.router_probs, router_ids=self.router_ids,
+                         router_w=self.router_w)
+            if self.has_shared_gate:
+                parts["shared_gate"] = self.shared_gate
+        if self.expert_load is not None:
+            parts["expert_load"] = self.expert_load
+        if self.lens_resid is not None:
+            L1, W, H = self.lens_resid.shape
+            x = model.model.norm(self.lens_resid[1:].reshape(-1, H))
+            logits = model.compute_logits(x).float()            # [L * W, V]
+            probs = torch.softmax(logits, dim=-1)
+            k = self.plan.lens_top_k
+            top_p, top_i = probs.topk(k, dim=-1)
+            ent = -(probs * torch.log(probs.clamp_min(1e-30))).sum(-1)
+            self.lens_out = dict(probs=probs.view(L1 - 1, W, -1), top_p=top_p.view(L1 - 1, W, k),
+                                 top_i=top_i.view(L1 - 1, W, k), entropy=ent.view(L1 - 1, W))
+            parts.update(lens_top_i=self.lens_out["top_i"], lens_top_p=self.lens_out["top_p"],
+                         lens_entropy=self.lens_out["entropy"])
+        tp = model.lm_head.tp
+        if self.q_rows is not None:
+            self._attention_all_layers(model, tp)
+        for key in list(self.patterns):
+            self.patterns[key] = tp.all_gather_dim(self.patterns[key], 0)
+        self.layout, off = {}, 0
+        for name, t in parts.items():
+            self.layout[name] = (off, tuple(t.shape))
+            off += t.numel()
+        self.packed = (torch.cat([t.reshape(-1).float() for t in parts.values()])
+                       if parts else None)
+
+    def _reduce_stacked(self) -> None:
+        m, N, k = self.ids_all.shape
+        if self.record_routing:
+            self.router_probs = self.probs_all.index_select(1, self.rows)     # [m, R, E]
+            self.router_ids = self.ids_all.index_select(1, self.rows)
+            self.router_w = self.w_all.index_select(1, self.rows)
+            self.shared_gate = self.gate_all.index_select(1, self.rows)
+        if self.record_load:
+            E = self.num_experts
+            ids = (self.ids_all.long() + torch.arange(m, device=self.ids_all.device)[:, None, None] * E)
+            if self.graph_rows:         # padding rows of a graph bucket route garbage: weight 0
+                valid = (get_context().context_lens[:N] > 0).float()
+                w = valid[None, :, None].expand(m, N, k)
+            else:
+                w = torch.ones(m, N, k, device=ids.device)
+            self.expert_load = torch.zeros(m * E, device=ids.device).scatter_add_(
+                0, ids.reshape(-1), w.reshape(-1)).view(m, E)
+
+    def _attention_all_layers(self, model, tp) -> None:
+        """One launch pair per watched query over every captured layer's K cache."""
+        ctx = self.attn_ctx
+        q_rows = self.q_rows
+        k_all = model.k_cache_all
+        max_ctx = ctx.block_tables.shape[1] * self.page_size
+        fn = (attention_probe.attention_probs_layers if q_rows.is_cuda
+              else attention_probe.attention_probs_layers_ref)
+        scale = q_rows.shape[-1] ** -0.5
+        outs = []
+        for w in range(q_rows.shape[1]):
+            b = self.last_batch[w:w + 1]     # index_select: a 0-d index would sync
+            out = torch.empty(len(self.attn_layers), q_rows.shape[2], max_ctx,
+                              dtype=torch.float32, device=q_rows.device)
+            fn(q_rows[:, w], k_all, self.attn_layer_ids, ctx.block_tables.index_select(0, b)[0],
+               ctx.context_lens.index_select(0, b), scale, out)
+            outs.append(out)
+        self.attn_probs = tp.all_gather_dim(torch.stack(outs, 1), 2)   # [A, W, Hq, max_ctx]
+        self.attn = {layer: self.attn_probs[i] for i, layer in enumerate(self.attn_layers)}
+
+    # ---- host side ---------------------------------------------------------------------------
+    def start_copy(self) -> None:
+        """Issue the step's one device->host copy without blocking, right after the forward: it
+        overlaps sampling, and the host reads it after the step's one sync. (Attention rows do
+        not cross here: see ProbeManager, they stay on the device until the trace is read.)"""
+        if self.packed is None:
+            return
+        if self.packed.is_cuda:
+            if self.pinned is None or self.pinned.numel() != self.packed.numel():
+                self.pinned = torch.empty(self.packed.numel(), pin_memory=True)
+            self.pinned.copy_(self.packed, non_blocking=True)
+        else:
+            self.pinned = self.packed
+
+    def host(self) -> dict[str, np.ndarray]:
+        """The packed results as numpy arrays (start_copy must have run; the step synced)."""
+        if self.packed is None:
+            return {}
+        if self.pinned is None:
+            self.start_copy()
+        # a copy: a CUDA graph's pinned buffer is overwritten by the next step, and what we
+        # return is kept (step traces hold the expert load)
+        flat = self.pinned.numpy().copy()
+        return {name: flat[off:off + math.prod(shape)].reshape(shape)
+                for name, (off, shape) in self.layout.items()}
+
+
+# ---- CUDA-graph variants -----------------------------------------------------------------------
+GRAPH_LENS_TOP_K = 10
+
+
+def graph_variant(plan: ProbePlan | None) -> tuple[bool, bool] | None:
+    """Which probe-capturing graph a step needs: None (probes off) or (lens, attention).
+    Norms, routing and expert load are in every variant: they cost no launch per layer."""
+    if plan is None:
+        return None
+    return bool(plan.lens and len(plan.last_rows)), bool(plan.attention_layers)
+
+
+def _template_plan(runner, variant: tuple[bool, bool]) -> ProbePlan:
+    lens, attention = variant
+    moe = bool(getattr(runner.model, "moe_layers", []))
+    return ProbePlan(entries=[], rows=[0], last_rows=[0], last_batch=[0],
+                     norms=True, lens=lens, lens_top_k=GRAPH_LENS_TOP_K,
+                     attention_layers=list(range(runner.num_layers)) if attention else [],
+                     routing=moe, expert_load=moe)
+
+
+def graph_probe_buffers(runner, batch: int, variant: tuple[bool, bool]) -> ProbeBuffers:
+    """Static probe buffers captured into the decode graph of one bucket: one watched
+    request, the probes of `variant` on (the host keeps only what its ProbeSpec asked for)."""
+    cfg = runner.hf_config
+    bufs = ProbeBuffers(_template_plan(runner, variant), batch, runner.num_layers,
+                        cfg.hidden_size, runner.device, runner.dtype,
+                        getattr(runner.model, "moe_layers", []),
+                        getattr(cfg, "num_experts", 0) or 0,
+                        getattr(cfg, "num_experts_per_tok", 0) or 0)
+    bufs.graph_rows = True
+    bufs._staging = torch.zeros(3, dtype=torch.int64).pin_memory()
+    bufs._staging_np = bufs._staging.numpy()
+    return bufs
+
+
+def graph_supports(plan: ProbePlan, runner) -> bool:
+    """A decode step whose probes fit a captured template: at most one watched request
+    (none when only the global expert load is recorded)."""
+    if plan is None:
+        return True
+    if len(plan.entries) > 1 or plan.pattern_layers or plan.lens_top_k > GRAPH_LENS_TOP_K:
+        return False
+    return len(plan.rows) <= 1 and len(plan.last_rows) <= 1
