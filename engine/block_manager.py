@@ -159,8 +159,14 @@ class BlockManager:
         """Register prefix hashes for seq's blocks that are now full and computed."""
         if not self.enable_prefix_caching:
             return
-        bs, hashes = self.block_size, self.hashes.setdefault(seq.request_id, [])
-        for i in range(len(hashes), seq.num_computed_tokens // bs):
+        bs = self.block_size
+        full = seq.num_computed_tokens // bs
+        hashes = self.hashes.get(seq.request_id)
+        if hashes is None:
+            hashes = self.hashes[seq.request_id] = []
+        elif len(hashes) >= full:       # most steps: no block completed (one in block_size)
+            return
+        for i in range(len(hashes), full):
             ids = tuple(seq.token_ids[i * bs:(i + 1) * bs])
             parent = hashes[-1] if hashes else None
             h = chain_hash(parent, ids)

@@ -125,11 +125,15 @@ class EngineCore:
         return events
 
     def _record(self, scheduled, t_start, t_sched, t_prep, t_fwd, t_sample, bufs) -> None:
-        entries = [StepEntry(s.seq.request_id, "decode" if s.num_tokens == 1 and
-                             s.start >= s.seq.num_prompt_tokens else "prefill",
-                             s.num_tokens, s.start) for s in scheduled]
-        n_pre = sum(e.num_tokens for e in entries if e.kind == "prefill")
-        n_dec = sum(e.num_tokens for e in entries if e.kind == "decode")
+        entries, n_pre, n_dec = [], 0, 0
+        for s in scheduled:
+            n = s.num_tokens
+            if n == 1 and s.start >= s.seq.num_prompt_tokens:
+                entries.append(StepEntry(s.seq.request_id, "decode", 1, s.start))
+                n_dec += 1
+            else:
+                entries.append(StepEntry(s.seq.request_id, "prefill", n, s.start))
+                n_pre += n
         used = self.bm.num_blocks - self.bm.num_free_blocks
         info = self.runner.last_step_info()
         self.steps.append(StepTrace(

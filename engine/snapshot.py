@@ -6,6 +6,7 @@ while the engine thread keeps running; nothing holds a reference to a device ten
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -22,9 +23,8 @@ class BlockInfo:
     token_ids: list[int]        # token ids held in the filled slots
 
 
-@dataclass
-class StepEntry:
-    """One request's share of a step."""
+class StepEntry(NamedTuple):
+    """One request's share of a step (a tuple: one is made per request per step)."""
     request_id: str
     kind: str                   # "prefill" (a chunk of the prompt) or "decode"
     num_tokens: int
