@@ -49,7 +49,7 @@ class ProbeBuffers:
         self.attn_layer_ids = torch.tensor(self.attn_layers, dtype=torch.int32, device=device)
         self.q_rows = None                                  # [A, W, Hq, D], at first on_attention
         self.attn_ctx = None                                # the step's ForwardContext
-        self.attn: dict[int, torch.Tensor] = {}             # layer -> [W, Hq, max_ctx]
+        self.attn_probs = None                              # [A, W, Hq, max_ctx] after on_final
         self.patterns: dict[tuple[int, int], torch.Tensor] = {}   # (layer, row_start) -> [Hq, n, n]
         self.moe_index = {layer: i for i, layer in enumerate(moe_layers)}
         self.num_experts = num_experts
@@ -84,7 +84,6 @@ class ProbeBuffers:
         st[0] = plan.rows[0] if len(plan.rows) == 1 else 0
         st[1] = plan.last_rows[0] if len(plan.last_rows) == 1 else 0
         st[2] = plan.last_batch[0] if len(plan.last_batch) == 1 else 0
-        self.plan_host = plan
         self.index.copy_(self._staging, non_blocking=True)
 
     @classmethod
@@ -228,7 +227,6 @@ class ProbeBuffers:
                ctx.context_lens.index_select(0, b), scale, out)
             outs.append(out)
         self.attn_probs = tp.all_gather_dim(torch.stack(outs, 1), 2)   # [A, W, Hq, max_ctx]
-        self.attn = {layer: self.attn_probs[i] for i, layer in enumerate(self.attn_layers)}
 
     # ---- host side ---------------------------------------------------------------------------
     def start_copy(self) -> None:

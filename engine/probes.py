@@ -132,7 +132,7 @@ class ProbeManager:
             for name, t in named:
                 host[name] = flat[off:off + t.numel()].reshape(t.shape)
                 off += t.numel()
-        if not host and not bufs.attn:
+        if not host and bufs.attn_probs is None:
             return
         if "expert_load" in host:
             self.llm.runner._expert_load = host["expert_load"]
@@ -166,7 +166,7 @@ class ProbeManager:
                         host["lens_top_p"][:, w, :k].copy(),
                         host["lens_sampled_rank"][:, w].astype(np.int64),
                         host["lens_sampled_prob"][:, w].copy(), host["lens_entropy"][:, w].copy()))
-                if e.spec.attention and plan.attention_layers and bufs.attn:
+                if e.spec.attention and plan.attention_layers and bufs.attn_probs is not None:
                     layers = [l for l in plan.attention_layers
                               if e.spec.layers is None or l in e.spec.layers]
                     slots = [bufs.attn_slot[l] for l in layers]
