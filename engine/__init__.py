@@ -2,11 +2,11 @@
 from .errors import (CheckpointMismatchError, ModelNotFoundError, PromptTooLongError,
                      UnsupportedArchitectureError, WorkerDiedError)
 from .llm import LLM
-from .probe_spec import ProbeSpec
+from .probes.spec import ProbeSpec
 from .sampling import SamplingParams
 from .sequence import RequestOutput, TokenEvent
-from .snapshot import EngineSnapshot
-from .trace import RequestTrace
+from .probes.snapshot import EngineSnapshot
+from .probes.trace import RequestTrace
 
 __all__ = ["LLM", "SamplingParams", "ProbeSpec", "RequestOutput", "TokenEvent", "EngineSnapshot",
            "RequestTrace", "PromptTooLongError", "UnsupportedArchitectureError",

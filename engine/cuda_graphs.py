@@ -1,7 +1,7 @@
 """CUDA graphs for decode: one graph per batch-size bucket, captured with and without probes.
 
 The probe-free graphs are captured at start-up. Probe-capturing variants — (lens, attention)
-on top of norms and routing, see probe_buffers.graph_variant — are captured the first time a watched
+on top of norms and routing, see probes/buffers.graph_variant — are captured the first time a watched
 request needs one at that bucket: start-up stays as fast as with probes off, and a watch for
 norms never pays for the logit lens or the attention rows.
 
@@ -43,7 +43,7 @@ class DecodeGraphs:
         self.h_slots = torch.zeros(n, dtype=torch.int64).pin_memory()
         self.h_ctx = torch.zeros(n, dtype=torch.int32).pin_memory()
         self.h_tables = torch.zeros(n, self.max_blocks, dtype=torch.int32).pin_memory()
-        # key: (bucket, variant); variant None = probes off, else probe_buffers.graph_variant(plan)
+        # key: (bucket, variant); variant None = probes off, else probes.buffers.graph_variant(plan)
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.logits: dict[tuple, torch.Tensor] = {}
         self.probe_bufs: dict[tuple, object] = {}
@@ -66,7 +66,7 @@ class DecodeGraphs:
             set_context(None)
 
     def _capture(self, bs: int, variant) -> None:
-        from .probe_buffers import graph_probe_buffers
+        from .probes.buffers import graph_probe_buffers
         probes = graph_probe_buffers(self.runner, bs, variant) if variant is not None else None
         with torch.inference_mode():
             self._run(bs, probes)                   # warm-up: compile, allocate scratch
@@ -106,12 +106,12 @@ class DecodeGraphs:
             return False
         if inp.block_tables.shape[1] > self.max_blocks:
             return False
-        from .probe_buffers import graph_supports
+        from .probes.buffers import graph_supports
         return graph_supports(plan, self.runner)
 
     def replay(self, inp, plan):
         """-> (logits [B, vocab], the variant's probe buffers or None)."""
-        from .probe_buffers import graph_variant
+        from .probes.buffers import graph_variant
         B = len(inp.context_lens)
         bs = self.bucket(B)
         variant = graph_variant(plan)

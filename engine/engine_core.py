@@ -12,7 +12,7 @@ from .model_runner import build_step_inputs
 from .sampling import SamplingTensors, sample
 from .scheduler import Scheduler
 from .sequence import Sequence, TokenEvent, TokenLogprobs
-from .snapshot import StepEntry, StepTrace
+from .probes.snapshot import StepEntry, StepTrace
 
 
 class EngineCore:

@@ -15,11 +15,11 @@ from .config import EngineConfig
 from .engine_core import EngineCore
 from .errors import PromptTooLongError
 from .loader import resolve_model_path
-from .probe_spec import ProbeSpec
+from .probes.spec import ProbeSpec
 from .sampling import SamplingParams
 from .scheduler import Scheduler
 from .sequence import RequestOutput, Sequence, TokenEvent
-from .snapshot import EngineSnapshot
+from .probes.snapshot import EngineSnapshot
 
 _engine_ids = itertools.count()
 
@@ -73,7 +73,8 @@ class LLM:
                  gpu_memory_utilization: float = 0.9, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 8192, max_model_len: int | None = None,
                  enable_prefix_caching: bool = True, enforce_eager: bool = False, seed: int = 0,
-                 load_format: str = "auto", trace_history: int = 256):
+                 load_format: str = "auto", trace_history: int = 256,
+                 record_expert_load: bool = False, max_traces: int = 64):
         self.config = cfg = EngineConfig(
             model=model, device=device, dtype=dtype, tensor_parallel_size=tensor_parallel_size,
             block_size=block_size, num_kv_blocks=num_kv_blocks,
@@ -104,8 +105,11 @@ class LLM:
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens,
                                    self.max_model_len, self.eos_token_ids)
-        from .probes import ProbeManager
-        self.probes = ProbeManager(self)
+        from .probes.manager import ProbeManager
+        self.probes = ProbeManager(self, max_traces=max_traces)
+        # expert load per step is a global aggregate (every request, watched or not): off by
+        # default so an unwatched engine does no probe work; the playground turns it on
+        self.probes.record_expert_load = bool(record_expert_load)
         self.runner.capture_graphs(max_num_seqs)
         self.core = EngineCore(self.runner, self.scheduler, self.block_manager, self.tokenizer,
                                self.eos_token_ids, self.probes, trace_history)
@@ -317,13 +321,20 @@ class LLM:
             return True
 
     def inspect(self) -> EngineSnapshot:
-        from .inspect import take_snapshot
+        from .probes.inspect import take_snapshot
         with self._lock:
             return take_snapshot(self)
 
     def trace(self, request_id: str):
+        """The RequestTrace of a watched request (complete so far). KeyError if the request
+        was never watched, or its trace was evicted (only the newest `max_traces` are kept)."""
         with self._lock:
             return self.probes.get(request_id)
+
+    def traced_requests(self) -> list[str]:
+        """Request ids that have a trace, newest first."""
+        with self._lock:
+            return list(reversed(self.probes.traces))
 
     def read_kv_block(self, block_id: int, layer: int, head: int, which: str = "k"):
         """K or V of one physical block for one layer and KV head: [block_size, head_dim]."""

@@ -32,7 +32,7 @@ class StepInputs:
     max_seqlen_q: int
     sample_rows: torch.Tensor       # [S] int64: flat rows whose logits are sampled
     is_decode: bool
-    probe_plan: object | None = None   # probe_plan.ProbePlan, or None when nothing is watched
+    probe_plan: object | None = None   # probes.plan.ProbePlan, or None when nothing is watched
 
 
 def build_step_inputs(scheduled, block_size: int, probe_plan=None) -> StepInputs:
@@ -222,7 +222,7 @@ class ModelRunner:
         else:
             bufs = None
             if plan is not None:
-                from .probe_buffers import ProbeBuffers
+                from .probes.buffers import ProbeBuffers
                 bufs = ProbeBuffers.for_step(self, inp)
             logits = self.execute(inp, bufs)
         if bufs is not None:
@@ -250,7 +250,7 @@ class ModelRunner:
         return self.kv_cache[kv, layer, block_id, :, head].float().cpu().numpy()
 
     def tp_layout(self) -> list:
-        from .tp_layout import rank_layout
+        from .probes.tp_layout import rank_layout
         return [rank_layout(self.hf_config, r, self.tp.size, self.bytes_per_block * self.num_blocks)
                 for r in range(self.tp.size)]
 

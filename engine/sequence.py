@@ -5,7 +5,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from .probe_spec import ProbeSpec
+from .probes.spec import ProbeSpec
 from .sampling import SamplingParams
 
 
@@ -79,7 +79,8 @@ class Sequence:
         ttft = (self.first_token_time - self.arrival_time) if self.first_token_time else None
         n = self.num_output_tokens
         decode_s = (now - self.first_token_time) if self.first_token_time else 0.0
-        return {"ttft_s": ttft, "num_output_tokens": n,
+        return {"ttft_s": ttft, "num_prompt_tokens": self.num_prompt_tokens,
+                "num_output_tokens": n,
                 "tok_s": (n - 1) / decode_s if n > 1 and decode_s > 0 else None,
                 "prefix_cached_blocks": self.prefix_cached_blocks,
                 "preemptions": self.num_preemptions}

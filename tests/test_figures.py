@@ -131,7 +131,7 @@ def test_norms_figure_marks_prefix_cached_tokens_and_ignores_their_nan_rows(rng)
 
 
 def test_norms_figure_without_tokens_says_so():
-    from engine.trace import RequestTrace
+    from engine.probes.trace import RequestTrace
     fig = F.norms_figure(RequestTrace("r", 2))
     assert "No tokens" in fig.layout.annotations[0].text
 

@@ -2,9 +2,9 @@
 import numpy as np
 import torch
 
-from engine.probe_buffers import GRAPH_LENS_TOP_K, ProbeBuffers, graph_supports, graph_variant
-from engine.probe_plan import ProbePlan, WatchedEntry
-from engine.probe_spec import ProbeSpec
+from engine.probes.buffers import GRAPH_LENS_TOP_K, ProbeBuffers, graph_supports, graph_variant
+from engine.probes.plan import ProbePlan, WatchedEntry
+from engine.probes.spec import ProbeSpec
 
 
 def plan(rows=(3,), last=(3,), lens=False, attention=(), entries=1, top_k=5, patterns=None):

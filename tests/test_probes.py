@@ -231,7 +231,8 @@ def test_each_watched_request_in_a_batch_matches_hf(llm, hf_dense):
              ProbeSpec(layers=(1, 2), prefill_pattern_layers=(0, 2))]
     prompts = [prompt(6, 7), prompt(7, 5), prompt(8, 9)]
     outs = llm.generate(prompts, greedy(5), watch=specs)
-    assert llm.trace(outs[1].request_id) is None
+    with pytest.raises(KeyError, match="never watched"):
+        llm.trace(outs[1].request_id)
     for out, spec in ((outs[0], specs[0]), (outs[2], specs[2])):
         trace = llm.trace(out.request_id)
         ref = hf_run(hf_dense, processed(trace))
@@ -288,11 +289,23 @@ def test_attention_rows_wait_on_the_device_until_the_trace_is_read(llm, hf_dense
 
 def test_unwatched_request_has_no_trace(llm):
     out = llm.generate([prompt(13, 5)], greedy(2))[0]
-    assert llm.trace(out.request_id) is None
+    with pytest.raises(KeyError, match="never watched"):
+        llm.trace(out.request_id)
     off = llm.generate([prompt(14, 5)], greedy(2),
                        watch=ProbeSpec(norms=False, logit_lens=False, attention=False,
                                        routing=False))[0]
-    assert llm.trace(off.request_id) is None
+    with pytest.raises(KeyError, match="never watched"):
+        llm.trace(off.request_id)
+
+
+def test_an_evicted_trace_says_so_and_names_the_setting(dense_dir):
+    with LLM(dense_dir, device="cpu", block_size=BLOCK, num_kv_blocks=64, max_traces=2) as eng:
+        outs = [eng.generate([prompt(30 + i, 5)], greedy(2), watch=ProbeSpec())[0]
+                for i in range(3)]
+        assert eng.traced_requests() == [outs[2].request_id, outs[1].request_id]
+        with pytest.raises(KeyError, match="evicted.*max_traces"):
+            eng.trace(outs[0].request_id)
+        assert eng.trace(outs[2].request_id).request_id == outs[2].request_id
 
 
 def test_probe_spec_flags_are_respected(llm, hf_dense):
@@ -398,7 +411,7 @@ def test_routing_after_prefix_cache_hit_leaves_cached_rows_unknown(moe):
 def test_big_steps_select_routing_rows_and_still_match_hf(moe, monkeypatch):
     """Steps with more rows than STACK_ROUTING_ROWS record routing by selecting the watched
     rows per layer instead of through the router's stacked buffers: still HF's routing."""
-    import engine.probe_buffers as probes_mod
+    import engine.probes.buffers as probes_mod
     arch, engine, hf, out, trace, ref = moe
     monkeypatch.setattr(probes_mod, "STACK_ROUTING_ROWS", 0)
     res = engine.generate([prompt(40, 7), prompt(41, 5)], greedy(4), watch=[ProbeSpec(), None])

@@ -11,9 +11,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:   # plain `pytest` puts only tests/ on the path
     sys.path.insert(0, str(ROOT))
 
-from engine.snapshot import (BlockInfo, EngineSnapshot, KVLayout, RankLayout, StepEntry,
+from engine.probes.snapshot import (BlockInfo, EngineSnapshot, KVLayout, RankLayout, StepEntry,
                              StepTrace)
-from engine.trace import AttentionStep, LensStep, RequestTrace
+from engine.probes.trace import AttentionStep, LensStep, RequestTrace
 
 
 def free_port() -> int:

@@ -6,7 +6,7 @@ from typing import Sequence
 import numpy as np
 import plotly.graph_objects as go
 
-from engine.snapshot import RankLayout, StepTrace
+from engine.probes.snapshot import RankLayout, StepTrace
 from views.figures_common import (DECODE_COLOUR, PALETTE, PHASE_COLOURS, PREFILL_COLOUR,
                                   empty_figure, make_figure)
 

@@ -7,7 +7,7 @@ from typing import Callable, Sequence
 import numpy as np
 import plotly.graph_objects as go
 
-from engine.snapshot import EngineSnapshot, KVLayout
+from engine.probes.snapshot import EngineSnapshot, KVLayout
 from views.figures_common import (EVICTABLE_COLOUR, FREE_COLOUR, make_figure, request_colour,
                                   short_text)
 

@@ -6,7 +6,7 @@ from typing import Callable, Sequence
 import numpy as np
 import plotly.graph_objects as go
 
-from engine.trace import AttentionStep, RequestTrace
+from engine.probes.trace import AttentionStep, RequestTrace
 from views.figures_common import (DECODE_COLOUR, PREFILL_COLOUR, empty_figure, hspan,
                                   make_figure, short_text, sqrt_prob_colorbar, vline, vspan)
 

@@ -46,7 +46,10 @@ def build(hub: EngineHub) -> gr.Timer:
     def refresh(last_keys, tok, follow_on, layer_id, head_id, request: gr.Request):
         sess = hub.session(request.session_hash if request else None)
         rid = sess.watched
-        tr = hub.llm.trace(rid) if rid else None
+        try:
+            tr = hub.llm.trace(rid) if rid else None
+        except KeyError:            # never watched, or evicted: show the empty state
+            tr = None
         snap = hub.snapshot()
         moe = snap.moe is not None
         if tr is None:

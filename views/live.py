@@ -16,7 +16,7 @@ from typing import Sequence
 
 import gradio as gr
 
-from engine.snapshot import EngineSnapshot
+from engine.probes.snapshot import EngineSnapshot
 
 SNAPSHOT_MAX_AGE_S = 0.2
 

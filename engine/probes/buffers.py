@@ -10,9 +10,9 @@ import math
 import numpy as np
 import torch
 
-from .context import get_context
-from .kernels import attention_probe
-from .probe_plan import ProbePlan
+from ..context import get_context
+from ..kernels import attention_probe
+from .plan import ProbePlan
 
 
 # steps with at most this many rows record routing for every row into stacked per-layer

@@ -1,8 +1,8 @@
 """Introspection probes, the host side: the engine's own computation, recorded cheaply.
 
-ProbeManager (rank 0) decides each step which flat rows are watched (a ProbePlan, probe_plan.py)
+ProbeManager (rank 0) decides each step which flat rows are watched (a ProbePlan, plan.py)
 and folds what the forward recorded into RequestTraces afterwards. The device side — buffers the
-forward writes into, the graph variants — is probe_buffers.py. Nothing here runs when no
+forward writes into, the graph variants — is buffers.py. Nothing here runs when no
 request is watched: the plan is None, the context's `probes` is None, every hook is skipped.
 """
 from __future__ import annotations
@@ -12,8 +12,8 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
-from .probe_buffers import ProbeBuffers
-from .probe_plan import ProbePlan, WatchedEntry
+from .buffers import ProbeBuffers
+from .plan import ProbePlan, WatchedEntry
 from .trace import AttentionStep, LensStep, RequestTrace
 
 
@@ -24,6 +24,7 @@ class ProbeManager:
         self.llm = llm
         self.traces: OrderedDict[str, RequestTrace] = OrderedDict()
         self.max_traces = max_traces
+        self._evicted: set[str] = set()         # ids whose traces were dropped (bounded below)
         self.record_expert_load = False      # global aggregate (the UI turns it on)
         self._specs: dict[str, object] = {}
         self._active: set[str] = set()         # watched requests not yet finished
@@ -52,6 +53,9 @@ class ProbeManager:
         self._active.add(seq.request_id)
         while len(self.traces) > self.max_traces:
             old, _ = self.traces.popitem(last=False)
+            self._evicted.add(old)
+            if len(self._evicted) > 100_000:
+                self._evicted.clear()
             for st in self._pending.pop(old, []):
                 self._pending_bytes -= st.probs.numel() * 4
             self._specs.pop(old, None)
@@ -210,11 +214,17 @@ class ProbeManager:
             if tr is not None:
                 tr.attention.append(st)
 
-    def get(self, request_id: str) -> RequestTrace | None:
+    def get(self, request_id: str) -> RequestTrace:
         """The trace, complete so far: attention rows still on the device come to the host,
         and every token gets its text (both done here, on read, so the engine step does no
         copies or tokenizer work for them)."""
         tr = self.traces.get(request_id)
+        if tr is None:
+            if request_id in self._evicted:
+                raise KeyError(f"the trace of {request_id!r} was evicted: only the newest "
+                               f"{self.max_traces} traces are kept (LLM(max_traces=...))")
+            raise KeyError(f"no trace for {request_id!r}: it was never watched (pass watch="
+                           "ProbeSpec() to stream/generate to record one)")
         if tr is not None:
             self._materialize(request_id)
             ids = tr.prompt_token_ids + tr.output_token_ids
