@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 import sys
 import tempfile
 from pathlib import Path
@@ -90,6 +91,9 @@ def demo_choices() -> dict[str, str]:
     return {k: str(v) for k, v in found.items() if (v / "config.json").exists()}
 
 
+SYNC_S = 2.0   # how often each page checks that the model it shows is still the one loaded
+
+
 def build_app(llm, *, banner: str | None = None, choices: dict[str, str] | None = None,
               llm_kwargs: dict | None = None):
     """The playground as a gr.Blocks over a running LLM (tests launch it in-process)."""
@@ -97,6 +101,7 @@ def build_app(llm, *, banner: str | None = None, choices: dict[str, str] | None 
 
     from views import chat, engine_view, kv_cache, layers
     from views.live import EngineHub
+    from views.live_plot import preload_plotly
 
     hub = EngineHub(llm, llm_kwargs=llm_kwargs or {}, choices=choices or {})
     with gr.Blocks(title="Glassbox") as demo:
@@ -104,28 +109,63 @@ def build_app(llm, *, banner: str | None = None, choices: dict[str, str] | None 
             gr.Markdown("## Glassbox — an inference engine with glass walls",
                         elem_id="title")
             switch = gr.Dropdown(list(hub.choices), value=hub.current_choice(),
-                                 label="model", visible=len(hub.choices) > 1,
-                                 elem_id="model-switch", scale=0, min_width=260)
+                                 label="model (shared by everyone on this server)",
+                                 visible=len(hub.choices) > 1, elem_id="model-switch", scale=0,
+                                 min_width=300)
         gr.Markdown(banner or "", visible=bool(banner), elem_id="banner")
+        preload_plotly()
         model_line = gr.Markdown(hub.model_line(), elem_id="model-line")
+        seen = gr.State(None)      # (generation, loading) of the model this page shows
         with gr.Tabs(elem_id="tabs"):
             with gr.Tab("Chat", id="chat", elem_id="tab-chat") as tab_chat:
-                chat.build(hub)
+                chat_parts = chat.build(hub)
             with gr.Tab("KV cache", id="kv", elem_id="tab-kv") as tab_kv:
-                kv_timer = kv_cache.build(hub)
+                kv_tab = kv_cache.build(hub)
             with gr.Tab("Layers", id="layers", elem_id="tab-layers") as tab_layers:
-                layers_timer = layers.build(hub)
+                layers_tab = layers.build(hub)
             with gr.Tab("Engine", id="engine", elem_id="tab-engine") as tab_engine:
-                engine_timer = engine_view.build(hub)
-        # only the visible tab polls the engine: hidden tabs cost nothing
-        timers = [kv_timer, layers_timer, engine_timer]
-        for tab, live in ((tab_chat, None), (tab_kv, kv_timer), (tab_layers, layers_timer),
-                          (tab_engine, engine_timer)):
-            tab.select(lambda live=live: [gr.Timer(active=t is live) for t in timers],
-                       outputs=timers, api_visibility="private", queue=False)
-        switch.change(hub.switch_ui, inputs=switch, outputs=model_line,
-                      api_visibility="private", concurrency_limit=1)
-        demo.load(hub.model_line, outputs=model_line, api_visibility="private", queue=False)
+                engine_tab = engine_view.build(hub)
+        # only the visible tab polls the engine: hidden tabs cost nothing; a tab refreshes
+        # at once when opened instead of waiting for its first tick
+        live_tabs = [kv_tab, layers_tab, engine_tab]
+        timers = [t.timer for t in live_tabs]
+        for tab, live in ((tab_chat, None), (tab_kv, kv_tab), (tab_layers, layers_tab),
+                          (tab_engine, engine_tab)):
+            ev = tab.select(lambda live=live: [gr.Timer(active=live is not None and t is live.timer)
+                                              for t in timers],
+                            outputs=timers, api_visibility="private", queue=False)
+            if live is not None:
+                ev.then(live.refresh, live.inputs, live.outputs, api_visibility="private",
+                        show_progress="hidden")
+
+        sync_outputs = [model_line, switch, chat_parts.max_tokens, chat_parts.examples, seen]
+
+        def sync(seen_state):
+            """The model line, selector and model limits as they are now on the server: a new
+            visitor, and every open page after another visitor switched, sees the truth."""
+            now = (hub.generation, hub.switching)
+            if seen_state == now:
+                return [gr.skip()] * len(sync_outputs)
+            limit = chat.max_tokens_limit(hub.llm)
+            return [hub.model_line(),
+                    gr.Dropdown(value=hub.current_choice(), interactive=hub.switching is None),
+                    gr.Slider(maximum=limit, label=chat.max_tokens_label(hub.llm)),
+                    gr.Row(visible=hub.is_demo()), now]
+
+        def on_switch(choice, seen_state):
+            if choice and choice != hub.current_choice() and hub.switching is None:
+                try:
+                    hub.switch(choice)
+                    gr.Info(f"Loaded {choice}. Every open page now shows it.")
+                except Exception as e:      # a failed load keeps the old model serving
+                    gr.Warning(f"Could not load {choice}: {e}")
+            return sync(None)
+
+        switch.input(on_switch, [switch, seen], sync_outputs, api_visibility="private",
+                     concurrency_limit=1)
+        gr.Timer(SYNC_S).tick(sync, seen, sync_outputs, api_visibility="private", queue=False,
+                              show_progress="hidden")
+        demo.load(sync, seen, sync_outputs, api_visibility="private", queue=False)
         demo.unload(hub.on_unload)
     demo.queue(default_concurrency_limit=64)
     demo.hub = hub          # tests reach the shared engine state through this
@@ -134,10 +174,26 @@ def build_app(llm, *, banner: str | None = None, choices: dict[str, str] | None 
 
 def launch(demo, host: str = "127.0.0.1", port: int | None = None, share: bool = False,
            prevent_thread_lock: bool = False):
-    """Launch with the app's stylesheet (Gradio 6 takes css at launch, not in Blocks)."""
+    """Launch with the app's stylesheet (Gradio 6 takes css at launch, not in Blocks).
+    Quiet: main() prints the address and the app's own hints (`--share`, not Gradio's
+    `share=True`)."""
+    from views.live_plot import ALLOWED_PATHS
     return demo.launch(server_name=host, server_port=port, share=share,
                        prevent_thread_lock=prevent_thread_lock, css=CSS_PATH.read_text(),
-                       max_threads=96, show_error=True, footer_links=["api", "gradio"])
+                       max_threads=96, show_error=True, footer_links=["api", "gradio"],
+                       quiet=True, allowed_paths=ALLOWED_PATHS)
+
+
+def check_port(host: str, port: int) -> None:
+    """Exit with a clear message when host:port is taken: before the model loads, not after."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            sys.exit(f"cannot serve on {host}:{port}: {e.strerror or e}. Another program "
+                     f"(maybe another Glassbox) uses it: pass a free one with --port, "
+                     f"e.g. --port {port + 1}, or stop that program.")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -155,18 +211,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def load_llm(model: str, llm_kwargs: dict):
-    """Load the engine once, with a progress bar over the stages."""
-    from tqdm import tqdm
-    with tqdm(total=2, desc="loading", bar_format="{desc}{bar} {n}/{total} {elapsed}") as bar:
-        bar.set_description("importing engine")
-        from engine import LLM
-        bar.update(1)
-        bar.set_description(f"loading {model}")
-        llm = LLM(model, **llm_kwargs)
-        bar.update(1)
-        bar.set_description("loaded")
-    return llm
+class Stages:
+    """One progress line over the start-up stages, so no stage is silent."""
+
+    def __init__(self, names: list[str]):
+        from tqdm import tqdm
+        self.bar = tqdm(total=len(names), bar_format="{desc:<58.58}{bar:20} {n}/{total} "
+                                                     "{elapsed}")
+        self.names = iter(names)
+
+    def next(self) -> None:
+        if self.bar.n or self.bar.desc:
+            self.bar.update(1)
+        self.bar.set_description(next(self.names, "ready"))
+
+    def close(self) -> None:
+        self.bar.update(self.bar.total - self.bar.n)
+        self.bar.set_description("ready")
+        self.bar.close()
+
+
+def load_llm(model: str, llm_kwargs: dict, stages: Stages | None = None):
+    """Load the engine once (the first two start-up stages)."""
+    stages = stages or Stages(["importing the engine (torch, transformers)", f"loading {model}"])
+    stages.next()
+    from engine import LLM
+    stages.next()
+    return LLM(model, **llm_kwargs)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -174,25 +245,41 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.tp < 1 or args.block_size < 1:
         sys.exit("--tp and --block-size must be positive integers")
+    check_port(args.host, args.port)
     model, banner = resolve_model(args.model)
     llm_kwargs = dict(device=args.device, dtype=args.dtype, tensor_parallel_size=args.tp,
                       block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
-                      max_model_len=args.max_model_len)
+                      max_model_len=args.max_model_len, record_expert_load=True)
     if banner is not None and args.device in (None, "cpu") and args.num_kv_blocks is None:
-        llm_kwargs["num_kv_blocks"] = 256   # the tiny fallback: a cache the grid shows whole
+        llm_kwargs["num_kv_blocks"] = 256   # the tiny fallback: a cache the map shows whole
+    name = Path(model).name or model
+    stages = Stages(["importing the engine (torch, transformers)",
+                     f"loading {name} (weights, KV cache, kernels)",
+                     "importing gradio and building the UI", f"starting the server on port "
+                     f"{args.port}"])
     try:
-        llm = load_llm(model, llm_kwargs)
+        llm = load_llm(model, llm_kwargs, stages)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
+        stages.bar.close()
         sys.exit(f"could not load {model}: {e}")
+    stages.next()
     choices = demo_choices() if args.model is None else {}
     demo = build_app(llm, banner=banner, choices=choices, llm_kwargs=llm_kwargs)
-    _, url, share_url = launch(demo, args.host, args.port, args.share, prevent_thread_lock=True)
-    print(f"Glassbox playground: {url}" + (f"  (public: {share_url})" if share_url else ""),
+    stages.next()
+    try:
+        _, url, share_url = launch(demo, args.host, args.port, args.share,
+                                   prevent_thread_lock=True)
+    except OSError as e:        # lost a race for the port since check_port
+        llm.shutdown()
+        sys.exit(f"cannot serve on {args.host}:{args.port}: {e}. Pass a free one with --port.")
+    stages.close()
+    print(f"Glassbox playground: {url}" + (f"  (public: {share_url})" if share_url else
+                                          "  (add --share for a public gradio.live link)"),
           flush=True)
     try:
         demo.block_thread()
     finally:
-        llm.shutdown()
+        demo.hub.shutdown()
 
 
 if __name__ == "__main__":

@@ -116,9 +116,13 @@ class RunningApp:
         import app
         from engine import LLM
         model, banner = app.resolve_model(None)
-        # a small cache the block grid shows whole, fp32 on the CPU
-        self.llm = LLM(model, device="cpu", dtype="float32", num_kv_blocks=160, block_size=16)
-        self.demo = app.build_app(self.llm, banner=banner)
+        # a small cache the block grid shows whole, fp32 on the CPU; GLASSBOX_TEST_KV_BLOCKS
+        # measures the views over a bigger one
+        blocks = int(os.environ.get("GLASSBOX_TEST_KV_BLOCKS", "160"))
+        kwargs = dict(device="cpu", dtype="float32", num_kv_blocks=blocks, block_size=16,
+                      record_expert_load=True)
+        self.llm = LLM(model, **kwargs)
+        self.demo = app.build_app(self.llm, banner=banner, llm_kwargs=kwargs)
         self.hub = self.demo.hub
         self.port = free_port()
         app.launch(self.demo, port=self.port, prevent_thread_lock=True)
@@ -126,7 +130,7 @@ class RunningApp:
 
     def close(self):
         self.demo.close()
-        self.llm.shutdown()
+        self.hub.shutdown()
 
 
 _APP: RunningApp | None = None

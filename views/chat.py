@@ -1,12 +1,16 @@
 """Chat tab: streaming chat with stop, system prompt and sampling controls, per-reply stats.
 
-Each reply is one engine request (its own id), streamed with `watch=ProbeSpec()` so the Layers
-tab can show it. Stop, and closing the tab, abort the request in the engine. The same logic is
-exposed as the named API endpoint `/chat` for gradio_client.
+Each reply is one engine request (its own id), streamed with a ProbeSpec so the Layers tab can
+show it. Stop, Clear and closing the tab abort the request in the engine; a cut reply says why.
+The conversation itself lives in a gr.State as typed; the chat log shows an escaped copy, so no
+message (user's or model's) is ever rendered as Markdown or HTML. The same logic is exposed as
+the named API endpoint `/chat` for gradio_client.
 """
 from __future__ import annotations
 
-from typing import Iterator
+import html
+import math
+from typing import Iterator, NamedTuple
 
 import gradio as gr
 
@@ -14,11 +18,25 @@ from engine import ProbeSpec, SamplingParams
 from views.live import EngineHub
 
 DEFAULT_SYSTEM = "You are a helpful assistant. Answer briefly."
+DEMO_SYSTEM = "You are Glassbox, a tiny demo model."    # one the demo models were trained with
 MAX_MESSAGE_CHARS = 20_000
+# the demo models' trained tasks, in their exact prompt formats (tools/demo_data.py)
+DEMO_EXAMPLES = ("What is 47+38?", "Copy: glass box", "Reverse: c a t s",
+                 "Count the words: red fox moon", "Sort: 42 7 19 3")
+PATTERN_BYTES = 8 << 20     # the prompt's full attention pattern is kept when it fits this
+BUSY = "A reply is still streaming: wait for it, or press Stop. Your message stays in the box."
+
+
+class ChatParts(NamedTuple):
+    """Chat components the page-level model sync updates when the model changes."""
+    max_tokens: gr.Slider
+    temperature: gr.Slider
+    system: gr.Textbox
+    examples: gr.Row
 
 
 def _text_of(content) -> str:
-    """Gradio 6 passes message content as a list of parts; the engine wants plain text."""
+    """Gradio passes message content as a string or a list of parts; the engine wants text."""
     if isinstance(content, str):
         return content
     if isinstance(content, dict):
@@ -33,6 +51,18 @@ def build_messages(system: str, history: list[dict], message: str) -> list[dict]
     msgs += [{"role": m["role"], "content": _text_of(m["content"])} for m in history
              if m.get("role") in ("user", "assistant")]
     return msgs + [{"role": "user", "content": message}]
+
+
+def display(history: list[dict]) -> list[dict]:
+    """The chat log's copy of the conversation: every message escaped, so `<img onerror>`,
+    `<script>` and `__init__` show exactly as typed; a cut reply ends with why it stopped."""
+    out = []
+    for m in history:
+        text = html.escape(_text_of(m["content"]), quote=False)
+        if m.get("cut"):
+            text += f"\n\n⏹ reply cut: {html.escape(m['cut'], quote=False)}"
+        out.append({"role": m["role"], "content": text})
+    return out
 
 
 def check_message(message: str | None) -> str:
@@ -54,11 +84,35 @@ def make_sampling(temperature, top_p, top_k, max_tokens, ignore_eos=False) -> Sa
         raise ValueError("temperature, top_p, top_k and max_tokens must be numbers") from None
     if n < 1:
         raise ValueError(f"max tokens must be at least 1, got {n}")
+    if t < 0:
+        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {t}")
     return SamplingParams(temperature=t, top_p=p, top_k=k, max_tokens=n,
                           ignore_eos=bool(ignore_eos))
 
 
-def format_stats(ev) -> str:
+def watch_spec(hf_config) -> ProbeSpec:
+    """Every probe, plus the prompt's full attention pattern for every layer when it stays
+    under PATTERN_BYTES (so scrubbing to a prompt token shows that token's attention)."""
+    layers = hf_config.num_hidden_layers
+    heads = hf_config.num_attention_heads
+    cap = int(math.sqrt(PATTERN_BYTES / (4 * layers * heads)))
+    return ProbeSpec(prefill_pattern_layers=tuple(range(layers)), prefill_pattern_cap=max(1, cap))
+
+
+def finish_note(ev, max_model_len: int, reason: str | None = None) -> str:
+    """Why the reply ended, in words."""
+    m = ev.metrics or {}
+    if ev.finish_reason == "abort":
+        return f"⏹ cut: {reason or 'aborted'}"
+    if ev.finish_reason == "length":
+        used = (m.get("num_prompt_tokens") or 0) + (m.get("num_output_tokens") or 0)
+        if used >= max_model_len:
+            return f"stopped at the model's limit of {max_model_len} tokens (prompt included)"
+        return "stopped at max tokens"
+    return "finished (end of reply)"
+
+
+def format_stats(ev, note: str) -> str:
     m = ev.metrics or {}
     parts = []
     if m.get("ttft_s") is not None:
@@ -68,7 +122,7 @@ def format_stats(ev) -> str:
     n = m.get("prefix_cached_blocks", 0)
     parts.append(f"**{n}** prefix-cache block{'' if n == 1 else 's'} reused")
     parts.append(f"{m.get('num_output_tokens', 0)} tokens")
-    parts.append(f"finish: `{ev.finish_reason}`")
+    parts.append(note)
     return f"`{ev.request_id}` · " + " · ".join(parts)
 
 
@@ -77,26 +131,38 @@ def stream_reply(hub: EngineHub, session_key: str | None, messages, sampling, wa
     """llm.stream with the request registered to its browser session (for stop / tab close)."""
     sess = hub.session(session_key)
     rid = hub.new_request_id("chat")
+    spec = watch_spec(hub.llm.hf_config) if watch else None
+    events = hub.llm.stream(messages, sampling, watch=spec, request_id=rid)  # may raise
     if watch:
         sess.watched = rid
+        sess.replies.append(rid)
     sess.active.add(rid)
     try:
-        yield from hub.llm.stream(messages, sampling, watch=ProbeSpec() if watch else None,
-                                  request_id=rid)
+        yield from events
     finally:   # normal end, abort, or the generator closed by a cancelled event
         sess.active.discard(rid)
         if not sess.active and sess.watched is None:   # API callers never unload: forget them
             hub.sessions.pop(session_key or "anonymous", None)
 
 
-def build(hub: EngineHub) -> None:
+def build(hub: EngineHub) -> ChatParts:
     """The chat column and its events, inside the caller's gr.Blocks."""
+    demo = hub.is_demo()
+    llm = hub.llm
+    conversation = gr.State([])     # the messages as typed / generated: the model's history
     with gr.Row():
         with gr.Column(scale=3):
             chatbot = gr.Chatbot(elem_id="chat-log", height=440, show_label=False,
-                                 buttons=["copy"], feedback_options=None,
+                                 render_markdown=False, latex_delimiters=[], buttons=[],
+                                 feedback_options=None,
                                  placeholder="Say something: the reply streams from the engine, "
                                              "and the other tabs show its internals live.")
+            with gr.Row(visible=demo, elem_id="chat-examples") as examples:
+                gr.Markdown("Try a task the demo model was trained on:",
+                            elem_id="chat-examples-label")
+                example_buttons = [gr.Button(text, size="sm", variant="secondary",
+                                             elem_id=f"chat-example-{i}", min_width=60)
+                                   for i, text in enumerate(DEMO_EXAMPLES)]
             with gr.Row():
                 box = gr.Textbox(placeholder="Message", show_label=False, scale=6,
                                  elem_id="chat-input", autofocus=True, max_lines=6)
@@ -107,72 +173,131 @@ def build(hub: EngineHub) -> None:
                 clear = gr.Button("Clear", scale=1, elem_id="chat-clear", min_width=80)
             stats = gr.Markdown("", elem_id="chat-stats")
         with gr.Column(scale=1, min_width=260):
-            system = gr.Textbox(DEFAULT_SYSTEM, label="System prompt", lines=3,
-                                elem_id="chat-system")
-            temperature = gr.Slider(0, 2, 0.7, step=0.05, label="temperature (0 = greedy)",
-                                    elem_id="chat-temperature")
+            system = gr.Textbox(DEMO_SYSTEM if demo else DEFAULT_SYSTEM, label="System prompt",
+                                lines=3, elem_id="chat-system")
+            temperature = gr.Slider(0, 2, 0.0 if demo else 0.7, step=0.05,
+                                    label="temperature (0 = greedy)", elem_id="chat-temperature")
             top_p = gr.Slider(0.05, 1, 1.0, step=0.05, label="top_p", elem_id="chat-top-p")
             top_k = gr.Slider(0, 200, 0, step=1, label="top_k (0 = off)", elem_id="chat-top-k")
-            max_tokens = gr.Slider(1, 1024, 128, step=1, label="max tokens",
+            max_tokens = gr.Slider(1, max_tokens_limit(llm), min(128, max_tokens_limit(llm)),
+                                   step=1, label=max_tokens_label(llm),
                                    elem_id="chat-max-tokens")
             ignore_eos = gr.Checkbox(False, label="ignore EOS (run to max tokens)",
                                      elem_id="chat-ignore-eos")
 
     def respond(message, history, system, temperature, top_p, top_k, max_tokens, ignore_eos,
                 request: gr.Request):
+        key = request.session_hash if request else None
         history = list(history or [])
+        sess = hub.sessions.get(key or "anonymous")
+        if sess is not None and any(r.startswith("chat-") for r in sess.active):
+            gr.Warning(BUSY)
+            yield gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip()
+            return
         try:
             message = check_message(message)
             sampling = make_sampling(temperature, top_p, top_k, max_tokens, ignore_eos)
-            messages = build_messages(system, history, message)
-            events = stream_reply(hub, request.session_hash if request else None, messages,
-                                  sampling, watch=True)
-            history.append({"role": "user", "content": message})
-            history.append({"role": "assistant", "content": ""})
-            yield history, "", "generating…"
+            events = stream_reply(hub, key, build_messages(system, history, message), sampling,
+                                  watch=True)
+            ev = None
+            history = history + [{"role": "user", "content": message},
+                                 {"role": "assistant", "content": ""}]
+            yield display(history), history, "", "generating…", busy_send()
             for ev in events:
                 history[-1]["content"] = ev.output_text
-                if ev.finished:
-                    yield history, "", format_stats(ev)
-                else:
-                    yield history, gr.skip(), gr.skip()
+                if not ev.finished:
+                    yield display(history), gr.skip(), gr.skip(), gr.skip(), gr.skip()
+            if ev is None:
+                return
+            reason = hub.abort_reason(ev.request_id) if ev.finish_reason == "abort" else None
+            if reason == CLEARED:            # Clear emptied the chat: leave it empty
+                yield [], [], gr.skip(), "", idle_send()
+                return
+            if reason:
+                history[-1]["cut"] = reason
+            yield (display(history), history, gr.skip(),
+                   format_stats(ev, finish_note(ev, hub.llm.max_model_len, reason)), idle_send())
         except ValueError as e:      # bad input: say so, keep the conversation as it was
             gr.Warning(str(e))
-            if history and history[-1]["role"] == "assistant" and not history[-1]["content"]:
-                history = history[:-2]
-            yield history, gr.skip(), f"⚠️ {e}"
-        except RuntimeError as e:    # the engine failed or was swapped out under this reply
+            yield gr.skip(), gr.skip(), gr.skip(), f"⚠️ {e}", idle_send()
+        except RuntimeError as e:    # the engine failed or was shut down under this reply
             gr.Warning(str(e))
-            yield history, gr.skip(), f"⚠️ {e}"
+            if history and history[-1]["role"] == "assistant":
+                history[-1]["cut"] = str(e)
+            yield display(history), history, gr.skip(), f"⚠️ {e}", idle_send()
 
-    inputs = [box, chatbot, system, temperature, top_p, top_k, max_tokens, ignore_eos]
-    outputs = [chatbot, box, stats]
-    ev_submit = box.submit(respond, inputs, outputs, api_visibility="private",
-                           show_progress="hidden")
-    ev_send = send.click(respond, inputs, outputs, api_visibility="private",
-                         show_progress="hidden")
+    inputs = [box, conversation, system, temperature, top_p, top_k, max_tokens, ignore_eos]
+    outputs = [chatbot, conversation, box, stats, send]
+    # one dependency for Enter and Send: a second message while a reply streams is ignored
+    # (trigger_mode "once"), and stays in the box; Send shows it is disabled meanwhile
+    ev_send = gr.on([box.submit, send.click], respond, inputs, outputs, api_visibility="private",
+                    show_progress="hidden", trigger_mode="once")
+    for btn, text in zip(example_buttons, DEMO_EXAMPLES):
+        btn.click(lambda text=text: text, None, box, api_visibility="private",
+                  queue=False).then(respond, inputs, outputs, api_visibility="private",
+                                    show_progress="hidden")
 
     def on_stop(request: gr.Request):
-        n = hub.abort_session(request.session_hash if request else None)
-        return "stopped" if n else gr.skip()
+        n = hub.abort_session(request.session_hash if request else None, "stopped by user")
+        return "stopping…" if n else gr.skip()
 
-    stop.click(on_stop, None, stats, cancels=[ev_submit, ev_send], api_visibility="private",
-               queue=False)
-    clear.click(lambda: ([], ""), None, [chatbot, stats], api_visibility="private", queue=False)
+    stop.click(on_stop, None, stats, api_visibility="private", queue=False)
 
-    def chat(message: str, system_prompt: str = DEFAULT_SYSTEM, temperature: float = 0.7,
+    def on_clear(request: gr.Request):
+        hub.abort_session(request.session_hash if request else None, CLEARED)
+        return [], [], "", idle_send()
+
+    clear.click(on_clear, None, [chatbot, conversation, stats, send], cancels=[ev_send],
+                api_visibility="private", queue=False)
+
+    def chat(message: str, system_prompt: str | None = None, temperature: float | None = None,
              max_tokens: int = 128, ignore_eos: bool = False,
              request: gr.Request = None) -> Iterator[str]:
-        """Stream the reply to one message; yields the growing reply text."""
+        """Stream the reply to one message; yields the growing reply text. None for the system
+        prompt or temperature means the playground's defaults (on the demo models: their
+        trained system prompt, greedy); "" sends no system prompt. A reply cut before its end
+        (Stop, a model switch, shutdown) ends with an error that says why, never as a normal
+        result."""
         try:
             message = check_message(message)
-            sampling = make_sampling(temperature, 1.0, 0, max_tokens, ignore_eos)
+            demo = hub.is_demo()
+            t = temperature if temperature is not None else (0.0 if demo else 0.7)
+            if system_prompt is None:
+                system_prompt = DEMO_SYSTEM if demo else DEFAULT_SYSTEM
+            sampling = make_sampling(t, 1.0, 0, max_tokens, ignore_eos)
             events = stream_reply(hub, request.session_hash if request else None,
                                   build_messages(system_prompt, [], message), sampling,
                                   watch=False)
             for ev in events:
+                if ev.finished and ev.finish_reason == "abort":
+                    reason = hub.abort_reason(ev.request_id)
+                    raise gr.Error(f"The reply was cut after {len(ev.output_text)} characters: "
+                                   f"{reason}.")
                 yield ev.output_text
         except ValueError as e:
             raise gr.Error(str(e)) from None
+        except RuntimeError as e:
+            raise gr.Error(f"The reply was cut: {e}") from None
 
     gr.api(chat, api_name="chat", concurrency_limit=64)
+    return ChatParts(max_tokens, temperature, system, examples)
+
+
+CLEARED = "the chat was cleared"
+
+
+def idle_send():
+    return gr.Button("Send", interactive=True)
+
+
+def busy_send():
+    return gr.Button("Generating…", interactive=False)
+
+
+def max_tokens_limit(llm) -> int:
+    """The longest reply the model allows: its max_model_len less one prompt token."""
+    return max(1, int(llm.max_model_len) - 1)
+
+
+def max_tokens_label(llm) -> str:
+    return f"max tokens (this model: {llm.max_model_len} with the prompt)"

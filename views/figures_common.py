@@ -1,11 +1,16 @@
-"""Shared look for every figure: fixed request colours, one-call figure construction, shapes."""
+"""Shared look for every figure: fixed request colours, one-call figure construction, shapes.
+
+Figures are plotly's JSON as plain dicts ({"data": [trace, ...], "layout": {...}}), not
+plotly.graph_objects: building and validating graph objects costs 20-100 ms a figure on the
+2-core machine, a dict a millisecond or two, and live tabs rebuild several a second. Plotly.js
+validates what it draws anyway; tests check the dicts.
+"""
 from __future__ import annotations
 
 import re
 import zlib
 
 import numpy as np
-import plotly.graph_objects as go
 
 # Qualitative palette (Tableau 20 order, dark shades first) so neighbouring request ids differ.
 PALETTE = [
@@ -19,7 +24,7 @@ DECODE_COLOUR = "#4e79a7"
 PHASE_COLOURS = {"schedule": "#76b7b2", "prepare": "#edc948", "forward": "#4e79a7",
                  "sample": "#e15759"}
 # sqrt colour scale for probabilities: small attention weights stay visible, range fixed [0, 1]
-PROB_TICKS = [0.0, 0.01, 0.05, 0.2, 0.5, 1.0]
+PROB_TICKS = [0.0, 0.05, 0.2, 0.5, 1.0]     # sqrt-spaced >= 0.22 apart: never overlap
 FONT = dict(family="Inter, system-ui, sans-serif", size=12)
 
 
@@ -30,17 +35,49 @@ def request_colour(request_id: str) -> str:
     return PALETTE[n % len(PALETTE)]
 
 
+Figure = dict     # plotly figure JSON: {"data": [trace, ...], "layout": {...}}
+
+
+def heatmap(**kw) -> dict:
+    if isinstance(kw.get("colorbar"), dict):      # see make_figure: no label measuring
+        kw["colorbar"] = {"ticklabeloverflow": "allow", **kw["colorbar"]}
+    return {"type": "heatmap", **kw}
+
+
+def scatter(**kw) -> dict:
+    return {"type": "scatter", **kw}
+
+
+def bar(**kw) -> dict:
+    if "marker_color" in kw:
+        kw["marker"] = {"color": kw.pop("marker_color")}
+    return {"type": "bar", **kw}
+
+
 def make_figure(traces: list, title: str, uirevision: str, height: int = 320,
-                **layout) -> go.Figure:
-    """A figure built in one constructor call (plotly validates once: several times faster
-    than add_*/update_* calls, which matters at 2-5 rebuilds a second). Fixed fonts and
-    margins; `uirevision` keeps the user's zoom across live updates."""
-    top = 70 if "legend" in layout else 40   # a legend gets its own line under the title
+                **layout) -> Figure:
+    """A figure with fixed fonts and margins; `uirevision` keeps the user's zoom across live
+    updates (views/live_plot.js draws it with Plotly.react).
+
+    Every axis gets ticklabeloverflow "allow": plotly's default ("hide past div") measures
+    each tick label's box on every redraw, which was the largest single cost of a live update.
+    No legends: plotly re-measures them on every redraw too; a figure names its series in its
+    title (legend_title) instead."""
     base = dict(title=dict(text=title, x=0.01, y=0.98, yanchor="top", font=dict(size=14)),
-                font=FONT, height=height, margin=dict(l=60, r=20, t=top, b=40),
-                uirevision=uirevision, plot_bgcolor="white", paper_bgcolor="white")
+                font=FONT, height=height, margin=dict(l=60, r=20, t=40, b=40),
+                uirevision=uirevision, plot_bgcolor="white", paper_bgcolor="white",
+                showlegend=False)
     base.update(layout)
-    return go.Figure(data=traces, layout=base)
+    for name in [k for k in base if k.startswith(("xaxis", "yaxis"))] + ["xaxis", "yaxis"]:
+        base[name] = {"ticklabeloverflow": "allow", **(base.get(name) or {})}
+    return {"data": list(traces), "layout": base}
+
+
+def legend_title(title: str, series: dict[str, str]) -> str:
+    """A title that is also the legend: each series name in its colour."""
+    keys = " ".join(f'<span style="color:{c}">■</span> {plotly_text(n)}'
+                    for n, c in series.items())
+    return f"{title}<br><span style=\"font-size:11px\">{keys}</span>"
 
 
 def vspan(x0: float, x1: float, colour: str, fill: bool = False, xref: str = "x") -> dict:
@@ -61,7 +98,7 @@ def vline(x: float, colour: str, dash: str = "dash") -> dict:
                 line=dict(color=colour, dash=dash, width=1))
 
 
-def empty_figure(message: str, title: str = "", height: int = 260) -> go.Figure:
+def empty_figure(message: str, title: str = "", height: int = 260) -> Figure:
     """A blank figure that says why it is blank (no request yet, not an MoE model, ...)."""
     return make_figure(
         [], title, uirevision="empty", height=height,
@@ -74,6 +111,12 @@ def sqrt_prob_colorbar(title: str = "prob") -> dict:
     """Colour bar for sqrt-scaled probabilities, labelled in probability units."""
     return dict(title=title, tickvals=[float(np.sqrt(p)) for p in PROB_TICKS],
                 ticktext=[f"{p:g}" for p in PROB_TICKS], len=0.9)
+
+
+def plotly_text(text: str) -> str:
+    """Text for a plotly label, title or hover, which render a subset of HTML: markup in
+    token text (`<b>`, `<a href=...>`) shows as typed instead."""
+    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
 
 
 def short_text(text: str, limit: int = 12) -> str:

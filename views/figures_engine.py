@@ -1,18 +1,63 @@
 """Pure builders for the Engine tab: batch timeline, step time split, CUDA graphs, TP map."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
-import plotly.graph_objects as go
 
 from engine.probes.snapshot import RankLayout, StepTrace
 from views.figures_common import (DECODE_COLOUR, PALETTE, PHASE_COLOURS, PREFILL_COLOUR,
-                                  empty_figure, make_figure)
+                                  Figure, bar, empty_figure, heatmap, legend_title, make_figure,
+                                  scatter)
 
 STEP_WINDOW = 64          # steps shown; the x range is fixed to this many
 MAX_TIMELINE_ROWS = 24    # most recent requests in the timeline
-TOP_LEGEND = dict(orientation="h", y=1.02, x=1, xanchor="right", yanchor="bottom")
+IDLE_GAP_S = 0.05         # a pause between two steps longer than this (past the step's own
+                          # time) is idle time: the engine had nothing to run
+GRAPH_COLOUR, EAGER_COLOUR = "#59a14f", "#e15759"
+
+
+def step_seconds(s: StepTrace) -> float:
+    return s.t_schedule + s.t_prepare + s.t_forward + s.t_sample
+
+
+@dataclass
+class StepStats:
+    """Figures over the window of recent steps the Engine tab's plots show."""
+    num_steps: int
+    median_ms: float            # median step time (schedule + prepare + forward + sample)
+    busy_s: float               # seconds the engine was running these steps (idle gaps out)
+    decode_tok_s: float | None  # decode tokens per busy second
+    prefill_tok_s: float | None
+
+
+def step_stats(steps: Sequence[StepTrace], window: int = STEP_WINDOW) -> StepStats | None:
+    """Median step time and token rates over the last `window` steps, counting busy time only:
+    the time from one step to the next counts when the next began right after (within
+    IDLE_GAP_S of this step's own time), else only this step's own time. So a burst followed by
+    a minute of idling still reads as the burst's rate."""
+    steps = list(steps)[-window:]
+    if not steps:
+        return None
+    own = [step_seconds(s) for s in steps]
+    busy = 0.0
+    for i, s in enumerate(steps):
+        gap = steps[i + 1].wall_time - s.wall_time if i + 1 < len(steps) else own[i]
+        busy += gap if 0 <= gap <= own[i] + IDLE_GAP_S else own[i]
+    dec = sum(s.num_decode_tokens for s in steps)
+    pre = sum(s.num_prefill_tokens for s in steps)
+    return StepStats(len(steps), 1e3 * float(np.median(own)), busy,
+                     dec / busy if busy > 0 else None, pre / busy if busy > 0 else None)
+
+
+def int_axis(top: float, **extra) -> dict:
+    """A count axis with whole-number ticks (about four of them) from 0."""
+    top = max(1.0, float(top))
+    raw = top / 4
+    mag = 10 ** np.floor(np.log10(raw)) if raw >= 1 else 1
+    dtick = max(1, int(next(m * mag for m in (1, 2, 5, 10) if m * mag >= raw)))
+    return dict(tick0=0, dtick=dtick, rangemode="tozero", tickformat="d", **extra)
 
 
 def _window(steps: Sequence[StepTrace], window: int) -> tuple[list[StepTrace], list[float]]:
@@ -21,7 +66,7 @@ def _window(steps: Sequence[StepTrace], window: int) -> tuple[list[StepTrace], l
     return steps, [last - window + 0.5, last + 0.5]
 
 
-def batch_timeline_figure(steps: Sequence[StepTrace], window: int = STEP_WINDOW) -> go.Figure:
+def batch_timeline_figure(steps: Sequence[StepTrace], window: int = STEP_WINDOW) -> Figure:
     """Top: prefill vs decode tokens per step. Bottom: which request ran in which step, and how."""
     if not steps:
         return empty_figure("No engine steps yet", "Batch timeline")
@@ -41,12 +86,17 @@ def batch_timeline_figure(steps: Sequence[StepTrace], window: int = STEP_WINDOW)
             if e.request_id in row:
                 z[row[e.request_id], j] = 2 if e.kind == "prefill" else 1
                 text[row[e.request_id], j] = f"{e.kind} {e.num_tokens} tok @ {e.start_pos}"
+    prefill = [s.num_prefill_tokens for s in steps]
+    decode = [s.num_decode_tokens for s in steps]
+    # stacked step-shaped areas: one SVG path per series, where bars cost one per step
     traces = [
-        go.Bar(x=x, y=[s.num_prefill_tokens for s in steps], name="prefill tokens",
-               marker_color=PREFILL_COLOUR, xaxis="x", yaxis="y"),
-        go.Bar(x=x, y=[s.num_decode_tokens for s in steps], name="decode tokens",
-               marker_color=DECODE_COLOUR, xaxis="x", yaxis="y"),
-        go.Heatmap(z=z, x=x, y=rids, zmin=1, zmax=2, showscale=False, xgap=1, ygap=1,
+        scatter(x=x, y=prefill, name="prefill tokens", mode="lines", stackgroup="tok",
+                   line=dict(color=PREFILL_COLOUR, width=1, shape="hv"),
+                   xaxis="x", yaxis="y", hovertemplate="step %{x}: %{y} prefill<extra></extra>"),
+        scatter(x=x, y=decode, name="decode tokens", mode="lines", stackgroup="tok",
+                   line=dict(color=DECODE_COLOUR, width=1, shape="hv"),
+                   xaxis="x", yaxis="y", hovertemplate="step %{x}: %{y} decode<extra></extra>"),
+        heatmap(z=z, x=x, y=rids, zmin=1, zmax=2, showscale=False, xgap=1, ygap=1,
                    colorscale=[[0, DECODE_COLOUR], [0.5, DECODE_COLOUR], [0.5, PREFILL_COLOUR],
                                [1, PREFILL_COLOUR]], xaxis="x", yaxis="y2",
                    customdata=text,
@@ -54,58 +104,73 @@ def batch_timeline_figure(steps: Sequence[StepTrace], window: int = STEP_WINDOW)
     ]
     # bars on top (y), one row per request below (y2), sharing the step axis
     return make_figure(
-        traces, "Batch timeline: prefill (orange) and decode (blue) per step",
-        uirevision="engine-timeline", height=max(320, 18 * len(rids) + 220), barmode="stack",
-        legend=TOP_LEGEND, xaxis=dict(range=xrange, title="step", anchor="y2"),
-        yaxis=dict(domain=[0.68, 1], title="tokens"),
+        traces, legend_title("Batch timeline: tokens per step (top), requests in each step "
+                             "(below)", {"prefill": PREFILL_COLOUR, "decode": DECODE_COLOUR}),
+        uirevision="engine-timeline", height=max(340, 18 * len(rids) + 240),
+        margin=dict(l=70, r=20, t=62, b=40), xaxis=dict(range=xrange, title="step", anchor="y2", tickformat="d"),
+        yaxis=int_axis(max(p + d for p, d in zip(prefill, decode)), domain=[0.68, 1],
+                       title="tokens"),
         yaxis2=dict(domain=[0, 0.62], title="request", type="category", autorange="reversed"))
 
 
-def step_time_figure(steps: Sequence[StepTrace], window: int = STEP_WINDOW) -> go.Figure:
+def step_time_figure(steps: Sequence[StepTrace], window: int = STEP_WINDOW) -> Figure:
     """Where each step's time went: schedule / prepare / forward / sample, stacked, in ms."""
     if not steps:
         return empty_figure("No engine steps yet", "Step time")
     steps, xrange = _window(steps, window)
     x = [s.step_id for s in steps]
-    traces = [go.Bar(x=x, y=[1e3 * getattr(s, f"t_{phase}") for s in steps], name=phase,
-                     marker_color=colour,
-                     hovertemplate=f"step %{{x}}<br>{phase} %{{y:.2f}} ms<extra></extra>")
+    traces = [scatter(x=x, y=[1e3 * getattr(s, f"t_{phase}") for s in steps], name=phase,
+                         mode="lines", stackgroup="ms", line=dict(color=colour, width=1, shape="hv"),
+                         hovertemplate=f"step %{{x}}<br>{phase} %{{y:.2f}} ms<extra></extra>")
               for phase, colour in PHASE_COLOURS.items()]
-    total = [1e3 * (s.t_schedule + s.t_prepare + s.t_forward + s.t_sample) for s in steps]
+    stats = step_stats(steps, window)
     return make_figure(
-        traces, f"Step time split (median {float(np.median(total)):.1f} ms/step)",
-        uirevision="engine-steptime", height=280, barmode="stack", legend=TOP_LEGEND,
-        xaxis=dict(title="step", range=xrange), yaxis=dict(title="ms", rangemode="tozero"))
+        traces, legend_title(f"Step time split (median {stats.median_ms:.1f} ms over the last "
+                             f"{stats.num_steps} steps)", PHASE_COLOURS),
+        uirevision="engine-steptime", height=290, margin=dict(l=60, r=20, t=62, b=40),
+        xaxis=dict(title="step", range=xrange, tickformat="d"),
+        yaxis=dict(title="ms", rangemode="tozero"))
 
 
-def cuda_graph_figure(steps: Sequence[StepTrace], window: int = STEP_WINDOW) -> go.Figure:
+def cuda_graph_figure(steps: Sequence[StepTrace], window: int = STEP_WINDOW) -> Figure:
     """Per step: the CUDA-graph batch bucket replayed, or eager (red) — with the batch size."""
     if not steps:
         return empty_figure("No engine steps yet", "CUDA graphs")
     steps, xrange = _window(steps, window)
     graph = [s for s in steps if s.graph_bucket is not None]
     eager = [s for s in steps if s.graph_bucket is None]
+    x = [s.step_id for s in steps]
+    # one path per series (a gap where the other kind ran), where bars cost one per step
     traces = [
-        go.Bar(x=[s.step_id for s in graph], y=[s.graph_bucket for s in graph],
-               name="graph bucket", marker_color="#59a14f",
-               hovertemplate="step %{x}<br>graph bucket %{y}<extra></extra>"),
-        go.Bar(x=[s.step_id for s in eager],
-               y=[s.num_prefill_tokens + s.num_decode_tokens for s in eager],
-               name="eager (tokens)", marker_color="#e15759",
-               hovertemplate="step %{x}<br>eager, %{y} tokens<extra></extra>"),
-        go.Scatter(x=[s.step_id for s in steps], y=[len(s.entries) for s in steps],
-                   mode="markers", name="requests in batch", marker=dict(color="#333", size=5)),
+        scatter(x=x, y=[s.graph_bucket for s in steps], name="graph bucket", mode="lines",
+                   fill="tozeroy", connectgaps=False,
+                   line=dict(color=GRAPH_COLOUR, width=1, shape="hv"),
+                   hovertemplate="step %{x}<br>graph bucket %{y}<extra></extra>"),
+        scatter(x=x, y=[None if s.graph_bucket is not None else
+                           s.num_prefill_tokens + s.num_decode_tokens for s in steps],
+                   name="eager (tokens)", fill="tozeroy", connectgaps=False,
+                   # isolated eager steps (prefills between graph replays) need a marker
+                   mode="lines+markers" if len(eager) < 16 else "lines",
+                   marker=dict(size=5, color=EAGER_COLOUR),
+                   line=dict(color=EAGER_COLOUR, width=1, shape="hv"),
+                   hovertemplate="step %{x}<br>eager, %{y} tokens<extra></extra>"),
+        scatter(x=x, y=[len(s.entries) for s in steps], mode="lines",
+                   name="requests in batch", line=dict(color="#333", width=1.5, shape="hv")),
     ]
     share = len(graph) / len(steps)
+    top = max([s.graph_bucket or 0 for s in graph] + [len(s.entries) for s in steps] +
+              [s.num_prefill_tokens + s.num_decode_tokens for s in eager])
     return make_figure(
-        traces, f"CUDA graphs: {share:.0%} of recent steps replayed a graph",
-        uirevision="engine-graphs", height=260, barmode="overlay", legend=TOP_LEGEND,
-        xaxis=dict(title="step", range=xrange),
-        yaxis=dict(title="batch / bucket", rangemode="tozero"))
+        traces, legend_title(f"CUDA graphs: {share:.0%} of recent steps replayed a graph",
+                             {"graph bucket": GRAPH_COLOUR, "eager (tokens)": EAGER_COLOUR,
+                              "requests in batch": "#333"}),
+        uirevision="engine-graphs", height=290, margin=dict(l=60, r=20, t=62, b=40),
+        xaxis=dict(title="step", range=xrange, tickformat="d"),
+        yaxis=int_axis(top, title="batch / bucket"))
 
 
 def tp_map_figure(tp_layout: Sequence[RankLayout], num_heads: int, num_kv_heads: int
-                  ) -> go.Figure:
+                  ) -> Figure:
     """Which rank holds which query heads, KV heads and MLP/expert slice."""
     if not tp_layout:
         return empty_figure("No tensor-parallel layout reported", "TP map")
@@ -116,14 +181,14 @@ def tp_map_figure(tp_layout: Sequence[RankLayout], num_heads: int, num_kv_heads:
         hover = (f"rank {r.rank}<br>KV cache {r.kv_cache_bytes / 2**20:.1f} MiB"
                  f"<br>vocab [{r.vocab_slice[0]}, {r.vocab_slice[1]})")
         for axis, heads in (("", r.q_heads), ("2", r.kv_heads)):
-            traces.append(go.Scatter(
+            traces.append(scatter(
                 x=heads, y=[f"rank {r.rank}"] * len(heads), mode="markers", showlegend=False,
                 marker=dict(symbol="square", size=14, color=colour), xaxis=f"x{axis}",
                 yaxis=f"y{axis}", hovertemplate=f"head %{{x}}<br>{hover}<extra></extra>"))
         sl = r.expert_slice or r.mlp_slice
         if sl is not None:
             what = "each expert" if r.expert_slice else "MLP"
-            traces.append(go.Bar(
+            traces.append(bar(
                 y=[f"rank {r.rank}"], x=[sl[1] - sl[0]], base=[sl[0]], orientation="h",
                 marker_color=colour, showlegend=False, xaxis="x3", yaxis="y3",
                 hovertemplate=f"[{sl[0]}, {sl[1]}) of {what}<extra></extra>"))

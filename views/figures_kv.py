@@ -5,17 +5,17 @@ import html
 from typing import Callable, Sequence
 
 import numpy as np
-import plotly.graph_objects as go
 
 from engine.probes.snapshot import EngineSnapshot, KVLayout
-from views.figures_common import (EVICTABLE_COLOUR, FREE_COLOUR, make_figure, request_colour,
-                                  short_text)
+from views.figures_common import (EVICTABLE_COLOUR, FREE_COLOUR, Figure, heatmap, legend_title,
+                                  make_figure, plotly_text, request_colour, scatter, short_text)
 
 Decode = Callable[[Sequence[int]], str]
-MAX_GRID_CELLS = 4096     # a GPU cache can hold 100k blocks; past this we show used ones first
+MAX_MAP_CELLS = 16384     # a GPU cache can hold 100k blocks; past this only busy ones are drawn
+MAP_ROW = 32              # the drawn region grows a row of this many blocks at a time
+MAP_MIN_CELLS = 256       # ... and is never smaller than this
 MAX_TABLE_ROWS = 24
 MAX_TABLE_CELLS = 96
-HATCH = "repeating-linear-gradient(45deg,transparent 0 3px,rgba(255,255,255,.75) 3px 5px),"
 
 
 def _fmt_bytes(n: int) -> str:
@@ -33,65 +33,77 @@ def block_state(block) -> str:
     return "shared" if block.ref_count > 1 else "owned"
 
 
-def _cell(block, block_size: int, decode: Decode) -> str:
-    state = block_state(block)
-    fill = 100.0 * block.num_filled / block_size if block_size else 0.0
-    if state in ("owned", "shared"):
-        colour = request_colour(block.owners[0]) if block.owners else "#495057"
-    elif state == "evictable":
-        colour = EVICTABLE_COLOUR
-    else:
-        colour = FREE_COLOUR
-    # shade = fill: the cell fills from the bottom like a glass
-    style = (f"background:{HATCH if state == 'evictable' else ''}linear-gradient(to top,"
-             f"{colour} {fill:.0f}%,{FREE_COLOUR} {fill:.0f}%);border-color:{colour}")
-    text = decode(block.token_ids) if block.token_ids else ""
-    owners = ", ".join(block.owners) if block.owners else "—"
-    tip = (f"block {block.block_id} · {state} · ref {block.ref_count}\n"
-           f"owners: {owners}\nfilled {block.num_filled}/{block_size}"
-           + (f" · hash {block.prefix_hash & 0xffffffff:08x}" if block.prefix_hash is not None
-              else "")
-           + (f"\n“{text}”" if text else ""))
-    return (f'<div class="kv-cell kv-{state}" data-block="{block.block_id}" '
-            f'data-owners="{html.escape(",".join(block.owners), quote=True)}" '
-            f'data-tip="{html.escape(tip, quote=True)}" style="{style}"></div>')
+STATE_CODE = {"free": 0, "evictable": 1, "owned": 2, "shared": 3}
 
 
-def kv_grid_html(snap: EngineSnapshot, decode: Decode) -> str:
-    """Every physical block as a cell: colour = owner, fill = shade, marks for shared/evictable."""
-    by_id = {b.block_id: b for b in snap.blocks}
-    if snap.num_blocks <= MAX_GRID_CELLS:
-        ids = list(range(snap.num_blocks))
-    else:   # used and cached blocks first, then free ones up to the cap
-        busy = sorted(i for i, b in by_id.items() if b.ref_count or b.evictable)
-        busy_set = set(busy)
-        rest = [i for i in range(snap.num_blocks) if i not in busy_set]
-        ids = sorted(busy[:MAX_GRID_CELLS] + rest[: max(0, MAX_GRID_CELLS - len(busy))])
-    cells = []
-    for i in ids:
-        b = by_id.get(i)
-        if b is None:   # the engine may omit never-touched blocks: they are free and empty
-            cells.append(f'<div class="kv-cell kv-free" data-block="{i}" '
-                         f'data-tip="block {i} · free"></div>')
-        else:
-            cells.append(_cell(b, snap.block_size, decode))
-    counts = {s: 0 for s in ("owned", "shared", "evictable", "free")}
-    for i in range(snap.num_blocks):
-        b = by_id.get(i)
-        counts[block_state(b) if b else "free"] += 1
-    note = (f'<div class="kv-note">showing {len(ids)} of {snap.num_blocks} blocks</div>'
-            if len(ids) < snap.num_blocks else "")
-    legend = (
-        '<div class="kv-legend">'
-        f'<span><i class="kv-cell kv-owned" style="background:#1f77b4"></i>owned {counts["owned"]}</span>'
-        f'<span><i class="kv-cell kv-shared" style="background:#1f77b4"></i>shared (ref&gt;1) {counts["shared"]}</span>'
-        f'<span><i class="kv-cell kv-evictable" style="background:{EVICTABLE_COLOUR}"></i>'
-        f'cached, free (evictable) {counts["evictable"]}</span>'
-        f'<span><i class="kv-cell kv-free"></i>free {counts["free"]}</span>'
-        f'<span class="kv-legend-fill">fill shade = slots written / {snap.block_size}</span>'
-        '</div>')
-    return (f'<div class="kv-wrap">{legend}<div class="kv-grid" '
-            f'data-num-blocks="{snap.num_blocks}">{"".join(cells)}</div>{note}</div>')
+def _map_region(num_blocks: int, highest_busy: int) -> int:
+    """How many blocks (ids 0..n-1) the map draws: the region in use, rounded up to a row of
+    MAP_ROW cells, at least MAP_MIN_CELLS; the whole cache when it is small."""
+    if num_blocks <= MAP_MIN_CELLS:
+        return num_blocks
+    n = -(-(highest_busy + 1) // MAP_ROW) * MAP_ROW
+    return min(num_blocks, max(MAP_MIN_CELLS, n))
+
+
+def kv_map_data(snap: EngineSnapshot, version: int = 0) -> dict:
+    """The block map as compact JSON for the canvas in views/kv_map.js.
+
+    Only non-free blocks are listed (free ones are implied), in parallel arrays: id, state code
+    (STATE_CODE), fill (slots written), ref count, owner index into `owners` (whose colours are
+    in `colours`); `more_owners` lists every owner of a shared block. The canvas draws ids
+    0..`shown`-1, the region in use; past MAX_MAP_CELLS it draws the listed blocks only (in id
+    order, `shown` None). Owned and shared blocks are never left out, whatever the number of
+    cached-free ones.
+    """
+    owners: dict[str, int] = {}
+    ids, state, fill, ref, own, more = [], [], [], [], [], {}
+    counts = dict.fromkeys(STATE_CODE, 0)
+    highest = -1
+    for b in snap.blocks:
+        st = block_state(b)
+        counts[st] += 1
+        if st == "free":
+            continue
+        ids.append(b.block_id)
+        state.append(STATE_CODE[st])
+        fill.append(b.num_filled)
+        ref.append(b.ref_count)
+        idx = [owners.setdefault(r, len(owners)) for r in b.owners]
+        own.append(idx[0] if idx else -1)
+        if len(idx) > 1:
+            more[str(b.block_id)] = idx
+        highest = max(highest, b.block_id)
+    counts["free"] += snap.num_blocks - len(snap.blocks)   # blocks the engine did not list
+    live = [i for i, s in enumerate(state) if s >= STATE_CODE["owned"]]
+    if len(ids) > MAX_MAP_CELLS:   # a huge GPU cache: every live block, then cached ones
+        keep = sorted(live + [i for i, s in enumerate(state)
+                              if s < STATE_CODE["owned"]][: max(0, MAX_MAP_CELLS - len(live))])
+        ids, state, fill, ref, own = ([a[i] for i in keep] for a in (ids, state, fill, ref, own))
+        more = {k: v for k, v in more.items() if int(k) in set(ids)}
+    shown = _map_region(snap.num_blocks, highest)
+    running = set(snap.running)
+    names = list(owners)
+    return {"version": version, "num_blocks": snap.num_blocks, "block_size": snap.block_size,
+            "shown": shown if shown <= MAX_MAP_CELLS else None,
+            "ids": ids, "state": state, "fill": fill, "ref": ref, "owner": own,
+            "more_owners": more, "owners": names,
+            "colours": [request_colour(r) for r in names],
+            "running": [r in running for r in names], "counts": counts,
+            "colour_free": FREE_COLOUR, "colour_evictable": EVICTABLE_COLOUR}
+
+
+def block_detail(snap: EngineSnapshot, block_id: int, decode: Decode) -> str:
+    """One block described for the map's hover card: state, ref count, owners, fill, the
+    prefix hash and the text it holds."""
+    b = next((x for x in snap.blocks if x.block_id == block_id), None)
+    if b is None:
+        return f"block {block_id} · free"
+    owners = ", ".join(b.owners) if b.owners else "—"
+    text = decode(b.token_ids) if b.token_ids else ""
+    return (f"block {b.block_id} · {block_state(b)} · ref {b.ref_count}\n"
+            f"owners: {owners}\nfilled {b.num_filled}/{snap.block_size}"
+            + (f" · hash {b.prefix_hash & 0xffffffff:08x}" if b.prefix_hash is not None else "")
+            + (f"\n“{text}”" if text else ""))
 
 
 def block_tables_html(snap: EngineSnapshot) -> str:
@@ -122,24 +134,24 @@ def block_tables_html(snap: EngineSnapshot) -> str:
 
 
 def kv_usage_figure(snap: EngineSnapshot, hit_history: Sequence[tuple[float, float]],
-                    now: float, window_s: float = 60.0) -> go.Figure:
+                    now: float, window_s: float = 60.0) -> Figure:
     """KV usage per step and cumulative prefix-hit rate, over the last `window_s` seconds."""
     steps = [s for s in snap.steps if now - s.wall_time <= window_s]
     hits = [(t, r) for t, r in hit_history if now - t <= window_s]
     traces = [
-        go.Scatter(x=[s.wall_time - now for s in steps], y=[s.kv_usage for s in steps],
+        scatter(x=[s.wall_time - now for s in steps], y=[s.kv_usage for s in steps],
                    mode="lines", name="KV usage", line=dict(color="#4e79a7", width=2, shape="hv"),
                    customdata=[s.step_id for s in steps],
                    hovertemplate="step %{customdata}<br>usage %{y:.0%}<extra></extra>"),
-        go.Scatter(x=[t - now for t, _ in hits], y=[r for _, r in hits], mode="lines",
+        scatter(x=[t - now for t, _ in hits], y=[r for _, r in hits], mode="lines",
                    name="prefix-hit rate", line=dict(color="#59a14f", width=2, dash="dot"),
                    hovertemplate="hit rate %{y:.0%}<extra></extra>"),
     ]
     return make_figure(
-        traces, f"KV usage {snap.usage:.0%} · prefix hits {snap.prefix_hits}/"
-                f"{snap.prefix_queries} ({snap.prefix_hit_rate:.0%})",
-        uirevision="kv-usage", height=260,
-        legend=dict(orientation="h", y=1.02, x=1, xanchor="right", yanchor="bottom"),
+        traces, legend_title(f"KV usage {snap.usage:.0%} · prefix hits {snap.prefix_hits}/"
+                             f"{snap.prefix_queries} ({snap.prefix_hit_rate:.0%})",
+                             {"KV usage": "#4e79a7", "prefix-hit rate (dotted)": "#59a14f"}),
+        uirevision="kv-usage", height=270, margin=dict(l=60, r=20, t=62, b=40),
         xaxis=dict(title="seconds ago", range=[-window_s, 0], zeroline=False, gridcolor="#eee"),
         yaxis=dict(range=[0, 1.02], tickformat=".0%", gridcolor="#eee"))
 
@@ -156,13 +168,14 @@ def kv_layout_markdown(layout: KVLayout, block_size: int) -> str:
 
 
 def kv_block_figure(data: np.ndarray, block_id: int, layer: int, head: int, which: str,
-                    token_texts: Sequence[str] = ()) -> go.Figure:
+                    token_texts: Sequence[str] = ()) -> Figure:
     """One block's K or V for one layer and head: slot × head_dim, symmetric colour range."""
     data = np.asarray(data, dtype=np.float32)   # [block_size, head_dim]
     vmax = float(np.nanmax(np.abs(data))) if data.size else 1.0
-    labels = [f"{i}: {short_text(token_texts[i])}" if i < len(token_texts) else f"{i}: (empty)"
+    labels = [f"{i}: {plotly_text(short_text(token_texts[i]))}" if i < len(token_texts)
+              else f"{i}: (empty)"
               for i in range(data.shape[0])]
-    heat = go.Heatmap(z=data, y=labels, x=list(range(data.shape[1])), colorscale="RdBu",
+    heat = heatmap(z=data, y=labels, x=list(range(data.shape[1])), colorscale="RdBu",
                       zmid=0, zmin=-vmax or -1, zmax=vmax or 1, colorbar=dict(title=which.upper()),
                       hovertemplate="slot %{y}<br>dim %{x}<br>%{z:.4f}<extra></extra>")
     return make_figure(

@@ -1,19 +1,27 @@
-"""Pure builders for the Layers tab: residual norms, logit lens, attention heads, MoE routing."""
+"""Pure builders for the Layers tab: residual norms, logit lens, attention heads, MoE routing.
+
+Each returns a canvas chart spec (views/canvas_chart.py draws it): these charts change with
+every token, and a canvas redraw costs the browser a few milliseconds where a plotly figure
+costs tens. Token positions index the prompt + reply; the scrubbed token is outlined in every
+chart that shows it.
+"""
 from __future__ import annotations
 
 from typing import Callable, Sequence
 
 import numpy as np
-import plotly.graph_objects as go
 
 from engine.probes.trace import AttentionStep, RequestTrace
-from views.figures_common import (DECODE_COLOUR, PREFILL_COLOUR, empty_figure, hspan,
-                                  make_figure, short_text, sqrt_prob_colorbar, vline, vspan)
+from views.canvas_chart import BLUES, MAGMA_R, PURPLES, VIRIDIS, YLORRD, empty_chart
+from views.figures_common import DECODE_COLOUR, PREFILL_COLOUR, PROB_TICKS, short_text
 
 Decode = Callable[[Sequence[int]], str]
-MAX_LENS_STEPS = 32        # lens columns shown around the chosen token (hover text is costly)
+Chart = dict
+MAX_LENS_STEPS = 24        # lens columns shown around the chosen token
 MAX_LABELLED_TOKENS = 48   # past this, token axes show positions instead of token text
-CHOSEN = "#e15759"         # outline of the scrubbed token / chosen head
+CHOSEN = "#e15759"         # outline of the scrubbed token
+CHOSEN_HEAD = "#2ca02c"    # outline of the chosen head
+CACHED = "rgba(173,181,189,0.75)"
 
 
 def prob_ceiling(peak: float) -> float:
@@ -24,16 +32,14 @@ def prob_ceiling(peak: float) -> float:
     return 1.0
 
 
-def _token_label(texts: Sequence[str], i: int) -> str:
-    return short_text(texts[i]) if i < len(texts) else "?"
+def _stepped(n: int) -> int:
+    """An axis end that moves in steps (32 tokens, 64 past 128), not with every new token."""
+    step = 32 if n <= 128 else 64
+    return 16 if n <= 16 else -(-n // step) * step
 
 
-def _token_axis(texts: Sequence[str], n: int, **extra) -> dict:
-    """Tick labels with token text when they fit, plain positions otherwise."""
-    if n <= MAX_LABELLED_TOKENS:
-        return dict(tickmode="array", tickvals=list(range(n)),
-                    ticktext=[_token_label(texts, i) for i in range(n)], tickangle=-60, **extra)
-    return dict(tickmode="auto", **extra)
+def _text(texts: Sequence[str], i: int, limit: int = 12) -> str:
+    return short_text(texts[i], limit) if i < len(texts) else "?"
 
 
 def _runs(mask: np.ndarray) -> list[tuple[int, int]]:
@@ -42,14 +48,20 @@ def _runs(mask: np.ndarray) -> list[tuple[int, int]]:
     return list(zip(np.flatnonzero(edges == 1).tolist(), np.flatnonzero(edges == -1).tolist()))
 
 
-def norms_figure(trace: RequestTrace, token: int | None = None) -> go.Figure:
-    """Residual-stream L2 norm, layer × token; prompt/output boundary and chosen token marked."""
+def _ticks(lo: float, hi: float, fmt: str = "{:.3g}") -> list[list]:
+    return [[v, fmt.format(v)] for v in (lo, (lo + hi) / 2, hi)]
+
+
+def norms_figure(trace: RequestTrace, token: int | None = None) -> Chart:
+    """Residual-stream L2 norm, layer × token; prompt/reply boundary and scrubbed token marked,
+    prefix-cached tokens (never computed for this request) greyed."""
     norms = trace.norms()                                     # [T, num_layers + 1]
+    title = "Residual norms (layer × token) · click a token to scrub to it"
     if len(norms) == 0:
-        return empty_figure("No tokens processed yet", "Residual norms (layer × token)")
+        return empty_chart("No tokens processed yet", title)
     t = len(norms)
     n_prompt = min(len(trace.prompt_token_ids), t)
-    cached = np.isnan(norms).all(axis=1)      # prefix-cache hits: never computed for this request
+    cached = np.isnan(norms).all(axis=1)
     # colour range from the prompt (fixed once prefill ran), clipped so an attention-sink
     # token's huge norm does not wash out the rest
     ref = norms[:n_prompt] if n_prompt and not cached[:n_prompt].all() else norms
@@ -60,27 +72,22 @@ def norms_figure(trace: RequestTrace, token: int | None = None) -> go.Figure:
     if not zmax > zmin:
         zmax = zmin + 1.0
     y = ["embed"] + [f"L{i}" for i in range(norms.shape[1] - 1)]
-    texts = np.array([_token_label(trace.token_texts, i) for i in range(t)], dtype=object)
-    shapes, notes = [], []
-    for start, end in _runs(cached):
-        shapes.append(vspan(start - 0.5, end - 0.5, "#adb5bd", fill=True))
-        notes.append(dict(text="prefix cache: not recomputed", x=start - 0.5, y=1, xref="x",
-                          yref="paper", xanchor="left", yanchor="top", showarrow=False,
-                          font=dict(size=11)))
-    if 0 < n_prompt < t:
-        shapes.append(vline(n_prompt - 0.5, "white"))
-    if token is not None and 0 <= token < t:
-        shapes.append(vspan(token - 0.5, token + 0.5, CHOSEN))
-    heat = go.Heatmap(
-        z=norms.T, x=list(range(t)), y=y, zmin=zmin, zmax=zmax, colorscale="Viridis",
-        customdata=np.tile(texts, (len(y), 1)), colorbar=dict(title="‖resid‖"),
-        hovertemplate="token %{x} “%{customdata}”<br>%{y}<br>norm %{z:.3g}<extra></extra>")
-    return make_figure(
-        [heat], "Residual norms (layer × token)", uirevision=f"norms-{trace.request_id}",
-        height=max(260, 14 * len(y) + 140), shapes=shapes, annotations=notes,
-        xaxis=_token_axis(trace.token_texts, t, title="token position",
-                          range=[-0.5, max(t, 16) - 0.5]),
-        yaxis=dict(title="layer"))
+    texts = [_text(trace.token_texts, i) for i in range(t)]
+    spans = [{"from": a, "to": b, "fill": CACHED, "label": "prefix cache: not recomputed"}
+             for a, b in _runs(cached)]
+    return {
+        "kind": "heatmap", "title": title, "height": max(240, 16 * len(y) + 130),
+        "z": norms.T, "zmin": zmin, "zmax": zmax, "colorscale": VIRIDIS,
+        "y_labels": y, "x_start": 0, "x_end": _stepped(t),
+        "x_labels": [f"{i}:{s}" for i, s in enumerate(texts)] if t <= MAX_LABELLED_TOKENS
+        else None,
+        "col_text": texts, "x_name": "token", "value_name": "‖resid‖", "x_title": "token position",
+        "spans": spans,
+        "vlines": [{"at": n_prompt, "colour": "#ffffff"}] if 0 < n_prompt < t else [],
+        "col_outlines": [{"from": token, "to": token + 1, "colour": CHOSEN}]
+        if token is not None and 0 <= token < t else [],
+        "colorbar": {"title": "‖resid‖", "ticks": _ticks(zmin, zmax)},
+        "click_hint": "click to scrub to this token"}
 
 
 def _lens_window(trace: RequestTrace, token: int | None) -> list[int]:
@@ -94,152 +101,164 @@ def _lens_window(trace: RequestTrace, token: int | None) -> list[int]:
     return list(range(lo, min(n, lo + MAX_LENS_STEPS)))
 
 
-def logit_lens_figure(trace: RequestTrace, decode: Decode, token: int | None = None
-                      ) -> go.Figure:
-    """Layer × generated token: each layer's top-1 prediction (text) and its probability."""
+def logit_lens_figure(trace: RequestTrace, decode: Decode, token: int | None = None) -> Chart:
+    """Layer × input token: each layer's top guess for the *next* token (text) and its
+    probability (shade). Columns are labelled by the token whose residual is read
+    (TransformerLens' convention), so the scrubbed token's column is the one outlined."""
+    title = "Logit lens: each layer's top guess for the next token (shade = its probability)"
     if not trace.lens:
-        return empty_figure("No generated tokens yet", "Logit lens (layer × step)")
+        return empty_chart("No generated tokens yet", title)
     steps = [trace.lens[i] for i in _lens_window(trace, token)]
     num_layers = steps[0].top_ids.shape[0]
     z = np.stack([s.top_probs[:, 0] for s in steps], axis=1)          # [layers, steps]
-    top_text = [[short_text(decode([int(s.top_ids[l, 0])]), 8) for s in steps]
-                for l in range(num_layers)]
-    hover = [[("<br>".join(f"{decode([int(i)])!r} {p:.2f}"
-                           for i, p in zip(s.top_ids[l], s.top_probs[l]))
-               + f"<br>sampled rank {int(s.sampled_rank[l])}, p={float(s.sampled_prob[l]):.2f}"
-               + f"<br>entropy {float(s.entropy[l]):.2f} nats") for s in steps]
-             for l in range(num_layers)]
-    x = [f"{s.position + 1}: {short_text(decode([s.sampled_token]), 8)}" for s in steps]
-    heat = go.Heatmap(
-        z=z, x=x, y=[f"L{l}" for l in range(num_layers)], zmin=0, zmax=1,
-        colorscale="Blues", text=top_text, texttemplate="%{text}",
-        textfont=dict(size=10), customdata=hover, colorbar=dict(title="top-1 p"),
-        hovertemplate="%{y} → next token %{x}<br>%{customdata}<extra></extra>")
-    shapes = [vspan(j - 0.5, j + 0.5, CHOSEN) for j, s in enumerate(steps)
-              if token is not None and s.position == token]
-    return make_figure(
-        [heat], "Logit lens: each layer's top prediction", uirevision=f"lens-{trace.request_id}",
-        height=max(260, 18 * num_layers + 160), shapes=shapes,
-        xaxis=dict(title="generated token (position: sampled text)", type="category",
-                   tickangle=-60),
-        yaxis=dict(title="layer"))
+    cell_text = [[short_text(decode([int(s.top_ids[l, 0])]), 8) for s in steps]
+                 for l in range(num_layers)]
+    hover = [[("next-token guesses: " + ", ".join(f"{decode([int(i)])!r} {p:.2f}"
+                                                  for i, p in zip(s.top_ids[l], s.top_probs[l]))
+               + f"\nsampled {decode([s.sampled_token])!r}: rank {int(s.sampled_rank[l])}, "
+               + f"p={float(s.sampled_prob[l]):.2f} · entropy {float(s.entropy[l]):.2f} nats")
+              for s in steps] for l in range(num_layers)]
+    chosen = [j for j, s in enumerate(steps) if token is not None and s.position == token]
+    return {
+        "kind": "heatmap", "title": title, "height": max(260, 24 * num_layers + 150),
+        "z": z, "zmin": 0.0, "zmax": 1.0, "colorscale": BLUES, "dark_above": 0.5,
+        "y_labels": [f"L{l}" for l in range(num_layers)],
+        "x_labels": [f"{s.position}:{_text(trace.token_texts, s.position)}" for s in steps],
+        "x_values": [s.position for s in steps], "x_name": "token", "value_name": "top-1 p",
+        "x_title": "input token (position:text) · click one to scrub to it",
+        "cell_text": cell_text, "cell_hover": hover,
+        "col_outlines": [{"from": j, "to": j + 1, "colour": CHOSEN} for j in chosen]}
+
+
+def attention_at(trace: RequestTrace, token: int) -> AttentionStep | None:
+    """The attention row of the query at `token`: a generated token's captured row, or a prompt
+    token's row of the prefill pattern (captured for prompts prefilled in one go); None when
+    the engine recorded neither."""
+    for st in reversed(trace.attention):
+        if st.position == token:
+            return st
+        if st.position < token:
+            break
+    layers = sorted(trace.prefill_pattern)
+    if layers:
+        pats = [trace.prefill_pattern[l] for l in layers]              # each [H, q, k]
+        if 0 <= token < pats[0].shape[1]:
+            probs = np.stack([p[:, token, :token + 1] for p in pats])   # [layers, H, token+1]
+            table, bs = ((trace.attention[0].block_table, trace.attention[0].block_size)
+                         if trace.attention else ([], 1))
+            return AttentionStep(token, layers, probs, list(table[:token // bs + 1]), bs)
+    return None
 
 
 def attention_step_for(trace: RequestTrace, token: int | None) -> AttentionStep | None:
-    """The captured attention row for `token`, else the latest one at or before it."""
-    if not trace.attention:
-        return None
+    """The attention row for `token` (the newest captured one for None); None when the row of
+    that token was not captured."""
     if token is None:
-        return trace.attention[-1]
-    before = [s for s in trace.attention if s.position <= token]
-    return before[-1] if before else trace.attention[0]
+        return trace.attention[-1] if trace.attention else None
+    return attention_at(trace, token)
 
 
 def attention_heads_figure(step: AttentionStep, layer: int, token_texts: Sequence[str],
-                           head: int | None = None, request_id: str = "") -> go.Figure:
-    """One row per head: the query token's attention over its context (sqrt colour scale)."""
+                           head: int | None = None, request_id: str = "") -> Chart:
+    """One row per head: the query token's attention over its context, colour = sqrt(p) so
+    small weights show; clicking a row picks that head."""
+    qtext = _text(token_texts, step.position)
+    title = f"Layer {layer}: attention of token {step.position} “{qtext}” · click a head"
     if layer not in step.layers:
-        return empty_figure(f"Layer {layer} was not captured", "Attention heads")
-    probs = step.probs[step.layers.index(layer)]                       # [H, ctx]
+        return empty_chart(f"Layer {layer} was not captured", title)
+    probs = np.clip(step.probs[step.layers.index(layer)], 0, 1)        # [H, ctx]
     h, ctx = probs.shape
-    texts = np.array([_token_label(token_texts, i) for i in range(ctx)], dtype=object)
-    heat = go.Heatmap(
-        z=np.sqrt(np.clip(probs, 0, 1)), x=list(range(ctx)), y=[f"h{i}" for i in range(h)],
-        zmin=0, zmax=1, colorscale="Magma", reversescale=True,
-        customdata=np.stack([np.tile(texts, (h, 1)), probs.round(4).astype(object)], -1),
-        colorbar=sqrt_prob_colorbar(),
-        hovertemplate="%{y} → key %{x} “%{customdata[0]}”<br>p=%{customdata[1]}<extra></extra>")
-    shapes = [hspan(head - 0.5, head + 0.5, "#2ca02c")] if head is not None and 0 <= head < h \
-        else []
-    qtext = _token_label(token_texts, step.position)
-    return make_figure(
-        [heat], f"Layer {layer}: attention of token {step.position} “{qtext}”",
-        uirevision=f"heads-{request_id}-{layer}", height=max(240, 16 * h + 150), shapes=shapes,
-        xaxis=_token_axis(token_texts, ctx, title="key position"),
-        yaxis=dict(title="head", autorange="reversed"))
+    texts = [_text(token_texts, i) for i in range(ctx)]
+    return {
+        "kind": "heatmap", "title": title, "height": max(220, 22 * h + 130),
+        "z": np.sqrt(probs), "zmin": 0.0, "zmax": 1.0, "colorscale": MAGMA_R,
+        "value_fmt": "p", "y_labels": [f"h{i}" for i in range(h)], "x_start": 0,
+        "x_end": _stepped(ctx),
+        "x_labels": [f"{i}:{s}" for i, s in enumerate(texts)] if ctx <= MAX_LABELLED_TOKENS
+        else None,
+        "col_text": texts, "x_name": "key", "value_name": "p", "x_title": "key position",
+        "row_outlines": [{"from": head, "to": head + 1, "colour": CHOSEN_HEAD}]
+        if head is not None and 0 <= head < h else [],
+        "colorbar": {"title": "p", "ticks": [[float(np.sqrt(p)), f"{p:g}"] for p in PROB_TICKS]},
+        "click_hint": "click to pick this head"}
 
 
 def attention_row_figure(step: AttentionStep, layer: int, head: int,
-                         token_texts: Sequence[str], request_id: str = "") -> go.Figure:
-    """The chosen head's row labelled with token text, and its mass per physical KV block."""
+                         token_texts: Sequence[str], request_id: str = "") -> Chart:
+    """The chosen head's row over the keys, and its mass per physical KV block."""
+    title = f"Layer {layer}, head {head}, query token {step.position}: attention per key and " \
+            f"per KV block"
     if layer not in step.layers:
-        return empty_figure(f"Layer {layer} was not captured", "Attention row")
+        return empty_chart(f"Layer {layer} was not captured", title)
     j = step.layers.index(layer)
     head = min(max(head, 0), step.probs.shape[1] - 1)
     row = step.probs[j, head]                                          # [ctx]
-    blocks = [f"blk {b}" for b in step.block_table]
+    blocks = [str(b) for b in step.block_table]
     if len(blocks) * step.block_size >= len(row):
         mass = step.block_mass()[j, head]                              # [num_blocks]
     else:   # a block table shorter than the context: show the gap rather than fail
         need = -(-len(row) // step.block_size)
-        blocks += [f"blk ?{i}" for i in range(len(blocks), need)]
+        blocks += [f"?{i}" for i in range(len(blocks), need)]
         mass = np.pad(row, (0, need * step.block_size - len(row))).reshape(need, -1).sum(-1)
-    labels = [f"{i}:{_token_label(token_texts, i)}" for i in range(len(row))]
-    traces = [
-        go.Bar(x=labels, y=row, marker_color=DECODE_COLOUR, name="p",
-               hovertemplate="%{x}<br>p=%{y:.4f}<extra></extra>"),
-        go.Bar(x=blocks, y=mass, marker_color=PREFILL_COLOUR, name="block mass",
-               xaxis="x2", yaxis="y2", hovertemplate="%{x}<br>mass %{y:.3f}<extra></extra>"),
-    ]
-    # two panels side by side, laid out by hand (make_subplots costs tens of ms per call)
-    return make_figure(
-        traces, f"Layer {layer}, head {head}, query token {step.position}",
-        uirevision=f"row-{request_id}-{layer}-{head}", height=340, showlegend=False,
-        xaxis=dict(domain=[0, 0.66], type="category", tickangle=-60, title="key token"),
-        yaxis=dict(range=[0, prob_ceiling(float(row.max(initial=0)))],
-                   title="attention probability"),
-        xaxis2=dict(domain=[0.76, 1], type="category", tickangle=-60, title="physical block",
-                    anchor="y2"),
-        yaxis2=dict(range=[0, prob_ceiling(float(mass.max(initial=0)))],
-                    title="mass per KV block", anchor="x2"))
+    ctx = len(row)
+    texts = [_text(token_texts, i) for i in range(ctx)]
+    return {
+        "kind": "bars", "title": title, "height": 320,
+        "panels": [
+            {"width": 0.68, "values": row, "colour": DECODE_COLOUR,
+             "ymax": prob_ceiling(float(row.max(initial=0))),
+             "labels": [f"{i}:{s}" for i, s in enumerate(texts)]
+             if ctx <= MAX_LABELLED_TOKENS else None,
+             "tick_labels": [str(i) for i in range(ctx)],
+             "hover": [f"key {i} “{s}”" for i, s in enumerate(texts)], "value_name": "p",
+             "x_title": "key token", "y_title": "attention p"},
+            {"width": 0.32, "values": mass, "colour": PREFILL_COLOUR,
+             "ymax": prob_ceiling(float(mass.max(initial=0))),
+             "labels": [f"blk {b}" for b in blocks] if len(blocks) <= MAX_LABELLED_TOKENS
+             else None,
+             "tick_labels": blocks, "hover": [f"physical block {b}" for b in blocks],
+             "value_name": "mass", "x_title": "physical KV block",
+             "y_title": "mass per block"}]}
 
 
-def routing_figure(trace: RequestTrace, token: int, num_experts: int) -> go.Figure:
+def routing_figure(trace: RequestTrace, token: int, num_experts: int) -> Chart:
     """Router probabilities for one token, MoE layer × expert, chosen top-k experts circled."""
     r = trace.routing()
     if r is None:
-        return empty_figure("No routing recorded (dense model or no tokens yet)", "MoE routing")
-    probs, ids, weights = r                     # [T, M, E], [T, M, k], [T, M, k]
+        return empty_chart("No routing recorded (dense model or no tokens yet)", "MoE routing")
+    probs, ids, _ = r                           # [T, M, E], [T, M, k], [T, M, k]
     token = min(max(token, 0), len(probs) - 1)
     m, e = probs.shape[1], probs.shape[2]
     y = [f"L{l}" for l in trace.moe_layers] if len(trace.moe_layers) == m else \
         [f"moe{i}" for i in range(m)]
-    rows = np.repeat(np.arange(m), ids.shape[2])
-    traces = [
-        go.Heatmap(z=np.sqrt(np.clip(probs[token], 0, 1)), x=list(range(e)), y=y, zmin=0,
-                   zmax=1, colorscale="Purples", colorbar=sqrt_prob_colorbar("router p"),
-                   customdata=probs[token].round(4),
-                   hovertemplate="%{y} expert %{x}<br>p=%{customdata}<extra></extra>"),
-        go.Scatter(x=ids[token].reshape(-1), y=[y[i] for i in rows], mode="markers",
-                   name="top-k", customdata=weights[token].reshape(-1),
-                   marker=dict(symbol="circle-open", size=9, color=CHOSEN, line=dict(width=2)),
-                   hovertemplate="chosen expert %{x}<br>weight %{customdata:.3f}<extra></extra>"),
-    ]
-    text = _token_label(trace.token_texts, token)
-    return make_figure(
-        traces, f"Routing of token {token} “{text}”", uirevision=f"routing-{trace.request_id}",
-        height=max(240, 16 * m + 150), showlegend=False,
-        xaxis=dict(title="expert", range=[-0.5, max(e, num_experts) - 0.5]),
-        yaxis=dict(title="MoE layer", autorange="reversed"))
+    return {
+        "kind": "heatmap", "title": f"Routing of token {token} “{_text(trace.token_texts, token)}”"
+                                    " (circles: the experts chosen)",
+        "height": max(220, 20 * m + 130), "z": np.sqrt(np.clip(probs[token], 0, 1)),
+        "zmin": 0.0, "zmax": 1.0, "colorscale": PURPLES, "value_fmt": "p",
+        "y_labels": y, "x_start": 0, "x_end": max(e, num_experts), "x_name": "expert",
+        "value_name": "router p", "x_title": "expert",
+        "markers": [[i, int(x)] for i in range(m) for x in ids[token, i]],
+        "colorbar": {"title": "router p",
+                     "ticks": [[float(np.sqrt(p)), f"{p:g}"] for p in PROB_TICKS]}}
 
 
 def expert_load_figure(expert_load: np.ndarray | None, moe_layers: Sequence[int] = (),
-                       num_steps: int = 1) -> go.Figure:
+                       num_steps: int = 1) -> Chart:
     """Tokens routed to each expert (summed over `num_steps` recent steps), relative to an
     even split across experts."""
     if expert_load is None or np.size(expert_load) == 0:
-        return empty_figure("No expert load (dense model or no step yet)", "Expert load")
+        return empty_chart("No expert load (dense model or no step yet)", "Expert load")
     load = np.asarray(expert_load, dtype=np.float64)                   # [M, E]
     m, e = load.shape
     even = load.sum(1, keepdims=True) / e
     rel = np.divide(load, even, out=np.zeros_like(load), where=even > 0)
     y = [f"L{l}" for l in moe_layers] if len(moe_layers) == m else [f"moe{i}" for i in range(m)]
-    heat = go.Heatmap(
-        z=rel, x=list(range(e)), y=y, zmin=0, zmax=4, colorscale="YlOrRd",
-        customdata=load.astype(int), colorbar=dict(title="÷ even"),
-        hovertemplate="%{y} expert %{x}<br>%{customdata} tokens (%{z:.1f}× even)<extra></extra>")
     span = "latest step" if num_steps == 1 else f"last {num_steps} steps"
-    return make_figure(
-        [heat], f"Expert load, {span} (1 = even share)", uirevision="expert-load",
-        height=max(240, 16 * m + 150), xaxis=dict(title="expert"),
-        yaxis=dict(title="MoE layer", autorange="reversed"))
+    return {
+        "kind": "heatmap", "title": f"Expert load, {span} (1 = even share)",
+        "height": max(220, 20 * m + 130), "z": rel, "zmin": 0.0, "zmax": 4.0,
+        "colorscale": YLORRD, "y_labels": y, "x_start": 0, "x_end": e, "x_name": "expert",
+        "value_name": "× even share", "x_title": "expert",
+        "cell_hover": [[f"{int(v)} tokens" for v in row] for row in load],
+        "colorbar": {"title": "÷ even", "ticks": [[0, "0"], [1, "1"], [2, "2"], [4, "4"]]}}

@@ -2,16 +2,18 @@
 layout, a data-plane drilldown (K or V of one block), and a shared-prefix burst to watch."""
 from __future__ import annotations
 
+import json
 import threading
 import time
+from pathlib import Path
 
 import gradio as gr
 
 from engine import SamplingParams
 from views import figures as F
-from views.live import EngineHub
+from views.live import TICK_IDLE_S, EngineHub, LiveTab, pace
+from views.live_plot import live_plot, plot_value
 
-TICK_S = 0.4
 BURST_SYSTEM = (
     "You are the tour guide of a small museum of computing history. The museum has three "
     "rooms: the first shows mechanical calculators and punched cards, the second shows early "
@@ -71,9 +73,30 @@ def _stats_line(snap) -> str:
             f"{len(snap.running)} running, {len(snap.waiting)} waiting")
 
 
-def build(hub: EngineHub) -> gr.Timer:
-    """The KV tab's components and events; returns its timer (activated when the tab shows)."""
-    timer = gr.Timer(TICK_S, active=False)
+def state_key(snap) -> tuple:
+    """Changes whenever anything the map, tables or stats show can have changed."""
+    return (snap.steps[-1].step_id if snap.steps else -1, snap.num_free_blocks,
+            snap.prefix_hits, snap.evictions, len(snap.running), len(snap.waiting),
+            snap.num_blocks, snap.model_name)
+
+
+MAP_TEMPLATE = ('<div class="kv-map"><div class="kv-legend"></div>'
+                '<canvas class="kv-canvas"></canvas><div class="kv-note"></div>'
+                '<div class="kv-tip"></div></div>')
+MAP_JS = (Path(__file__).with_name("kv_map.js")).read_text()
+DRILL_HINT = ("Click a block in the map (or type its id) to see its K or V numbers: one row per "
+              "token slot, one column per head dimension.")
+
+
+def map_value(snap, version: int = 0) -> str:
+    """The map's value: its JSON as a string (Gradio's page clones an object value through
+    its reactive proxies on every event; a string is one cheap copy)."""
+    return json.dumps(F.kv_map_data(snap, version), separators=(",", ":"))
+
+
+def build(hub: EngineHub) -> LiveTab:
+    """The KV tab's components and events; returns its timer and refresh."""
+    timer = gr.Timer(TICK_IDLE_S, active=False)
     last = gr.State({})
     stats = gr.Markdown("", elem_id="kv-stats")
     with gr.Row():
@@ -84,45 +107,63 @@ def build(hub: EngineHub) -> gr.Timer:
         burst = gr.Button("Fire shared-prefix burst", variant="primary", scale=1,
                           elem_id="kv-burst")
         burst_status = gr.Markdown("", elem_id="kv-burst-status")
-    grid = gr.HTML("", elem_id="kv-grid", min_height=120)
+
+    def block_detail(block_id: int) -> str:
+        """The hover card of one block (called from the map's script)."""
+        try:
+            return F.block_detail(hub.snapshot(), int(block_id), hub.decode)
+        except Exception as e:       # a hover must never raise into the page
+            return f"block {block_id}: {e}"
+
+    grid = gr.HTML(map_value(hub.snapshot()), html_template=MAP_TEMPLATE, js_on_load=MAP_JS,
+                   server_functions=[block_detail], elem_id="kv-grid", min_height=120)
     with gr.Row():
         with gr.Column(scale=1):
             tables = gr.HTML("", elem_id="kv-tables")
         with gr.Column(scale=1):
-            usage = gr.Plot(show_label=False, elem_id="kv-usage")
+            usage = live_plot("kv-usage")
     layout = gr.Markdown("", elem_id="kv-layout")
     with gr.Accordion("Drilldown: the numbers in one block", open=True):
         with gr.Row():
-            block = gr.Number(0, label="block id", precision=0, minimum=0,
+            block = gr.Number(None, label="block id", precision=0, minimum=0,
                               elem_id="kv-drill-block")
             layer = gr.Number(0, label="layer", precision=0, minimum=0,
                               elem_id="kv-drill-layer")
             head = gr.Number(0, label="KV head", precision=0, minimum=0, elem_id="kv-drill-head")
             which = gr.Radio(["k", "v"], value="k", label="K or V", elem_id="kv-drill-which")
             show = gr.Button("Show block", elem_id="kv-drill-show")
-        drill = gr.Plot(show_label=False, elem_id="kv-block-plot")
+        drill = live_plot("kv-block-plot", F.empty_figure(DRILL_HINT, "K or V of one block"))
 
     def tick(last_keys: dict):
+        if hub.switching:
+            return {last: last_keys}
         snap = hub.snapshot()
         now = time.time()
-        last_step = snap.steps[-1].step_id if snap.steps else -1
-        state_key = (last_step, snap.num_free_blocks, snap.prefix_hits, snap.evictions,
-                     tuple(snap.block_tables), tuple(snap.running), tuple(snap.waiting))
-        keys = {"state": state_key, "usage": (state_key, int(now)), "layout": snap.num_blocks}
+        key = state_key(snap)
         out = {}
-        if keys["state"] != last_keys.get("state"):
+        if key != last_keys.get("state"):
             out[stats] = _stats_line(snap)
-            out[grid] = F.kv_grid_html(snap, hub.decode)
-            out[tables] = F.block_tables_html(snap)
-        if keys["usage"] != last_keys.get("usage"):
-            out[usage] = F.kv_usage_figure(snap, list(hub.hit_history), now)
-        if keys["layout"] != last_keys.get("layout"):
+            out[grid] = map_value(snap, key[0])
+            tables_html = F.block_tables_html(snap)
+            if tables_html != last_keys.get("tables"):
+                out[tables] = tables_html
+        # the usage plot scrolls with time: once a second is enough
+        if (key, int(now)) != last_keys.get("usage") and now - last_keys.get("usage_t", 0) >= 1:
+            out[usage] = plot_value(F.kv_usage_figure(snap, list(hub.hit_history), now))
+            last_keys = {**last_keys, "usage": (key, int(now)), "usage_t": now}
+        if (snap.num_blocks, snap.model_name) != last_keys.get("layout"):
             out[layout] = F.kv_layout_markdown(snap.kv_layout, snap.block_size)
+        keys = {**last_keys, "state": key, "tables": out.get(tables, last_keys.get("tables")),
+                "layout": (snap.num_blocks, snap.model_name)}
+        pace(timer, keys, snap, out)
         out[last] = keys
         return out
 
-    timer.tick(tick, last, {stats, grid, tables, usage, layout, last},
-               api_visibility="private", trigger_mode="once", show_progress="hidden")
+    outputs = {stats, grid, tables, usage, layout, last, timer}
+    # queue=False: two status messages per tick instead of four (each one costs the page a
+    # pass over every output component's props)
+    timer.tick(tick, last, outputs, api_visibility="private", trigger_mode="once",
+               show_progress="hidden", queue=False)
 
     def on_burst(n, max_tokens):
         try:
@@ -136,16 +177,35 @@ def build(hub: EngineHub) -> gr.Timer:
 
     def on_show(block_id, layer_id, head_id, kv):
         llm = hub.llm
+        cfg = llm.hf_config
+        n_kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        for name, value, top in (("block id", block_id, llm.num_kv_blocks),
+                                 ("layer", layer_id, cfg.num_hidden_layers),
+                                 ("KV head", head_id, n_kv)):
+            if value is None or value == "":
+                msg = f"Type a {name} first (0 to {top - 1}), or click a block in the map."
+                gr.Warning(msg)
+                return gr.skip(), plot_value(F.empty_figure(msg, "K or V of one block"))
+            if not 0 <= int(value) < top:
+                msg = f"{name} {int(value)} is out of range: this model has 0 to {top - 1}."
+                gr.Warning(msg)
+                return gr.skip(), plot_value(F.empty_figure(msg, "K or V of one block"))
+        b, l, h = int(block_id), int(layer_id), int(head_id)
         try:
-            b, l, h = int(block_id), int(layer_id), int(head_id)
             data = llm.read_kv_block(b, l, h, which=kv)      # [block_size, head_dim]
-        except (ValueError, TypeError, IndexError, RuntimeError) as e:
+        except (ValueError, IndexError, RuntimeError) as e:
             gr.Warning(f"Cannot show that block: {e}")
-            return gr.skip()
+            return gr.skip(), gr.skip()
         snap = hub.snapshot()
         info = next((x for x in snap.blocks if x.block_id == b), None)
         texts = [hub.decode([t]) for t in info.token_ids] if info else []
-        return F.kv_block_figure(data, b, l, h, kv, texts)
+        return b, plot_value(F.kv_block_figure(data, b, l, h, kv, texts))
 
-    show.click(on_show, [block, layer, head, which], drill, api_visibility="private")
-    return timer
+    drill_inputs = [block, layer, head, which]
+    show.click(on_show, drill_inputs, [block, drill], api_visibility="private")
+
+    def on_map_click(layer_id, head_id, kv, evt: gr.EventData):
+        return on_show(evt._data.get("block"), layer_id, head_id, kv)
+
+    grid.click(on_map_click, [layer, head, which], [block, drill], api_visibility="private")
+    return LiveTab(timer, tick, [last], list(outputs))

@@ -1,108 +1,216 @@
-"""Layers tab: the watched reply's residual norms, logit lens, attention heads and MoE routing,
-live while it streams; a slider scrubs tokens (it follows the newest token until moved)."""
+"""Layers tab: a traced request's residual norms, logit lens, attention heads and MoE routing,
+live while it streams. Any traced request can be watched (the session's own chat reply by
+default; API requests that opt in to tracing too); a slider scrubs tokens (it follows the
+newest token until moved); clicking a head in the heads grid, or a token in the norms or lens,
+selects it (the charts are canvases: views/canvas_chart.py)."""
 from __future__ import annotations
 
 import gradio as gr
 import numpy as np
 
 from views import figures as F
-from views.live import EngineHub
+from views.live import TICK_IDLE_S, EngineHub, LiveTab, pace
+from views.canvas_chart import canvas_chart, chart_value, empty_chart
 
-TICK_S = 0.4
 LOAD_STEPS = 32      # expert load is summed over this many recent steps: one step is too noisy
-NO_REQUEST = ("Send a message in the **Chat** tab: its reply is traced here, token by token "
-              "(norms, logit lens, attention, routing).")
+AUTO = "auto"
+NO_REQUEST = ("Nothing traced yet. Send a message in the **Chat** tab: its reply is traced "
+              "here token by token (norms, logit lens, attention, routing), and so is any API "
+              "request that asks for a trace.")
+def resolve_request(choice: str | None, own: str | None, traced: list[str]) -> str | None:
+    """The request to show: an explicit choice, else (auto) the session's own latest reply,
+    else the newest traced request."""
+    if choice and choice != AUTO:
+        return choice
+    if own and own in traced:
+        return own
+    return traced[0] if traced else None
 
 
-def build(hub: EngineHub) -> gr.Timer:
-    """The Layers tab's components and events; returns its timer."""
-    timer = gr.Timer(TICK_S, active=False)
+def request_choices(traced: list[str], own: set[str], running: set[str]) -> list[tuple[str, str]]:
+    """Dropdown (label, value) pairs, newest first."""
+    def label(r):
+        tags = (["yours"] if r in own else []) + (["streaming"] if r in running else [])
+        return f"{r} ({', '.join(tags)})" if tags else r
+    return [("auto: your latest reply, else the newest", AUTO)] + [(label(r), r) for r in traced]
+
+
+def attention_note(tr, tok: int) -> str:
+    """Why no attention row is shown for this token."""
+    if tok < len(tr.prompt_token_ids) - 1:
+        return (f" · no attention recorded for prompt token {tok}: the engine records the "
+                "newest query of each step, plus whole prompts prefilled in one go without a "
+                "prefix-cache hit (this one was not)")
+    return f" · no attention recorded for token {tok} yet"
+
+
+def build(hub: EngineHub) -> LiveTab:
+    """The Layers tab's components and events; returns its timer and refresh."""
+    timer = gr.Timer(TICK_IDLE_S, active=False)
     last = gr.State({})
     status = gr.Markdown(NO_REQUEST, elem_id="layers-status")
     with gr.Row():
+        req = gr.Dropdown([("auto: your latest reply, else the newest", AUTO)], value=AUTO,
+                          label="traced request", elem_id="layers-request", scale=2)
         token = gr.Slider(0, 1, 0, step=1, label="token (position in prompt + reply)",
                           elem_id="layers-token", scale=4)
         follow = gr.Checkbox(True, label="follow newest token", elem_id="layers-follow",
                              scale=1)
-    norms = gr.Plot(show_label=False, elem_id="layers-norms")
-    lens = gr.Plot(show_label=False, elem_id="layers-lens")
+    norms = canvas_chart("layers-norms")
+    lens = canvas_chart("layers-lens")
     with gr.Row():
         layer = gr.Dropdown([0], value=0, label="attention layer", elem_id="layers-layer",
                             scale=1)
-        head = gr.Dropdown([0], value=0, label="head (outlined in the grid)",
+        head = gr.Dropdown([0], value=0, label="head (or click one in the grid)",
                            elem_id="layers-head", scale=1)
     with gr.Row():
         with gr.Column(scale=1):
-            heads = gr.Plot(show_label=False, elem_id="layers-heads")
+            heads = canvas_chart("layers-heads")
         with gr.Column(scale=1):
-            row = gr.Plot(show_label=False, elem_id="layers-row")
+            row = canvas_chart("layers-row")
     with gr.Row(visible=hub.snapshot().moe is not None) as moe_row:
         with gr.Column(scale=1):
-            routing = gr.Plot(show_label=False, elem_id="layers-routing")
+            routing = canvas_chart("layers-routing")
         with gr.Column(scale=1):
-            load = gr.Plot(show_label=False, elem_id="layers-expert-load")
-    outputs = [status, token, layer, head, norms, lens, heads, row, routing, load, moe_row, last]
+            load = canvas_chart("layers-expert-load")
+    outputs = [status, req, token, follow, layer, head, norms, lens, heads, row, routing, load,
+               moe_row, timer, last]
+    skip_all = [gr.skip()] * len(outputs)
 
-    def refresh(last_keys, tok, follow_on, layer_id, head_id, request: gr.Request):
+    def refresh(last_keys, choice, tok, follow_on, layer_id, head_id, request: gr.Request):
+        if hub.switching:
+            return skip_all
         sess = hub.session(request.session_hash if request else None)
-        rid = sess.watched
-        try:
-            tr = hub.llm.trace(rid) if rid else None
-        except KeyError:            # never watched, or evicted: show the empty state
-            tr = None
+        llm = hub.llm
         snap = hub.snapshot()
+        traced = llm.traced_requests()
         moe = snap.moe is not None
-        if tr is None:
-            key = ("none", rid, moe)
-            if last_keys.get("key") == key:
-                return [gr.skip()] * len(outputs)
-            empty = F.empty_figure("No watched reply yet")
-            return [NO_REQUEST, gr.skip(), gr.skip(), gr.skip(), empty, empty, empty, empty,
-                    empty, empty, gr.Row(visible=moe), {"key": key}]
-        t = len(tr.resid_norms)
-        tok = t - 1 if follow_on or tok is None else min(int(tok), max(t - 1, 0))
-        num_layers = tr.num_layers
-        layer_id = int(layer_id) if layer_id is not None and int(layer_id) < num_layers \
-            else num_layers - 1
-        last_step = snap.steps[-1].step_id if snap.steps else -1
-        key = (rid, t, len(tr.lens), len(tr.attention), tr.finished, tok, layer_id, head_id,
-               moe, last_step if moe else None)
-        if last_keys.get("key") == key:
-            return [gr.skip()] * len(outputs)
-        step = F.attention_step_for(tr, tok)
-        num_heads = step.probs.shape[1] if step is not None else 1
-        head_id = int(head_id) if head_id is not None and int(head_id) < num_heads else 0
-        state = "finished" if tr.finished else "streaming…"
-        msg = (f"Watching `{rid}` ({state}): {len(tr.prompt_token_ids)} prompt + "
-               f"{len(tr.output_token_ids)} generated tokens · token {tok}")
-        if step is None:
-            heads_fig = row_fig = F.empty_figure("No attention captured yet")
-        else:
-            heads_fig = F.attention_heads_figure(step, layer_id, tr.token_texts, head_id, rid)
-            row_fig = F.attention_row_figure(step, layer_id, head_id, tr.token_texts, rid)
-        if moe:
-            routing_fig = F.routing_figure(tr, tok, snap.moe["num_experts"])
-            loads = [st.expert_load for st in snap.steps[-LOAD_STEPS:]
-                     if st.expert_load is not None]
-            load_fig = F.expert_load_figure(np.sum(loads, axis=0) if loads else None,
-                                            snap.moe.get("moe_layers", ()), len(loads))
-        else:
-            routing_fig = load_fig = gr.skip()
-        slider = gr.Slider(minimum=0, maximum=max(t - 1, 1), value=tok)
-        layer_dd = gr.Dropdown(choices=list(range(num_layers)), value=layer_id)
-        head_dd = gr.Dropdown(choices=list(range(num_heads)), value=head_id)
-        last_keys = {"key": key}
-        return [msg, slider, layer_dd, head_dd, F.norms_figure(tr, tok),
-                F.logit_lens_figure(tr, hub.decode, tok), heads_fig, row_fig, routing_fig,
-                load_fig, gr.Row(visible=moe), last_keys]
+        out = dict(zip(outputs, skip_all))
+        keys = dict(last_keys)
+        pace(timer, keys, snap, out)
+        note = ""
+        if choice not in (None, AUTO) and choice not in traced:
+            note = f" (`{choice}` is no longer traced: the engine keeps the newest traces only)"
+            choice = AUTO
+            out[req] = gr.Dropdown(value=AUTO)
+        rid = resolve_request(choice, sess.watched, traced)
+        choices = request_choices(traced, set(sess.replies), set(snap.running))
+        if choices != keys.get("choices"):
+            out[req] = gr.Dropdown(choices=choices, value=choice or AUTO)
+            keys["choices"] = choices
+        try:
+            tr = llm.trace(rid) if rid else None
+        except KeyError as e:       # evicted between the listing and now, or never watched
+            tr, note = None, f" ({e.args[0] if e.args else e})"
+        t = len(tr.resid_norms) if tr is not None else 0
+        if tr is None or t == 0:
+            key = ("none", rid, moe, note)
+            if keys.get("key") == key:
+                return [out[o] for o in outputs[:-1]] + [keys]
+            keys["key"] = key
+            msg = (f"Waiting for `{rid}`'s first step…" if tr is not None else NO_REQUEST) + note
+            empty = chart_value(empty_chart("No traced tokens yet"))
+            out.update({status: msg, norms: empty, lens: empty, heads: empty, row: empty,
+                        routing: empty, load: empty, moe_row: gr.Row(visible=moe)})
+            return [out[o] for o in outputs[:-1]] + [keys]
 
-    controls = [last, token, follow, layer, head]
+        # the scrubbed token: the newest processed one while following
+        new_tok = t - 1 if follow_on or tok is None else min(max(int(tok), 0), t - 1)
+        if new_tok != tok or keys.get("t") != t:
+            out[token] = gr.Slider(minimum=0, maximum=max(t - 1, 1), value=new_tok)
+        tok = new_tok
+        num_layers = tr.num_layers
+        layer_id = int(layer_id) if layer_id is not None and 0 <= int(layer_id) < num_layers \
+            else num_layers - 1
+        step = F.attention_step_for(tr, tok)
+        num_heads = step.probs.shape[1] if step is not None else snap.num_heads or 1
+        head_id = int(head_id) if head_id is not None and 0 <= int(head_id) < num_heads else 0
+        if (num_layers, num_heads) != keys.get("dims"):
+            out[layer] = gr.Dropdown(choices=list(range(num_layers)), value=layer_id)
+            out[head] = gr.Dropdown(choices=list(range(num_heads)), value=head_id)
+            keys["dims"] = (num_layers, num_heads)
+
+        state = "finished" if tr.finished else "streaming…"
+        text = tr.token_texts[tok] if tok < len(tr.token_texts) else "?"
+        msg = (f"Watching `{rid}` ({state}) · token **{tok}** {text!r} of {t} processed · "
+               f"{len(tr.prompt_token_ids)} prompt + {len(tr.output_token_ids)} generated"
+               + ("" if step is not None else attention_note(tr, tok)) + note)
+        if msg != keys.get("msg"):
+            out[status] = keys["msg"] = msg
+        # each figure is rebuilt (and sent) only when what it shows changed
+        parts = {
+            "norms": ((rid, t, tok), lambda: F.norms_figure(tr, tok)),
+            "lens": ((rid, len(tr.lens), tok), lambda: F.logit_lens_figure(tr, hub.decode, tok)),
+            "heads": ((rid, tok, layer_id, head_id, step is not None),
+                      lambda: F.attention_heads_figure(step, layer_id, tr.token_texts, head_id,
+                                                       rid) if step is not None else
+                      empty_chart(f"No attention recorded for token {tok}", "Attention heads")),
+            "row": ((rid, tok, layer_id, head_id, step is not None),
+                    lambda: F.attention_row_figure(step, layer_id, head_id, tr.token_texts, rid)
+                    if step is not None else
+                    empty_chart(f"No attention recorded for token {tok}", "Attention row")),
+        }
+        if moe:
+            last_step = snap.steps[-1].step_id if snap.steps else -1
+
+            def load_fig():
+                loads = [st.expert_load for st in snap.steps[-LOAD_STEPS:]
+                         if st.expert_load is not None]
+                return F.expert_load_figure(np.sum(loads, axis=0) if loads else None,
+                                            snap.moe.get("moe_layers", ()), len(loads))
+            parts["routing"] = ((rid, tok, len(tr.router_probs) > tok),
+                                lambda: F.routing_figure(tr, tok, snap.moe["num_experts"]))
+            parts["load"] = ((last_step,), load_fig)
+        comp = {"norms": norms, "lens": lens, "heads": heads, "row": row, "routing": routing,
+                "load": load}
+        for name, (key, make) in parts.items():
+            if keys.get(name) != key:
+                out[comp[name]] = chart_value(make())
+                keys[name] = key
+        if keys.get("moe") != moe:
+            out[moe_row] = gr.Row(visible=moe)
+            keys["moe"] = moe
+        keys.update(t=t, key=None)
+        return [out[o] for o in outputs[:-1]] + [keys]
+
+    controls = [last, req, token, follow, layer, head]
     timer.tick(refresh, controls, outputs, api_visibility="private", trigger_mode="once",
-               show_progress="hidden")
+               show_progress="hidden", queue=False)
     # a user's move of the slider stops following the newest token
     token.input(lambda: False, None, follow, api_visibility="private", queue=False).then(
         refresh, controls, outputs, api_visibility="private", show_progress="hidden",
         trigger_mode="always_last")
-    for c in (follow, layer, head):
-        c.input(refresh, controls, outputs, api_visibility="private", show_progress="hidden")
-    return timer
+    for c in (req, follow, layer, head):
+        c.input(refresh, controls, outputs, api_visibility="private", show_progress="hidden",
+                trigger_mode="always_last")
+
+    def clicked(pick):
+        """A click handler: `pick(point)` reads {"head": h} or {"token": t} from the clicked
+        point of a live plot ({x, y, curve})."""
+        def on_click(last_keys, choice, tok, follow_on, layer_id, head_id, evt: gr.EventData,
+                     request: gr.Request):
+            try:
+                data = pick(evt._data or {})
+            except (TypeError, ValueError):     # a click between cells: nothing to pick
+                return skip_all
+            if data.get("head") is not None:
+                head_id = int(data["head"])
+            if data.get("token") is not None:
+                tok, follow_on = int(data["token"]), False
+            res = refresh(last_keys, choice, tok, follow_on, layer_id, head_id, request)
+            res[outputs.index(follow)] = follow_on
+            res[outputs.index(head)] = gr.Dropdown(value=head_id)
+            t = res[-1].get("t") if isinstance(res[-1], dict) else None
+            if data.get("token") is not None and t:
+                res[outputs.index(token)] = gr.Slider(maximum=max(t - 1, 1),
+                                                      value=min(tok, t - 1))
+            return res
+        return on_click
+
+    picks = {heads: lambda p: {"head": int(str(p["y"]).lstrip("h"))},
+             norms: lambda p: {"token": int(p["x"])},
+             lens: lambda p: {"token": int(p["x"])}}
+    for plot, pick in picks.items():
+        plot.click(clicked(pick), controls, outputs, api_visibility="private",
+                   show_progress="hidden")
+    return LiveTab(timer, refresh, controls, outputs)

@@ -1,0 +1,47 @@
+"""canvas_chart: a Layers-tab chart drawn on a canvas (views/canvas_chart.js) from a compact spec.
+
+The Layers tab redraws four charts per new token; as plotly figures those cost 300-400 ms of the
+browser's main thread per update on two cores (axes, legends, label measuring), as canvas
+drawings a few milliseconds. Specs are plain dicts built by views/figures_layers.py:
+{"kind": "heatmap" | "bars", "title", "height", ...} or {"title", "message"} for an empty chart.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import gradio as gr
+import plotly.colors as pc
+
+from views.live_plot import plot_value
+
+TEMPLATE = '<div class="gb-chart"><canvas></canvas><div class="gb-chart-tip"></div></div>'
+JS = Path(__file__).with_name("canvas_chart.js").read_text()
+
+
+def _stops(colours: list[str], reverse: bool = False) -> list[list]:
+    colours = list(reversed(colours)) if reverse else list(colours)
+    n = len(colours) - 1
+    return [[i / n, c] for i, c in enumerate(colours)]
+
+
+VIRIDIS = _stops(pc.sequential.Viridis)
+MAGMA_R = _stops(pc.sequential.Magma, reverse=True)
+BLUES = _stops(pc.sequential.Blues)
+PURPLES = _stops(pc.sequential.Purples)
+YLORRD = _stops(pc.sequential.YlOrRd)
+
+
+def chart_value(spec: dict | None) -> str | None:
+    """A chart's value: its spec as a JSON string (NaN as null)."""
+    return plot_value(spec)
+
+
+def canvas_chart(elem_id: str, spec: dict | None = None) -> gr.HTML:
+    """A chart component; its .click gets {row, col, x, y} of the clicked heatmap cell."""
+    return gr.HTML(chart_value(spec), html_template=TEMPLATE, js_on_load=JS, elem_id=elem_id,
+                   elem_classes=["gb-canvas-chart"])
+
+
+def empty_chart(message: str, title: str = "", height: int = 200) -> dict:
+    """A chart that says why it is empty."""
+    return {"title": title, "message": message, "height": height}
