@@ -30,42 +30,42 @@ def _route_kernel(
     weights_ptr,  # [N, TOP_K] fp32 out
     ids_ptr,  # [N, TOP_K] int32 out
     num_tokens, num_experts, stride_l,
-    TOP_K: tl.constexpr, K_P2: tl.constexpr, E_P2: tl.constexpr, BLOCK_T: tl.constexpr,
+    TOP_K: tl.constexpr, E_P2: tl.constexpr, BLOCK_T: tl.constexpr, CHUNK: tl.constexpr,
     NORM: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, E_P2)
     row_ok = rows < num_tokens
     col_ok = cols < num_experts
-    mask = row_ok[:, None] & col_ok[None, :]
     src_rows = tl.minimum(rows, num_tokens - 1)  # tail rows recompute the last token: no NaN from empty rows
-    z = tl.load(logits_ptr + src_rows[:, None] * stride_l + cols[None, :], mask=col_ok[None, :],
-                other=float("-inf")).to(tl.float32)
-    z = z - tl.max(z, axis=1)[:, None]
-    e = tl.where(col_ok[None, :], tl.exp(z), 0.0)
+    row_ptrs = logits_ptr + src_rows[:, None] * stride_l
+    z = tl.load(row_ptrs + cols[None, :], mask=col_ok[None, :], other=float("-inf")).to(tl.float32)
+    e = tl.where(col_ok[None, :], tl.exp(z - tl.max(z, axis=1)[:, None]), 0.0)
     probs = e / tl.sum(e, axis=1)[:, None]  # [BLOCK_T, E_P2]
-    tl.store(probs_ptr + rows[:, None] * num_experts + cols[None, :], probs, mask=mask)
+    tl.store(probs_ptr + rows[:, None] * num_experts + cols[None, :], probs,
+             mask=row_ok[:, None] & col_ok[None, :])
 
-    # k rounds of argmax; equal probabilities go to the lower expert index
-    kcols = tl.arange(0, K_P2)
-    cur = tl.where(col_ok[None, :], probs, -1.0)
-    top_w = tl.zeros([BLOCK_T, K_P2], dtype=tl.float32)
-    top_i = tl.zeros([BLOCK_T, K_P2], dtype=tl.int32)
-    total = tl.zeros([BLOCK_T], dtype=tl.float32)
-    for j in tl.static_range(TOP_K):
-        best = tl.argmax(cur, axis=1, tie_break_left=True).to(tl.int32)
-        pick = cols[None, :] == best[:, None]
-        val = tl.max(cur, axis=1)
-        top_w = tl.where(kcols[None, :] == j, val[:, None], top_w)
-        top_i = tl.where(kcols[None, :] == j, best[:, None], top_i)
-        total += val
-        cur = tl.where(pick, -2.0, cur)
+    # Top-k in one pass: an expert's rank = how many experts beat it (a larger logit, or an equal
+    # one at a lower index), counted CHUNK rivals at a time. Softmax is monotone, so this is the
+    # order of the probabilities, ties to the lower expert. The k experts of rank < k are the
+    # top-k, and the rank is each one's slot in the descending output. (k rounds of argmax cost
+    # 2k cross-warp reductions in a row; this is one intra-warp reduction per chunk.)
+    rank = tl.zeros([BLOCK_T, E_P2], dtype=tl.int32)
+    for c0 in tl.static_range(0, E_P2, CHUNK):
+        rivals = c0 + tl.arange(0, CHUNK)
+        zr = tl.load(row_ptrs + rivals[None, :], mask=(rivals < num_experts)[None, :],
+                     other=float("-inf")).to(tl.float32)  # [BLOCK_T, CHUNK]
+        beats = (zr[:, None, :] > z[:, :, None]) | \
+            ((zr[:, None, :] == z[:, :, None]) & (rivals[None, None, :] < cols[None, :, None]))
+        rank += tl.sum(beats.to(tl.int32), axis=2)
+    top = (rank < TOP_K) & col_ok[None, :]
+    w = probs
     if NORM:
-        top_w = top_w / total[:, None]
-    kmask = row_ok[:, None] & (kcols[None, :] < TOP_K)
-    out_off = rows[:, None] * TOP_K + kcols[None, :]
-    tl.store(weights_ptr + out_off, top_w, mask=kmask)
-    tl.store(ids_ptr + out_off, top_i, mask=kmask)
+        w = probs / tl.sum(tl.where(top, probs, 0.0), axis=1)[:, None]
+    out_off = rows[:, None] * TOP_K + rank
+    keep = top & row_ok[:, None]
+    tl.store(weights_ptr + out_off, w, mask=keep)
+    tl.store(ids_ptr + out_off, cols[None, :] + tl.zeros([BLOCK_T, E_P2], dtype=tl.int32), mask=keep)
 
 
 def _route_triton(router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool, out=None):
@@ -82,9 +82,10 @@ def _route_triton(router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool,
     logits = router_logits if router_logits.stride(1) == 1 else router_logits.contiguous()
     e_p2 = triton.next_power_of_2(num_experts)
     block_t = max(2, min(16, 4096 // e_p2, triton.next_power_of_2(num_tokens)))
+    chunk = max(1, min(e_p2, 8192 // (block_t * e_p2)))  # the [BLOCK_T, E, CHUNK] compare tile: 64 per thread
     _route_kernel[(triton.cdiv(num_tokens, block_t),)](
         logits, probs, weights, ids, num_tokens, num_experts, logits.stride(0),
-        TOP_K=top_k, K_P2=max(2, triton.next_power_of_2(top_k)), E_P2=e_p2, BLOCK_T=block_t, NORM=norm_topk_prob,
+        TOP_K=top_k, E_P2=e_p2, BLOCK_T=block_t, CHUNK=chunk, NORM=norm_topk_prob,
         num_warps=4,
     )
     return probs, weights, ids
@@ -102,8 +103,9 @@ def route(
 
     On CUDA one Triton kernel replaces torch's ~6 launches (softmax, topk, sort, sum, div, cast:
     ~16 µs per layer at decode on an H200). Same experts as torch.topk except on exact ties,
-    which go to the lower expert index (torch's order among ties is unspecified). Elsewhere,
-    route_ref: bit-identical to HF on the CPU.
+    which go to the lower expert index (torch's order among ties is unspecified); the
+    renormalising sum may differ from torch's in the last bit. Elsewhere, route_ref:
+    bit-identical to HF on the CPU.
     """
     if router_logits.dim() != 2:
         raise ValueError(f"router_logits must be [num_tokens, num_experts], got shape {tuple(router_logits.shape)}")

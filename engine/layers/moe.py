@@ -3,6 +3,11 @@
 Expert weights are stacked as w13 [E, 2I, H] (gate rows, then up rows) and w2 [E, H, I]; with
 TP each rank holds every expert's slice of the intermediate dim, and the partial outputs are
 joined by one all-reduce. The router is replicated. Routing is reported to the probes.
+
+On the GPU `fused_experts` picks the expert kernels by batch size: decode-sized batches take the
+GEMV path (two launches, only the active experts' weights read, no alignment), larger ones the
+grouped GEMM path; the split and the launch configs come from the tuned tables of
+engine/kernels/configs/ (bench/tune_moe.py), with defaults where none was tuned.
 """
 from __future__ import annotations
 
@@ -11,7 +16,8 @@ from torch import nn
 
 from ..context import get_context
 from ..kernels import fused_moe as fm
-from ..kernels import moe_routing
+from ..kernels import moe_configs, moe_routing
+from ..kernels.moe_gemv import fused_moe_gemv
 from ..parallel_state import divide, get_tp_rank, get_tp_size
 from .linear import copy_checked, materialize, narrow
 
@@ -63,7 +69,20 @@ class FusedMoE(nn.Module):
                                                     out)
         if probes is not None:
             probes.on_router(layer_idx, probs, topk_ids, topk_w, shared_gate)
+        if x.is_cuda:   # the kernels round the fp32 weights to x.dtype themselves: no cast launch
+            return fused_experts(x, self.w13, self.w2, topk_w, topk_ids)
         w = topk_w.to(x.dtype)      # HF casts the routing weights to the hidden dtype
-        if x.is_cuda:
-            return fm.fused_moe(x, self.w13, self.w2, w, topk_ids)
         return fm.fused_moe_ref(x, self.w13, self.w2, w, topk_ids)
+
+
+def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor, config: moe_configs.MoEConfig | None = None) -> torch.Tensor:
+    """x [N, H], w13 [E, 2I, H], w2 [E, H, I], topk_* [N, k] -> [N, H], by the path the config
+    names: the tuned one for (E, I, H, dtype, device) at the nearest tuned N unless given.
+    The choice depends only on shapes, so a CUDA graph captures one path per batch bucket."""
+    if config is None:
+        config = moe_configs.pick_config(x.shape[0], topk_ids.shape[1], w13.shape[0], w2.shape[2],
+                                         x.shape[1], x.dtype, x.device)
+    if config.path == "gemv":
+        return fused_moe_gemv(x, w13, w2, topk_weights, topk_ids, config=config)
+    return fm.fused_moe(x, w13, w2, topk_weights, topk_ids, config=config)
