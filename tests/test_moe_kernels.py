@@ -18,7 +18,7 @@ from engine.kernels.fused_moe import (fused_moe, fused_moe_ref, grouped_w13_silu
 from engine.kernels.moe_configs import KernelTile, MoEGemvConfig, MoEKernelConfig
 from engine.kernels.moe_gemv import fused_moe_gemv, gemv_w13_silu, gemv_w2_sum
 from engine.kernels.moe_align import _moe_align_torch, _moe_align_triton, moe_align, moe_align_ref
-from engine.kernels.moe_routing import _route_triton, route, route_ref
+from engine.kernels.moe_routing import FUSED_MAX_TOKENS, _route_triton, route, route_counts, route_hidden, route_ref
 
 E, K, H, I = 8, 2, 32, 16
 TOKENS = [1, 7, 33]
@@ -135,6 +135,51 @@ def test_route_matches_hf_qwen3_moe_router(norm):
     _, w, ids = route(F.linear(x, block.gate.weight), K, norm)
     assert torch.equal(ids.long(), ids_hf)
     assert torch.equal(w.to(logits_hf.dtype), w_hf)  # HF casts the weights to the logits' dtype
+
+
+@pytest.mark.parametrize("n,experts,top_k,hidden,norm,dtype", [
+    (1, 16, 4, 40, True, torch.float32), (1, 16, 4, 40, False, torch.float16),
+    (5, 60, 4, 64, False, torch.float32), (5, 60, 4, 64, True, torch.float16),
+    (19, 40, 8, 48, True, torch.float32), (19, 40, 8, 48, False, torch.float16),
+])
+def test_route_hidden_equals_router_linear_then_route(n, experts, top_k, hidden, norm, dtype):
+    """Router GEMV + routing in one launch: the same logits (rounded to x's dtype, as F.linear's
+    output) and so the same routing as the two-step path."""
+    g = _gen(n + experts)
+    x = torch.randn(n, hidden, generator=g).to(dtype)
+    gate = (torch.randn(experts, hidden, generator=g) / hidden**0.5).to(dtype)
+    counts = route_counts("cpu")
+    probs, w, ids = route_hidden(x, gate, top_k, norm, counts)
+    logits = F.linear(x.float(), gate.float()).to(dtype)
+    probs_r, w_r, ids_r = route_ref(logits, top_k, norm)
+    torch.testing.assert_close(probs, probs_r, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(w, w_r, rtol=1e-5, atol=1e-6)
+    if dtype == torch.float32:  # fp16 logits can tie, and then the order among the tied is free
+        assert torch.equal(ids, ids_r)
+    assert bool((counts == 0).all()), "the semaphores must reset for the next launch"
+    again = route_hidden(x, gate, top_k, norm, counts)
+    for a, b in zip(again, (probs, w, ids)):
+        assert torch.equal(a, b)
+
+
+def test_route_hidden_writes_into_given_buffers_and_checks_its_inputs():
+    n, experts, top_k, hidden = 7, 16, 4, 32
+    g = _gen(5)
+    x, gate = torch.randn(n, hidden, generator=g), torch.randn(experts, hidden, generator=g)
+    probs_all = torch.full((2, n, experts), -5.0)
+    w_all = torch.full((2, n, top_k), -5.0)
+    ids_all = torch.full((2, n, top_k), -5, dtype=torch.int32)
+    out = (probs_all[1], w_all[1], ids_all[1])
+    got = route_hidden(x, gate, top_k, True, route_counts("cpu"), out)
+    for t, o, r in zip(got, out, route_ref(F.linear(x, gate), top_k, True)):
+        assert t.data_ptr() == o.data_ptr()
+        torch.testing.assert_close(o, r.to(o.dtype), rtol=1e-5, atol=1e-6)
+    assert (probs_all[0] == -5).all() and (ids_all[0] == -5).all()
+    too_many = torch.randn(FUSED_MAX_TOKENS + 1, hidden)
+    with pytest.raises(ValueError, match="tokens"):
+        route_hidden(too_many, gate, top_k, True, route_counts("cpu"))
+    with pytest.raises(ValueError, match="share H"):
+        route_hidden(x, gate[:, :-1], top_k, True, route_counts("cpu"))
 
 
 # ---------------------------------------------------------------- alignment

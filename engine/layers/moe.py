@@ -19,6 +19,7 @@ from ..kernels import fused_moe as fm
 from ..kernels import moe_configs, moe_routing
 from ..kernels.moe_gemv import fused_moe_gemv
 from ..parallel_state import divide, get_tp_rank, get_tp_size
+from .gemm import linear
 from .linear import copy_checked, materialize, narrow
 
 
@@ -30,6 +31,7 @@ class FusedMoE(nn.Module):
         self.num_experts, self.top_k, self.norm_topk_prob = num_experts, top_k, norm_topk_prob
         self.inter = divide(intermediate_size, tp, "moe_intermediate_size")
         self.rank = get_tp_rank()
+        self.route_counts: torch.Tensor | None = None  # the fused router's semaphores (GPU)
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * self.inter, hidden_size),
                                 requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, self.inter),
@@ -60,19 +62,32 @@ class FusedMoE(nn.Module):
             copy_checked(param.data[expert, piece * i:(piece + 1) * i],
                          materialize(narrow(loaded, 0, r * i, i)))
 
-    def forward(self, x: torch.Tensor, router_logits: torch.Tensor, layer_idx: int,
+    def forward(self, x: torch.Tensor, gate_weight: torch.Tensor, layer_idx: int,
                 shared_gate: torch.Tensor | None = None) -> torch.Tensor:
-        """x [N, H], router_logits [N, E] -> partial (un-reduced) output [N, H]."""
+        """x [N, H], gate_weight [E, H] (the replicated router) -> partial (un-reduced) output [N, H]."""
         probes = get_context().probes
         out = probes.route_out(layer_idx, x.shape[0]) if probes is not None else None
-        probs, topk_w, topk_ids = moe_routing.route(router_logits, self.top_k, self.norm_topk_prob,
-                                                    out)
+        probs, topk_w, topk_ids = self.route(x, gate_weight, out)
         if probes is not None:
             probes.on_router(layer_idx, probs, topk_ids, topk_w, shared_gate)
         if x.is_cuda:   # the kernels round the fp32 weights to x.dtype themselves: no cast launch
             return fused_experts(x, self.w13, self.w2, topk_w, topk_ids)
         w = topk_w.to(x.dtype)      # HF casts the routing weights to the hidden dtype
         return fm.fused_moe_ref(x, self.w13, self.w2, w, topk_ids)
+
+
+    def route(self, x: torch.Tensor, gate_weight: torch.Tensor, out=None):
+        """Router logits -> (probs [N, E] fp32, topk weights [N, k] fp32, topk ids [N, k] int32).
+        Decode batches on the GPU: one launch for the router GEMV and the routing; else the router
+        linear (skinny GEMM or cuBLAS), then the routing kernel (route_ref on the CPU: HF's ops)."""
+        n = x.shape[0]
+        if x.is_cuda and 0 < n <= moe_routing.FUSED_MAX_TOKENS and x.dim() == 2 and x.stride(1) == 1:
+            if self.route_counts is None and not torch.cuda.is_current_stream_capturing():
+                self.route_counts = moe_routing.route_counts(x.device)  # before any capture
+            if self.route_counts is not None:
+                return moe_routing.route_hidden(x, gate_weight, self.top_k, self.norm_topk_prob,
+                                                self.route_counts, out)
+        return moe_routing.route(linear(x, gate_weight), self.top_k, self.norm_topk_prob, out)
 
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
