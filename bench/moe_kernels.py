@@ -1,6 +1,7 @@
 """Microbenchmark: the MoE expert kernels at Qwen3-30B-A3B shapes against their floor and the torch
 reference — the path the engine picks (engine/layers/moe.py: tuned tables or defaults), and both
-paths side by side (GEMV decode path up to 64 tokens, grouped GEMM path), plus routing and align.
+paths side by side (GEMV decode path up to 64 tokens, grouped GEMM path), plus the router (gate
+GEMV + routing fused in one launch up to 64 tokens, vs the router linear + route kernel) and align.
 
 Floor = max(active experts' bytes + x + out over the measured copy bandwidth, FLOPs over the
 measured bf16 matmul rate). "graph" = µs per call inside a CUDA graph, cycling weight copies so
@@ -24,7 +25,8 @@ from engine.kernels.moe_align import _moe_align_torch, _moe_align_triton  # noqa
 from engine.kernels.moe_configs import (MoEGemvConfig, config_dir, config_file_name,  # noqa: E402
                                         default_gemv, default_grouped, device_name, pick_config)
 from engine.kernels.moe_gemv import fused_moe_gemv  # noqa: E402
-from engine.kernels.moe_routing import route, route_ref  # noqa: E402
+from engine.kernels.moe_routing import FUSED_MAX_TOKENS, route, route_counts, route_hidden, route_ref  # noqa: E402
+from engine.layers.gemm import linear  # noqa: E402
 from engine.layers.moe import fused_experts  # noqa: E402
 
 E, K, H, I = 128, 8, 2048, 768  # Qwen3-30B-A3B: 128 experts, top-8, hidden 2048, moe_intermediate 768
@@ -68,7 +70,7 @@ def main(out_json: str | None = None, tp: int = 1, ref: bool = True) -> list[dic
 
     rows = []
     print(f"{'N':>5} {'path':>7} {'engine':>7} {'%floor':>6} | {'gemv':>6} {'%fl':>4} | {'grouped':>7} {'%fl':>4} | "
-          f"{'floor':>6} {'ref':>8} {'route trit/torch':>16} {'align':>5} {'experts':>7}  (µs, graph)")
+          f"{'floor':>6} {'ref':>8} {'router fused/2-step':>19} {'route trit/torch':>16} {'align':>5} {'experts':>7}  (µs)")
     for n in TOKENS:
         x = torch.randn(n, H, device="cuda").to(torch.bfloat16)
         logits = torch.randn(n, E, device="cuda").to(torch.bfloat16)
@@ -97,6 +99,13 @@ def main(out_json: str | None = None, tp: int = 1, ref: bool = True) -> list[dic
             w13, w2 = layers[0]
             ref_us = _median_ms(lambda: fused_moe_ref(x, w13, w2, w.to(x.dtype), ids), False) * 1e3
         route_us = _median_ms(lambda: route(logits, K, True), True) * 1e3
+        gate = (torch.randn(E, H, device="cuda") / H**0.5).to(torch.bfloat16)
+        two_step_us = _median_ms(lambda: route(linear(x, gate), K, True), True) * 1e3
+        fused_router_us = float("nan")
+        if n <= FUSED_MAX_TOKENS:
+            counts = route_counts(dev)
+            fused_router_us = _median_ms(lambda: route_hidden(x, gate, K, True, counts), True) * 1e3
+        router_us = fused_router_us if n <= FUSED_MAX_TOKENS else two_step_us
         route_torch_us = _median_ms(lambda: route_ref(logits, K, True), True) * 1e3
         bm = (grouped_cfg or default_grouped(n, K, E)).block_m
         align_us = _median_ms(lambda: _moe_align_triton(ids, E, bm), True) * 1e3
@@ -104,14 +113,16 @@ def main(out_json: str | None = None, tp: int = 1, ref: bool = True) -> list[dic
         pct = lambda us: 100 * floor_us / us  # noqa: E731
         row = dict(kernel="moe_experts", tp=tp, num_tokens=n, path=cfg.path, us=engine_us,
                    pct_of_floor=pct(engine_us), floor_us=floor_us, gemv_us=gemv_us, grouped_us=grouped_us,
-                   ref_us=ref_us, route_us=route_us, route_torch_us=route_torch_us, align_us=align_us,
+                   ref_us=ref_us, router_us=router_us, router_fused_us=fused_router_us,
+                   router_two_step_us=two_step_us, route_us=route_us, route_torch_us=route_torch_us, align_us=align_us,
                    align_torch_us=align_torch_us, experts_used=used, config=cfg.short())
         rows.append(row)
         print(f"{n:>5} {cfg.path:>7} {engine_us:7.1f} {pct(engine_us):5.0f}% | {gemv_us:6.1f} {pct(gemv_us):3.0f}% | "
               f"{grouped_us:7.1f} {pct(grouped_us):3.0f}% | {floor_us:6.1f} {ref_us:8.0f} "
+              f"{f'{fused_router_us:.1f} / {two_step_us:.1f}':>19} "
               f"{f'{route_us:.1f} / {route_torch_us:.1f}':>16} {align_us:5.1f} {used:>7}")
-    us1 = rows[0]["us"] + rows[0]["route_us"]
-    print(f"batch-1 decode: route+experts {us1:.1f} µs/layer -> {LAYERS} layers {LAYERS * us1 / 1e3:.2f} ms/token "
+    us1 = rows[0]["us"] + rows[0]["router_us"]
+    print(f"batch-1 decode: router+experts {us1:.1f} µs/layer -> {LAYERS} layers {LAYERS * us1 / 1e3:.2f} ms/token "
           f"(MoE alone caps decode at {1e6 / (LAYERS * us1):.0f} tok/s)")
     if out_json:
         with open(out_json, "w") as f:

@@ -13,7 +13,8 @@ tuned apart (their sum picks the path and block_m), then the chosen config is ch
 end to end. Timings are µs per call inside a CUDA graph of 8 calls that cycle through 2 copies of
 the weights and 4 routings, so no call finds its experts still in L2 from the one before.
 The floor is the active experts' bytes (plus x and out) over the measured copy bandwidth, or the
-FLOPs over the measured bf16 matmul rate where that is larger.
+FLOPs over the measured bf16 matmul rate where that is larger. The "router" column is the layer's
+routing at that M (router GEMV + softmax + top-k: one launch up to 64 tokens), for reference.
 
     python bench/tune_moe.py --budget-s 240 --out-dir $OUT/moe_configs   # H200: ~4 min
     python bench/tune_moe.py --smoke --out-dir /tmp/moe_configs           # CPU interpreter, tiny
@@ -46,7 +47,8 @@ from engine.kernels.moe_configs import (KernelTile, MoEGemvConfig, MoEKernelConf
                                         config_file_name, config_to_dict, default_gemv,
                                         default_grouped, write_table)
 from engine.kernels.moe_gemv import gemv_w13_silu, gemv_w2_sum  # noqa: E402
-from engine.kernels.moe_routing import route  # noqa: E402
+from engine.kernels.moe_routing import FUSED_MAX_TOKENS, route, route_counts, route_hidden  # noqa: E402
+from engine.layers.gemm import linear  # noqa: E402
 from engine.layers.moe import fused_experts  # noqa: E402
 
 E, TOP_K, H, I_FULL = 128, 8, 2048, 768  # Qwen3-30B-A3B
@@ -378,12 +380,12 @@ def print_table(sh: Shape, table: dict[int, dict], route_us: dict) -> None:
     print(f"\n{sh.label}: E={sh.num_experts} top-{sh.top_k} H={sh.hidden}; µs per call in a CUDA graph; "
           f"floor = max(active bytes / copy rate, FLOPs / matmul rate)")
     print(f"{'M':>5} {'experts':>7} {'floor bw':>8} {'floor mm':>8} | {'gemv':>8} {'grouped':>8} | "
-          f"{'chosen':>8} {'% floor':>7} {'route':>6} | config")
+          f"{'chosen':>8} {'% floor':>7} {'router':>6} | config")
     for m, e in sorted(table.items()):
         c = sh.cases[m]
         g = f"{e['gemv_us']:8.1f}" if "gemv_us" in e else f"{'-':>8}"
         gr = f"{e['grouped_us']:8.1f}" if "grouped_us" in e else f"{'-':>8}"
-        r = route_us.get((sh.tp, m))
+        r = route_us.get(m)
         print(f"{m:>5} {c.experts:7.1f} {c.floor_bw_us:8.1f} {c.floor_mm_us:8.1f} | {g} {gr} | "
               f"{e['us']:8.1f} {e['pct_of_floor']:6.0f}% {'' if r is None else f'{r:6.1f}'} | "
               f"{e['path']}" + (f" bm{e['block_m']}" if "block_m" in e else "")
@@ -447,12 +449,18 @@ def main(argv=None) -> dict:
     print(f"device {device}: copy {bw / 1e12:.2f} TB/s, matmul {mm_rate / 1e12:.0f} TFLOP/s; "
           f"budget {a.budget_s:.0f} s; M {ms}; GEMV path tried up to M={gemv_max_m}", flush=True)
     shapes = [build_shape(tp, shape, ms, dev, dtype, bw, mm_rate) for tp in a.tp]
-    route_us = {}
+    route_us = {}  # the layer's router at M: gate GEMV + routing fused up to FUSED_MAX_TOKENS, else two launches
     if cuda:
-        for sh in shapes:
-            for m in ms:
-                logits = torch.randn(m, sh.num_experts, device=dev).to(dtype)
-                route_us[(sh.tp, m)] = timer([lambda: route(logits, sh.top_k, True)] * CALLS)
+        counts = route_counts(dev)
+        gates = [(torch.randn(shape["E"], shape["H"], device=dev) / shape["H"] ** 0.5).to(dtype)
+                 for _ in range(NUM_WEIGHTS)]
+        for m in ms:
+            x = torch.randn(m, shape["H"], device=dev).to(dtype)
+            if m <= FUSED_MAX_TOKENS:
+                calls = [lambda g=g: route_hidden(x, g, shape["top_k"], True, counts) for g in gates]
+            else:
+                calls = [lambda g=g: route(linear(x, g), shape["top_k"], True) for g in gates]
+            route_us[m] = timer(calls * (CALLS // NUM_WEIGHTS))
     print(f"set-up done at {time.perf_counter() - t_start:.0f} s", flush=True)
 
     meta = dict(tuned_by="python bench/tune_moe.py " + " ".join(argv if argv is not None else sys.argv[1:]),
