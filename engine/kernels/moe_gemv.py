@@ -20,6 +20,8 @@ end). H and I are compile-time constants, so the K loops unroll and the loads of
 can be issued ahead of their FMAs; only a ragged last chunk is masked.
 
 Graph-safe: the grid depends only on (tokens, top_k, shapes); no host sync, no moe_align.
+Torch references (shared with the grouped path): fused_moe.py's w13_silu_ref, w2_weighted_ref
+and fused_moe_ref.
 """
 from __future__ import annotations
 
