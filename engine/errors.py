@@ -19,3 +19,11 @@ class ModelNotFoundError(FileNotFoundError):
 
 class WorkerDiedError(RuntimeError):
     """A tensor-parallel worker process exited; the engine cannot continue."""
+
+
+class RequestFailedError(RuntimeError):
+    """This request's own data made an engine step fail; the engine goes on serving others."""
+
+
+class EngineShutdownError(RuntimeError):
+    """The engine was shut down (or switched) while this request was in flight."""

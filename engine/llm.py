@@ -13,7 +13,7 @@ import time
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .engine_core import EngineCore
-from .errors import PromptTooLongError
+from .errors import EngineShutdownError, PromptTooLongError, RequestFailedError
 from .loader import resolve_model_path
 from .probes.spec import ProbeSpec
 from .sampling import SamplingParams
@@ -74,7 +74,8 @@ class LLM:
                  max_num_batched_tokens: int = 8192, max_model_len: int | None = None,
                  enable_prefix_caching: bool = True, enforce_eager: bool = False, seed: int = 0,
                  load_format: str = "auto", trace_history: int = 256,
-                 record_expert_load: bool = False, max_traces: int = 64):
+                 record_expert_load: bool = False, max_traces: int = 64,
+                 async_scheduling: bool | None = None):
         self.config = cfg = EngineConfig(
             model=model, device=device, dtype=dtype, tensor_parallel_size=tensor_parallel_size,
             block_size=block_size, num_kv_blocks=num_kv_blocks,
@@ -106,19 +107,26 @@ class LLM:
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens,
                                    self.max_model_len, self.eos_token_ids)
         from .probes.manager import ProbeManager
-        self.probes = ProbeManager(self, max_traces=max_traces)
         # expert load per step is a global aggregate (every request, watched or not): off by
         # default so an unwatched engine does no probe work; the playground turns it on
-        self.probes.record_expert_load = bool(record_expert_load)
+        self.probes = ProbeManager(
+            self.hf_config.num_hidden_layers, block_size, self.runner.moe_layers,
+            self.tokenizer.decode if self.tokenizer is not None else None,
+            max_traces=max_traces, record_expert_load=bool(record_expert_load))
         self.runner.capture_graphs(max_num_seqs)
-        self.core = EngineCore(self.runner, self.scheduler, self.block_manager, self.tokenizer,
-                               self.eos_token_ids, self.probes, trace_history)
+        # overlap scheduling pays where the forward is asynchronous (a GPU); on the CPU the
+        # forward blocks the host anyway, so each step is postprocessed right after its launch
+        self.async_scheduling = (cfg.device.startswith("cuda") if async_scheduling is None
+                                 else bool(async_scheduling))
         self._seqs: dict[str, Sequence] = {}
         self._queues: dict[str, queue.Queue] = {}
         self._lock = threading.RLock()
         self._wake = threading.Condition(self._lock)
+        self.core = EngineCore(self.runner, self.scheduler, self.block_manager, self.tokenizer,
+                               self.eos_token_ids, self.probes, trace_history,
+                               overlap=self.async_scheduling, lock=self._lock)
         self._stop = False
-        self._error: BaseException | None = None
+        self._error: BaseException | None = None    # an engine-wide failure (e.g. a dead worker)
         self._thread = threading.Thread(target=self._loop, name=f"glassbox-engine-{self.engine_id}",
                                         daemon=True)
         self._thread.start()
@@ -210,20 +218,26 @@ class LLM:
     def _loop(self) -> None:
         while True:
             with self._wake:
-                while not self._stop and not self.scheduler.has_work():
+                while not self._stop and not self.core.has_work():
                     self._wake.wait()
                 if self._stop:
                     return
-                try:
-                    events = self.core.step()
-                except BaseException as e:     # fail the in-flight requests, keep serving
-                    events = []
+            # the step takes the lock only while it changes engine state: not during the
+            # forward or while waiting for the device, so inspect/abort/submit never starve
+            try:
+                events = self.core.step()
+            except BaseException as e:     # engine-wide (a dead TP worker): fail everything
+                with self._lock:
+                    self._error = e
                     self._fail_all(e)
+                continue
+            with self._lock:
+                for seq, err in self.core.failed:       # one request's own failure
+                    self._fail_one(seq.request_id, err)
+                self.core.failed.clear()
                 for ev in events:
                     self._deliver(ev)
-            # between steps, outside the lock: give waiting threads (inspect, abort, new
-            # requests from the UI) the lock; CPython locks are not fair, and without this
-            # the loop can re-take it at once, step after step
+            # between steps: give waiting threads the lock; CPython locks are not fair
             time.sleep(0)
 
     def _deliver(self, ev: TokenEvent) -> None:
@@ -234,21 +248,28 @@ class LLM:
             self._queues.pop(ev.request_id, None)
             self._seqs.pop(ev.request_id, None)
 
+    def _fail_one(self, rid: str, err: BaseException) -> None:
+        seq = self._seqs.pop(rid, None)
+        if seq is not None and not seq.is_finished:
+            self.scheduler.finish(seq, "abort")
+        q = self._queues.pop(rid, None)
+        if q is not None:
+            q.put(err)
+
     def _fail_all(self, err: BaseException) -> None:
-        for rid, seq in list(self._seqs.items()):
-            if not seq.is_finished:
-                self.scheduler.finish(seq, "abort")
-            q = self._queues.pop(rid, None)
-            if q is not None:
-                q.put(err)
-            self._seqs.pop(rid, None)
+        self.core.inflight = None
+        for rid in list(self._seqs):
+            self._fail_one(rid, err)
         self.core.detok.clear()
 
     def _submit(self, seq: Sequence) -> queue.Queue:
-        if not self._thread.is_alive():
-            raise RuntimeError("the engine has been shut down; create a new LLM")
         q: queue.Queue = queue.Queue()
         with self._wake:
+            if self._stop or not self._thread.is_alive():
+                raise EngineShutdownError("the engine has been shut down; create a new LLM")
+            if self._error is not None:
+                raise RuntimeError(f"the engine failed ({self._error!r}) and cannot serve "
+                                   "requests; create a new LLM") from self._error
             self._seqs[seq.request_id] = seq
             self._queues[seq.request_id] = q
             self.probes.register(seq)
@@ -259,6 +280,8 @@ class LLM:
     @staticmethod
     def _next(q: queue.Queue) -> TokenEvent:
         ev = q.get()
+        if isinstance(ev, (RequestFailedError, EngineShutdownError)):
+            raise ev
         if isinstance(ev, BaseException):
             raise RuntimeError(f"the engine failed while running this request: {ev!r}") from ev
         return ev
@@ -323,6 +346,8 @@ class LLM:
     def inspect(self) -> EngineSnapshot:
         from .probes.inspect import take_snapshot
         with self._lock:
+            if getattr(self, "_closed", False):
+                raise EngineShutdownError("the engine has been shut down; create a new LLM")
             return take_snapshot(self)
 
     def trace(self, request_id: str):
@@ -345,16 +370,26 @@ class LLM:
         if not 0 <= layer < self.hf_config.num_hidden_layers:
             raise ValueError(f"layer must be in [0, {self.hf_config.num_hidden_layers})")
         with self._lock:
+            if getattr(self, "_closed", False):
+                raise EngineShutdownError("the engine has been shut down; create a new LLM")
             return self.runner.read_kv_block(block_id, layer, head, 0 if which == "k" else 1)
 
     def shutdown(self) -> None:
+        """Stop the engine loop, fail every request still in flight at once (their streams
+        raise EngineShutdownError), and free the weights, the KV cache and TP workers."""
         with self._wake:
+            if self._stop and getattr(self, "_closed", False):
+                return
             self._stop = True
             self._wake.notify_all()
         if threading.current_thread() is not self._thread:
-            self._thread.join(timeout=10)
+            self._thread.join(timeout=30)
+        with self._lock:
+            self._fail_all(EngineShutdownError(
+                "the engine was shut down while this request was in flight"))
+            self._closed = True
+        self.probes.release_device()
         self.runner.shutdown()
-
     def __enter__(self):
         return self
 

@@ -101,17 +101,23 @@ class SamplingTensors:
     @classmethod
     def build(cls, params: list[SamplingParams], seeds: list[int], positions: list[int],
               banned: list[tuple[int, int]], device) -> "SamplingTensors":
+        from .step_inputs import SamplingBatch
+        return cls.from_batch(SamplingBatch.build(params, seeds, positions, banned), device)
+
+    @classmethod
+    def from_batch(cls, b, device) -> "SamplingTensors":
+        """A step_inputs.SamplingBatch (host lists) -> tensors on `device`."""
         f32 = dict(dtype=torch.float32, device="cpu")
-        t = cls(temperature=torch.tensor([p.temperature for p in params], **f32),
-                top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64),
-                top_p=torch.tensor([p.top_p for p in params], **f32),
-                min_p=torch.tensor([p.min_p for p in params], **f32),
-                seeds=torch.tensor(seeds, dtype=torch.int64),
-                positions=torch.tensor(positions, dtype=torch.int64),
-                all_greedy=all(p.greedy for p in params),
-                need_sort=any(p.top_k > 0 or p.top_p < 1.0 for p in params),
-                need_min_p=any(p.min_p > 0 for p in params),
-                max_logprobs=max((p.logprobs for p in params), default=0), banned=banned)
+        temps = b.temperature
+        t = cls(temperature=torch.tensor(temps, **f32),
+                top_k=torch.tensor(b.top_k, dtype=torch.int64),
+                top_p=torch.tensor(b.top_p, **f32), min_p=torch.tensor(b.min_p, **f32),
+                seeds=torch.tensor(b.seeds, dtype=torch.int64),
+                positions=torch.tensor(b.positions, dtype=torch.int64),
+                all_greedy=all(x == 0.0 for x in temps),
+                need_sort=any(k > 0 for k in b.top_k) or any(p < 1.0 for p in b.top_p),
+                need_min_p=any(m > 0 for m in b.min_p), max_logprobs=b.max_logprobs,
+                banned=b.banned)
         if t.all_greedy:        # argmax needs none of the per-row tensors: skip the copies
             return t
         nb = torch.device(device).type == "cuda"
