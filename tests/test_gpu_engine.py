@@ -95,3 +95,25 @@ def test_graph_probes_equal_eager_probes(model_factory, arch, spec):
     if ra is not None:
         np.testing.assert_allclose(ra[0], rb[0], atol=1e-5)
         np.testing.assert_array_equal(ra[1], rb[1])
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen2"])
+def test_fused_qk_norm_rope_store_gives_the_unfused_tokens_and_logprobs(model_factory, monkeypatch, arch):
+    """fp32, CUDA graphs and eager: the one-launch q/k norm + RoPE + K/V store gives exactly the
+    tokens and logprobs of the four launches it replaced (qwen2: bias, no q/k norm)."""
+    from engine.models import qwen
+    path = model_factory(arch)
+    sp = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=3)
+    runs = {}
+    for fused in (True, False):
+        monkeypatch.setattr(qwen, "fused_qkv_path", (lambda qkv: qkv.is_cuda) if fused
+                            else (lambda qkv: False))
+        for eager in (False, True):
+            llm = LLM(path, device="cuda", dtype="float32", num_kv_blocks=128, block_size=16,
+                      max_num_seqs=8, enforce_eager=eager)
+            outs = llm.generate(PROMPTS, sp)
+            llm.shutdown()
+            runs[fused, eager] = [(o.token_ids, [(lp.logprob, dict(lp.top)) for lp in o.logprobs])
+                                  for o in outs]
+    for eager in (False, True):
+        assert runs[True, eager] == runs[False, eager], f"eager={eager}"
