@@ -34,16 +34,20 @@ class Attention(nn.Module):
         """qkv [N, (Hq + 2 Hkv) D] straight from the projection -> [N, Hq, D]. One launch
         applies the q/k norm (when given) and RoPE and stores K/V; the GPU path."""
         ctx = get_context()
+        # a watched query's row is written by the same launch into the probe's buffer
+        rows = ctx.probes.q_row_out(self.layer_idx, self.num_heads, self.head_dim, qkv.dtype,
+                                    qkv.device) if ctx.probes is not None else None
         q = qk_norm_rope_store.qk_norm_rope_store(
             qkv, positions, cos_sin_cache, self.k_cache, self.v_cache, ctx.slot_mapping,
-            self.num_heads, self.num_kv_heads, q_norm_weight, k_norm_weight, eps)
-        return self.attend(q, ctx)
+            self.num_heads, self.num_kv_heads, q_norm_weight, k_norm_weight, eps,
+            probe_rows=rows[0] if rows else None, probe_q=rows[1] if rows else None)
+        return self.attend(q, ctx, q_written=rows is not None)
 
-    def attend(self, q: torch.Tensor, ctx) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, ctx, q_written: bool = False) -> torch.Tensor:
         """q [N, Hq, D] over the paged cache, which already holds this step's K/V."""
         cuda = q.is_cuda
         if ctx.probes is not None:
-            ctx.probes.on_attention(self.layer_idx, q, self.k_cache, ctx)
+            ctx.probes.on_attention(self.layer_idx, q, self.k_cache, ctx, q_written)
         if ctx.is_decode:
             fn = (decode_attention.paged_decode_attention if cuda
                   else decode_attention.paged_decode_attention_cpu)

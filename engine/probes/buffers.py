@@ -104,16 +104,31 @@ class ProbeBuffers:
         if self.lens_resid is not None:
             torch.index_select(residual, 0, self.last_rows, out=self.lens_resid[index])
 
-    def on_attention(self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, ctx) -> None:
-        """q [N, Hq, D]; K of this step is already in the cache."""
+    def q_row_out(self, layer: int, num_heads: int, head_dim: int, dtype, device):
+        """(watched rows [W], out [W, Hq, D]) for a kernel that writes the watched queries'
+        rows itself as it produces q (no copy launch per layer), or None for this layer."""
+        slot = self.attn_slot.get(layer)
+        if slot is None:
+            return None
+        if self.q_rows is None:
+            self.q_rows = torch.empty(len(self.attn_layers), len(self.last_rows), num_heads,
+                                      head_dim, dtype=dtype, device=device)
+        return self.last_rows, self.q_rows[slot]
+
+    def on_attention(self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, ctx,
+                     q_written: bool = False) -> None:
+        """q [N, Hq, D]; K of this step is already in the cache. `q_written`: the watched q
+        rows are already in q_rows (the fused q/k-norm + RoPE + store kernel wrote them)."""
         slot = self.attn_slot.get(layer)
         if slot is not None:
             if self.q_rows is None:
                 self.q_rows = torch.empty(len(self.attn_layers), len(self.last_rows),
                                           *q.shape[1:], dtype=q.dtype, device=q.device)
+            if self.attn_ctx is None:
                 self.attn_ctx = ctx
                 self.page_size = k_cache.shape[1]
-            torch.index_select(q, 0, self.last_rows, out=self.q_rows[slot])
+            if not q_written:
+                torch.index_select(q, 0, self.last_rows, out=self.q_rows[slot])
         for row_start, start_pos, m, b in self.plan.pattern_layers.get(layer, ()):
             # one prefill chunk of a watched prompt: its m queries over keys [0, start_pos + m),
             # read back from the paged cache (earlier chunks and prefix-cache hits included)
