@@ -13,13 +13,18 @@ non-blocking copy from pinned memory allocated for that step: with overlap sched
 prepares step N+1 before step N's copies have run, so a reused staging buffer would race.
 Pending input ids (sampled by the step before, still on the device) are written after the
 copy. With tensor parallelism every rank captures the same graphs in the same order, NCCL
-all-reduces inside, and replays them in lockstep.
+all-reduces inside, and replays them in lockstep. One decode step in TIMED_EVERY replays a
+"timed" copy of its graph whose collectives are bracketed by CUDA events captured with it: the
+all-reduce time per step is measured where it happens, at the cost of nothing on the others.
 """
 from __future__ import annotations
 
 import torch
 
 from .context import ForwardContext, set_context
+from .parallel_state import CollectiveTimer
+
+TIMED_EVERY = 64        # with TP: one decode step in this many measures its collectives
 
 
 def graph_buckets(max_num_seqs: int) -> list[int]:
@@ -48,6 +53,9 @@ class DecodeGraphs:
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.logits: dict[tuple, torch.Tensor] = {}
         self.probe_bufs: dict[tuple, object] = {}
+        self.timers: dict[tuple, CollectiveTimer] = {}     # (bucket, "timed") -> its events
+        self.timing = runner.tp.size > 1                    # off for good if capture refuses
+        self.replays = 0
         self.pool = torch.cuda.graph_pool_handle()
         self._capture_all()
 
@@ -68,17 +76,28 @@ class DecodeGraphs:
 
     def _capture(self, bs: int, variant) -> None:
         from .probes.buffers import graph_probe_buffers
-        probes = graph_probe_buffers(self.runner, bs, variant) if variant is not None else None
-        self.runner.tp.timer = None         # no timing events inside a captured graph
+        timed = variant == "timed"
+        probes = graph_probe_buffers(self.runner, bs, variant) \
+            if variant is not None and not timed else None
+        tp = self.runner.tp
+        tp.timer = None                     # the warm-up runs eagerly: no timing there
         with torch.inference_mode():
             self._run(bs, probes)                   # warm-up: compile, allocate scratch
             torch.cuda.synchronize()
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=self.pool):
-                self.logits[(bs, variant)] = self._run(bs, probes)
+            # a timed copy records external events (graph event-record nodes) around each
+            # collective; any other capture records none
+            timer = tp.timer = CollectiveTimer(cuda=True, external=True) if timed else None
+            try:
+                with torch.cuda.graph(g, pool=self.pool):
+                    self.logits[(bs, variant)] = self._run(bs, probes)
+            finally:
+                tp.timer = None
         self.graphs[(bs, variant)] = g
         if probes is not None:
             self.probe_bufs[(bs, variant)] = probes
+        if timer is not None:
+            self.timers[(bs, variant)] = timer
 
     def _capture_all(self) -> None:
         self.context_lens.fill_(1)          # a valid context for warm-up and capture
@@ -143,11 +162,20 @@ class DecodeGraphs:
         B = inp.num_seqs
         bs = self.bucket(B)
         variant = graph_variant(plan)
+        self.replays += 1
+        if variant is None and self.timing and self.replays % TIMED_EVERY == 1:
+            variant = "timed"
         if (bs, variant) not in self.graphs:
-            self._capture_late(bs, variant)
+            try:
+                self._capture_late(bs, variant)
+            except RuntimeError:
+                if variant != "timed":
+                    raise
+                self.timing, variant = False, None      # timed capture refused: stay untimed
+                torch.cuda.synchronize()
         self._stage(inp)
         bufs = self.probe_bufs.get((bs, variant))
         if bufs is not None:
             bufs.load_plan(plan)
         self.graphs[(bs, variant)].replay()
-        return self.logits[(bs, variant)][:B], bufs, bs, None
+        return self.logits[(bs, variant)][:B], bufs, bs, self.timers.get((bs, variant))

@@ -96,6 +96,14 @@ class LLM:
         self._rng = random.Random(seed)
         self._ids = itertools.count()
 
+        if cfg.device.startswith("cuda"):      # refuse what cannot fit before allocating
+            import torch
+
+            from .model_size import check_fits
+            check_fits(self.hf_config, cfg.tensor_parallel_size,
+                       torch.empty(0, dtype=cfg.torch_dtype).element_size(),
+                       torch.cuda.get_device_properties(0).total_memory,
+                       cfg.gpu_memory_utilization, str(cfg.torch_dtype).replace("torch.", ""))
         from .runtime import build_runner
         self.runner = build_runner(cfg, self.hf_config, self.model_path, self.max_model_len)
         num_blocks = num_kv_blocks or self.runner.profile_num_blocks(

@@ -117,3 +117,35 @@ def test_fused_qk_norm_rope_store_gives_the_unfused_tokens_and_logprobs(model_fa
                                   for o in outs]
     for eager in (False, True):
         assert runs[True, eager] == runs[False, eager], f"eager={eager}"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_overlap_scheduling_equals_serial_on_the_gpu(model_factory, dtype):
+    """CUDA graphs + overlap (the GPU default): pending input ids come from the device, host
+    copies run one step late; tokens, logprobs, finish reasons and probes are the serial loop's."""
+    path = model_factory("qwen3")
+    prompts = PROMPTS + [list(range(100, 133)), [7, 8]]
+    eos = [o for o in (2,)]
+    params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2),
+              SamplingParams(temperature=0.8, seed=5, max_tokens=30, ignore_eos=True),
+              SamplingParams(temperature=1.0, top_p=0.9, seed=6, max_tokens=25, ignore_eos=True),
+              SamplingParams(temperature=0.9, seed=7, max_tokens=30, min_tokens=5,
+                             stop_token_ids=eos),
+              SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[9, 10, 11])]
+    runs = []
+    for overlap in (False, True):
+        llm = LLM(path, device="cuda", dtype=dtype, num_kv_blocks=128, block_size=16,
+                  max_num_seqs=8, async_scheduling=overlap)
+        outs = llm.generate(prompts, params, watch=[ProbeSpec(), None, None, None, None])
+        tr = llm.trace(outs[0].request_id)
+        snap = llm.inspect()
+        llm.shutdown()
+        assert not snap.block_tables
+        runs.append((outs, tr))
+    (a, ta), (b, tb) = runs
+    for x, y in zip(a, b):
+        assert x.token_ids == y.token_ids and x.finish_reason == y.finish_reason
+        assert [lp.logprob for lp in x.logprobs] == [lp.logprob for lp in y.logprobs]
+    np.testing.assert_array_equal(ta.norms(), tb.norms())
+    for x, y in zip(ta.attention, tb.attention):
+        np.testing.assert_array_equal(x.probs, y.probs)
