@@ -28,6 +28,7 @@ class EngineStream:
         self._ready = asyncio.Event()
         self._loop = asyncio.get_running_loop()
         self._wake_pending = False
+        self._quiet = False         # the consumer waits for the end only: no wake per token
         self._cancelled = False
         self.ended = False          # the producer thread is done (set before _END is queued)
         self.finished = False       # the consumer has seen the final TokenEvent
@@ -37,7 +38,6 @@ class EngineStream:
 
     # ---- producer side (its own thread) -------------------------------------------------------
     def _produce(self) -> None:
-        gen = None
         try:
             if self._cancelled:
                 return
@@ -55,6 +55,8 @@ class EngineStream:
 
     def _push(self, item) -> None:
         self._items.append(item)
+        if self._quiet and item is not _END:
+            return
         if not self._wake_pending:
             self._wake_pending = True
             try:
@@ -69,6 +71,7 @@ class EngineStream:
     # ---- consumer side (the event loop) -------------------------------------------------------
     async def _wait_for(self, cond, request=None) -> bool:
         """Wait until cond() holds; False if `request`'s client disconnected meanwhile."""
+        next_check = self._loop.time() + DISCONNECT_POLL_S
         while not cond():
             if request is None:
                 await self._ready.wait()
@@ -76,9 +79,12 @@ class EngineStream:
                 try:
                     await asyncio.wait_for(self._ready.wait(), DISCONNECT_POLL_S)
                 except asyncio.TimeoutError:
+                    pass
+                # by the clock, not on timeouts only: tokens wake this loop many times a second
+                if self._loop.time() >= next_check:
                     if await request.is_disconnected():
                         return False
-                    continue
+                    next_check = self._loop.time() + DISCONNECT_POLL_S
             self._ready.clear()
         return True
 
@@ -87,6 +93,8 @@ class EngineStream:
         return await self._wait_for(lambda: bool(self._items) or self.ended, request)
 
     async def wait_end(self, request=None) -> bool:
+        """Until the stream is over (the whole reply is queued)."""
+        self._quiet = True
         return await self._wait_for(lambda: self.ended, request)
 
     def first_error(self) -> BaseException | None:

@@ -353,6 +353,22 @@ def test_closing_a_stream_midway_aborts_it_and_frees_its_blocks(served):
     assert freed_after < 3
 
 
+def test_a_client_that_gives_up_on_a_non_streamed_reply_aborts_it(served):
+    body = {"model": served.model, "messages": _msgs("Tell a very long tale."),
+            "max_tokens": 460, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(served.url + "v1/chat/completions", json=body, timeout=0.5,
+                   headers={"Authorization": f"Bearer {KEY}"})
+    wait_until(lambda: _no_blocks_held(served.llm), timeout=5, interval=0.05)
+    per_request: dict[str, int] = {}
+    for step in served.llm.inspect().steps:
+        for e in step.entries:
+            per_request[e.request_id] = per_request.get(e.request_id, 0) + 1
+    newest = max((r for r in per_request if r.startswith("chatcmpl-")),
+                 key=lambda r: int(r.rsplit("-", 1)[1]))
+    assert per_request[newest] < 200, per_request[newest]    # cut short, not 460 tokens
+
+
 def test_api_and_browser_chat_requests_batch_in_the_same_steps(served, client):
     from gradio_client import Client
     gc = Client(served.url, verbose=False)
