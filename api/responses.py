@@ -2,6 +2,7 @@
 a streamed token costs one small dict and one json.dumps)."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 
@@ -89,3 +90,19 @@ def usage_chunk(meta: Meta, obj: str, reply: Reply) -> dict:
     """The last chunk when stream_options.include_usage: no choices, the usage counts."""
     return {**meta.head(obj), "choices": [], "usage": reply.usage(),
             "glassbox": meta.glassbox()}
+
+
+class TokenChunks:
+    """The common stream chunk (one token's text, no logprobs, not the last) as prebuilt bytes
+    around the text: one json.dumps of a short string per token instead of a dict's. Derived
+    from the dict builders above, so both paths emit the same bytes."""
+    _MARK = "@@glassbox-text@@"
+
+    def __init__(self, meta: Meta, chat: bool, with_usage: bool):
+        from .streaming import sse
+        probe = (chat_chunk(meta, {"content": self._MARK}, with_usage=with_usage) if chat
+                 else completion_chunk(meta, self._MARK, with_usage=with_usage))
+        self.head, self.tail = sse(probe).split(json.dumps(self._MARK).encode())
+
+    def __call__(self, text: str) -> bytes:
+        return self.head + json.dumps(text, ensure_ascii=False).encode() + self.tail

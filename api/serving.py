@@ -9,8 +9,8 @@ from engine import PromptTooLongError
 
 from .errors import APIError, bad_request
 from .logprobs import TokenStrings, chat_entry, completion_logprobs
-from .responses import (Meta, Reply, chat_chunk, chat_completion, completion, completion_chunk,
-                        usage_chunk)
+from .responses import (Meta, Reply, TokenChunks, chat_chunk, chat_completion, completion,
+                        completion_chunk, usage_chunk)
 from .streaming import SSE_DONE, EngineStream, sse
 
 _STRINGS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -96,6 +96,7 @@ async def sse_events(job: Job):
     reply = Reply()
     # no tokenizer (token-id engines): every token is a chunk, though its text is empty
     every_token = job.strings.tokenizer is None
+    token_chunk = TokenChunks(meta, job.chat, usage)
     try:
         if job.chat:
             first = chat_chunk(meta, {"role": "assistant", "content": ""}, with_usage=usage)
@@ -115,6 +116,9 @@ async def sse_events(job: Job):
                 reply.add(ev)
                 if not (ev.finished or ev.text or lps or every_token):
                     continue        # text held back (a possible stop string, a partial char)
+                if not (ev.finished or lps or first_token):     # the common case, fast
+                    out.append(token_chunk(ev.text))
+                    continue
                 reason = ev.finish_reason if ev.finished else None
                 if job.chat:
                     delta = {"content": ev.text} if ev.text or not ev.finished else {}
