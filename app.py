@@ -133,11 +133,21 @@ def build_app(llm, *, banner: str | None = None, choices: dict[str, str] | None 
 
 
 def launch(demo, host: str = "127.0.0.1", port: int | None = None, share: bool = False,
-           prevent_thread_lock: bool = False):
-    """Launch with the app's stylesheet (Gradio 6 takes css at launch, not in Blocks)."""
+           prevent_thread_lock: bool = False, api_key: str | None = None):
+    """Launch with the app's stylesheet (Gradio 6 takes css at launch, not in Blocks), and the
+    OpenAI-compatible routes (/v1/*) on the same server: Gradio builds its FastAPI app from
+    `app_kwargs`, so the routes are there before the first request. `api_key`: None reads
+    $GLASSBOX_API_KEY; with a key, /v1/* needs `Authorization: Bearer KEY`."""
+    from api import build_router, exposure_warning, resolve_api_key
+    api_key = resolve_api_key(api_key)
+    warning = exposure_warning(host, api_key, share)
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
+    routes = list(build_router(demo.hub, api_key).routes)
     return demo.launch(server_name=host, server_port=port, share=share,
                        prevent_thread_lock=prevent_thread_lock, css=CSS_PATH.read_text(),
-                       max_threads=96, show_error=True, footer_links=["api", "gradio"])
+                       max_threads=96, show_error=True, footer_links=["api", "gradio"],
+                       app_kwargs={"routes": routes})
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -152,6 +162,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0 to expose)")
     p.add_argument("--port", type=int, default=7860)
     p.add_argument("--share", action="store_true", help="make a public gradio.live link")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on the OpenAI-"
+                                     "compatible API /v1/* (default: $GLASSBOX_API_KEY, else none)")
     return p.parse_args(argv)
 
 
@@ -186,9 +198,11 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"could not load {model}: {e}")
     choices = demo_choices() if args.model is None else {}
     demo = build_app(llm, banner=banner, choices=choices, llm_kwargs=llm_kwargs)
-    _, url, share_url = launch(demo, args.host, args.port, args.share, prevent_thread_lock=True)
+    _, url, share_url = launch(demo, args.host, args.port, args.share, prevent_thread_lock=True,
+                               api_key=args.api_key)
     print(f"Glassbox playground: {url}" + (f"  (public: {share_url})" if share_url else ""),
           flush=True)
+    print(f"OpenAI-compatible API: {url.rstrip('/')}/v1", flush=True)
     try:
         demo.block_thread()
     finally:
