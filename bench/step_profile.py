@@ -71,8 +71,8 @@ def kernel_table(llm, prompts: list[list[int]], new_tokens: int, top: int = 25,
 def host_timers(llm):
     """Wall time spent in the engine step's phases (and the probes' host work), summed."""
     timers: dict[str, float] = defaultdict(float)
-    targets = [(llm.runner, "execute_step"), (llm.probes, "plan"), (llm.probes, "collect"),
-               (llm.probes, "after_sample"), (llm.core, "_postprocess"), (llm.core, "_record")]
+    targets = [(llm.core, "_prepare"), (llm.runner, "execute_step"), (llm.probes, "plan"),
+               (llm.probes, "fold"), (llm.core, "_postprocess"), (llm.core, "_record")]
     saved = []
     for obj, name in targets:
         fn = getattr(obj, name)
@@ -101,7 +101,7 @@ def step_kinds(llm, model: str, num_requests: int, tiny: bool = False) -> None:
     steps = [s for s in llm.core.steps if s.step_id >= n0]
     print(f"\n== throughput workload: {num_requests} requests, {tokens} tokens in {secs:.2f}s = "
           f"{tok_s:,.0f} tok/s, {llm.core.step_id - n0} steps ({len(steps)} traced)")
-    agg = defaultdict(lambda: [0, 0.0, 0.0, 0.0, 0.0, 0.0, 0, 0])
+    agg = defaultdict(lambda: [0, 0.0, 0.0, 0.0, 0.0, 0.0, 0, 0, 0.0, 0.0])
     for s in steps:
         if s.num_prefill_tokens and s.num_decode_tokens:
             kind = "mixed"
@@ -118,13 +118,18 @@ def step_kinds(llm, model: str, num_requests: int, tiny: bool = False) -> None:
         a[5] += s.t_schedule + s.t_prepare + s.t_forward + s.t_sample
         a[6] += s.num_prefill_tokens
         a[7] += s.num_decode_tokens
-    print(f"{'kind':>13} {'steps':>6} {'total s':>8} {'ms/step':>8} {'sched':>7} {'prep':>7} "
-          f"{'fwd':>7} {'sample+post':>11} {'prefill tok':>11} {'decode tok':>10}")
-    for kind, a in sorted(agg.items(), key=lambda kv: -kv[1][5]):
+        a[8] += s.t_launch
+        a[9] += s.t_wait
+    # fwd: device time of forward + sampling (CUDA events); launch/wait: host time staging and
+    # launching / blocked on the device; post: postprocessing. With overlap the host parts of
+    # step N+1 run while step N is on the device, so they do not add up to the step's wall time.
+    print(f"{'kind':>13} {'steps':>6} {'fwd s':>8} {'fwd ms':>8} {'sched':>7} {'prep':>7} "
+          f"{'launch':>7} {'wait':>7} {'post':>7} {'prefill tok':>11} {'decode tok':>10}")
+    for kind, a in sorted(agg.items(), key=lambda kv: -kv[1][3]):
         n = a[0]
-        print(f"{kind:>13} {n:6d} {a[5]:8.2f} {1e3 * a[5] / n:8.2f} {1e3 * a[1] / n:7.2f} "
-              f"{1e3 * a[2] / n:7.2f} {1e3 * a[3] / n:7.2f} {1e3 * a[4] / n:11.2f} "
-              f"{a[6]:11d} {a[7]:10d}")
+        print(f"{kind:>13} {n:6d} {a[3]:8.2f} {1e3 * a[3] / n:8.2f} {1e3 * a[1] / n:7.2f} "
+              f"{1e3 * a[2] / n:7.2f} {1e3 * a[8] / n:7.2f} {1e3 * a[9] / n:7.2f} "
+              f"{1e3 * a[4] / n:7.2f} {a[6]:11d} {a[7]:10d}")
     buckets = defaultdict(int)
     for s in steps:
         if s.graph_bucket is not None:
