@@ -106,6 +106,10 @@ class EngineSnapshot:
     num_layers: int = 0
     num_heads: int = 0
     num_kv_heads: int = 0
+    # TP: the latest measured time in collectives per decode step (seconds) and its step id
+    collective_time: float | None = None
+    collective_time_step: int | None = None
+    async_scheduling: bool = False
 
     @property
     def prefix_hit_rate(self) -> float:
