@@ -46,8 +46,9 @@ def _load_hf_config(path: str):
     try:
         cfg = AutoConfig.from_pretrained(path, trust_remote_code=False)
     except (ValueError, KeyError, OSError) as e:
-        why = (f"it maps its model_type to Python code in the checkpoint (auto_map), and "
-               f"Glassbox never runs code from a checkpoint" if raw.get("auto_map") else f"{e}")
+        remote = raw.get("auto_map") and "trust_remote_code" in str(e)
+        why = ("it maps its model_type to Python code in the checkpoint (auto_map), and "
+               "Glassbox never runs code from a checkpoint" if remote else f"{e}")
         raise UnsupportedArchitectureError(
             f"architecture {raw.get('architectures')} (model_type {raw.get('model_type')!r}) "
             f"cannot be loaded: {why}. Supported: {', '.join(supported_architectures())}") from None
