@@ -1,12 +1,15 @@
 """Glassbox playground: parse flags, load the engine once, build the Gradio UI, launch it.
 
 `python app.py` serves the bundled demo checkpoint (assets/demo-qwen3); when that is missing it
-builds a tiny random Qwen3 in a temp dir so the app still runs offline, and says so in a banner.
+builds a tiny random Qwen3 in a fresh private temp dir so the app still runs offline, and says
+so in a banner.
 """
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -78,9 +81,11 @@ def resolve_model(model: str | None) -> tuple[str, str | None]:
         return model, None
     if (DEMO_DENSE / "config.json").exists():
         return str(DEMO_DENSE), None
-    tmp = Path(tempfile.gettempdir()) / "glassbox-fallback-qwen3"
-    if not (tmp / "config.json").exists():
-        build_fallback_checkpoint(tmp)
+    # a fresh private (0700) dir each start: never a predictable shared path that someone else
+    # could have filled first, and loaded as trusted
+    tmp = Path(tempfile.mkdtemp(prefix="glassbox-fallback-qwen3-"))
+    atexit.register(shutil.rmtree, tmp, ignore_errors=True)
+    build_fallback_checkpoint(tmp)
     return str(tmp), FALLBACK_BANNER
 
 
@@ -194,7 +199,7 @@ def main(argv: list[str] | None = None) -> None:
         llm_kwargs["num_kv_blocks"] = 256   # the tiny fallback: a cache the grid shows whole
     try:
         llm = load_llm(model, llm_kwargs)
-    except (ValueError, FileNotFoundError, RuntimeError) as e:
+    except (ValueError, OSError, RuntimeError) as e:     # the engine's errors name the file
         sys.exit(f"could not load {model}: {e}")
     choices = demo_choices() if args.model is None else {}
     demo = build_app(llm, banner=banner, choices=choices, llm_kwargs=llm_kwargs)

@@ -13,6 +13,12 @@ class CheckpointMismatchError(RuntimeError):
     """The checkpoint's tensors do not match the model's parameters (missing or unexpected)."""
 
 
+class CheckpointFormatError(ValueError):
+    """A checkpoint file cannot be used as it is: an invalid config.json, a truncated or corrupt
+    safetensors file, a shard path that leaves the checkpoint directory, a tokenizer that would
+    run code shipped in the checkpoint."""
+
+
 class ModelNotFoundError(FileNotFoundError):
     """Neither a local directory nor a hub id that can be fetched."""
 

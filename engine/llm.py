@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import numbers
 import os
 import queue
 import random
@@ -25,29 +26,62 @@ _engine_ids = itertools.count()
 
 
 def _load_hf_config(path: str):
+    """config.json -> the transformers config, never running code shipped in the checkpoint."""
     from transformers import AutoConfig
 
-    from .models.registry import model_class
+    from .errors import CheckpointFormatError, UnsupportedArchitectureError
+    from .models.registry import model_class, supported_architectures
+    file = os.path.join(path, "config.json")
     try:
-        cfg = AutoConfig.from_pretrained(path)
-    except (ValueError, KeyError) as e:
-        with open(os.path.join(path, "config.json")) as f:
+        with open(file, encoding="utf-8") as f:
             raw = json.load(f)
-        from .errors import UnsupportedArchitectureError
-        from .models.registry import supported_architectures
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointFormatError(f"{file} is not valid JSON: {e}; fix or replace the "
+                                    "checkpoint's config.json") from None
+    except OSError as e:
+        raise CheckpointFormatError(f"cannot read {file}: {e}") from None
+    if not isinstance(raw, dict):
+        raise CheckpointFormatError(f"{file} must hold a JSON object (the model's settings), "
+                                    f"got a JSON {type(raw).__name__}")
+    try:
+        cfg = AutoConfig.from_pretrained(path, trust_remote_code=False)
+    except (ValueError, KeyError, OSError) as e:
+        remote = raw.get("auto_map") and "trust_remote_code" in str(e)
+        why = ("it maps its model_type to Python code in the checkpoint (auto_map), and "
+               "Glassbox never runs code from a checkpoint" if remote else f"{e}")
         raise UnsupportedArchitectureError(
             f"architecture {raw.get('architectures')} (model_type {raw.get('model_type')!r}) "
-            f"cannot be loaded: {e}. Supported: {', '.join(supported_architectures())}") from None
+            f"cannot be loaded: {why}. Supported: {', '.join(supported_architectures())}") from None
     model_class(cfg)            # raises UnsupportedArchitectureError with a clear message
     return cfg
 
 
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+
+
 def _load_tokenizer(path: str):
-    try:
-        from transformers import AutoTokenizer
-        return AutoTokenizer.from_pretrained(path)
-    except Exception:           # no tokenizer files: token-id prompts only
+    """The checkpoint's tokenizer, None when it has no tokenizer files (token-id prompts only);
+    never one defined by code shipped in the checkpoint."""
+    if not any(os.path.exists(os.path.join(path, f)) for f in _TOKENIZER_FILES):
         return None
+    from transformers import AutoTokenizer
+
+    from .errors import CheckpointFormatError
+    try:
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+    except Exception as e:
+        try:
+            with open(os.path.join(path, "tokenizer_config.json"), encoding="utf-8") as f:
+                remote = "auto_map" in json.load(f)
+        except (OSError, ValueError):
+            remote = False
+        why = ("its tokenizer_config.json maps the tokenizer to Python code in the checkpoint "
+               "(auto_map), and Glassbox never runs code from a checkpoint" if remote
+               else f"{type(e).__name__}: {e}")
+        raise CheckpointFormatError(f"the tokenizer in {path} cannot be loaded: {why}. Use a "
+                                    "checkpoint with a standard tokenizer (tokenizer.json), or "
+                                    "remove the tokenizer files to serve token-id prompts only"
+                                    ) from None
 
 
 def _eos_ids(path: str, hf_config, tokenizer) -> set[int]:
@@ -65,6 +99,15 @@ def _eos_ids(path: str, hf_config, tokenizer) -> set[int]:
     if tokenizer is not None:
         add(tokenizer.eos_token_id)
     return ids
+
+
+def _is_token_id(t) -> bool:
+    return isinstance(t, numbers.Integral) and not isinstance(t, bool)
+
+
+def _is_conversation(prompt) -> bool:
+    """A list of chat messages (dicts), as opposed to a list of prompts."""
+    return isinstance(prompt, (list, tuple)) and bool(prompt) and isinstance(prompt[0], dict)
 
 
 class LLM:
@@ -180,30 +223,35 @@ class LLM:
             if not prompt:
                 raise ValueError("prompt is empty: give at least one character or token")
             return self.tokenizer.encode(prompt, add_special_tokens=False), prompt
-        if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], dict):
+        if _is_conversation(prompt):
             if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
                 raise ValueError("this checkpoint has no chat template; pass a plain prompt")
-            for m in prompt:
-                if "role" not in m or "content" not in m:
-                    raise ValueError("each chat message needs 'role' and 'content' keys")
-            text = self.tokenizer.apply_chat_template(list(prompt), tokenize=False,
-                                                      add_generation_prompt=True)
-            return self.tokenizer.encode(text, add_special_tokens=False), text
+            from .prompt import encode_chat     # message text stays text: no role injection
+            return encode_chat(self.tokenizer, list(prompt))
         if isinstance(prompt, (list, tuple)):
-            ids = [int(t) for t in prompt]
-            return ids, None
+            bad = [t for t in prompt if not _is_token_id(t)]
+            if bad:
+                raise ValueError(f"prompt token ids must be integers, got {bad[0]!r} "
+                                 f"({type(bad[0]).__name__})")
+            return [int(t) for t in prompt], None
         raise ValueError(f"prompt must be a string, a list of token ids or a list of chat "
                          f"messages, got {type(prompt).__name__}")
 
     def _make_sequence(self, prompt, params: SamplingParams | None, watch: ProbeSpec | None,
                        request_id: str | None) -> tuple[Sequence, str | None]:
-        params = params or SamplingParams()
+        params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
-            raise ValueError("sampling must be a SamplingParams")
+            raise ValueError(f"sampling must be a SamplingParams or None, "
+                             f"got {type(params).__name__}")
+        if watch is not None and not isinstance(watch, ProbeSpec):
+            raise ValueError(f"watch must be a ProbeSpec or None, got {type(watch).__name__}")
+        vocab = self.hf_config.vocab_size
+        params.check_for_model(vocab)           # frozen: what is checked is what runs
+        if watch is not None:                   # negative layers resolved, out of range refused
+            watch = watch.resolve(self.hf_config.num_hidden_layers, vocab)
         ids, text = self._encode(prompt)
         if not ids:
             raise ValueError("prompt is empty: give at least one character or token")
-        vocab = self.hf_config.vocab_size
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
@@ -297,9 +345,12 @@ class LLM:
     # ---- public API ------------------------------------------------------------------------------
     def generate(self, prompts, sampling=None, use_tqdm: bool = False,
                  watch=None) -> list[RequestOutput]:
-        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
-                                        and isinstance(prompts[0], int)):
-            prompts = [prompts]
+        if isinstance(prompts, str) or _is_conversation(prompts) or (
+                isinstance(prompts, (list, tuple)) and prompts and _is_token_id(prompts[0])):
+            prompts = [prompts]             # one prompt: a string, token ids, a conversation
+        if not isinstance(prompts, (list, tuple)):
+            raise ValueError(f"prompts must be a string, a list of token ids, a list of chat "
+                             f"messages, or a list of those; got {type(prompts).__name__}")
         n = len(prompts)
         params = sampling if isinstance(sampling, (list, tuple)) else [sampling] * n
         watches = watch if isinstance(watch, (list, tuple)) else [watch] * n
