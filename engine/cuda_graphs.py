@@ -19,6 +19,7 @@ all-reduce time per step is measured where it happens, at the cost of nothing on
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from .context import ForwardContext, set_context
@@ -133,24 +134,12 @@ class DecodeGraphs:
     def _stage(self, inp) -> None:
         """This step's inputs into the static buffers: two pinned host buffers laid out like
         the device ones, two copies (the int32 one only up to this batch's table rows)."""
-        B, n, nb = inp.num_seqs, self.max_bs, inp.block_tables.shape[1]
-        P = len(inp.pending_rows)
+        n, w, P = self.max_bs, self.max_blocks, len(inp.pending_rows)
         h64 = torch.empty(3 * n + 2 * P, dtype=torch.int64, pin_memory=True)
-        a64 = h64.numpy()
-        a64[:3 * n].reshape(3, n)[:, B:] = (0, 0, -1)   # padded rows: no K/V write
-        a64[0:B] = inp.input_ids
-        a64[n:n + B] = inp.positions
-        a64[2 * n:2 * n + B] = inp.slot_mapping
-        a64[3 * n:3 * n + P] = inp.pending_rows
-        a64[3 * n + P:] = inp.pending_src
-        w = self.max_blocks
-        h32 = torch.empty(n + B * w, dtype=torch.int32, pin_memory=True)
-        a32 = h32.numpy()
-        a32[:B] = inp.context_lens
-        a32[B:n] = 0                                # padded rows attend to nothing
-        a32[n:].reshape(B, w)[:, :nb] = inp.block_tables
+        h32 = torch.empty(n + inp.num_seqs * w, dtype=torch.int32, pin_memory=True)
+        pack_graph_inputs(inp, n, w, h64.numpy(), h32.numpy())
         self.i64[:3 * n + 2 * P].copy_(h64, non_blocking=True)
-        self.i32[:n + B * w].copy_(h32, non_blocking=True)
+        self.i32[:n + inp.num_seqs * w].copy_(h32, non_blocking=True)
         if P:
             prev = self.runner.prev_sampled(inp)
             self.input_ids.index_copy_(0, self.i64[3 * n:3 * n + P],
@@ -179,3 +168,20 @@ class DecodeGraphs:
             bufs.load_plan(plan)
         self.graphs[(bs, variant)].replay()
         return self.logits[(bs, variant)][:B], bufs, bs, self.timers.get((bs, variant))
+
+
+def pack_graph_inputs(inp, n: int, max_blocks: int, a64: np.ndarray, a32: np.ndarray) -> None:
+    """Lay one decode step out like the graph's static buffers, for n rows (the largest
+    bucket) and tables max_blocks wide. a64 [3n + 2P]: ids | positions | slots (padded rows:
+    0, 0, -1 — no K/V write), then the pending rows and their sources. a32 [n + B * max_blocks]:
+    context lens (padded rows 0: attend to nothing), then the batch's block-table rows."""
+    B, nb, P = inp.num_seqs, inp.block_tables.shape[1], len(inp.pending_rows)
+    rows = a64[:3 * n].reshape(3, n)
+    rows[0, :B], rows[1, :B], rows[2, :B] = inp.input_ids, inp.positions, inp.slot_mapping
+    rows[:2, B:] = 0
+    rows[2, B:] = -1
+    a64[3 * n:3 * n + P] = inp.pending_rows
+    a64[3 * n + P:3 * n + 2 * P] = inp.pending_src
+    a32[:B] = inp.context_lens
+    a32[B:n] = 0
+    a32[n:n + B * max_blocks].reshape(B, max_blocks)[:, :nb] = inp.block_tables

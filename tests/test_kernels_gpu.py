@@ -149,8 +149,10 @@ FUSED_SHAPES = [(16, 8, 128), (32, 4, 128), (14, 2, 64)]
 @pytest.mark.parametrize("num_tokens", [1, 7, 1000])
 def test_qk_norm_rope_store_matches_the_unfused_kernels(dtype, num_q_heads, num_kv_heads, head_dim,
                                                         qk_norm, num_tokens):
-    """fp32: bit for bit against the four launches it replaces; bf16: within bf16 rounding of
-    them and of the torch reference."""
+    """fp32: against the four launches it replaces, bit for bit without q/k norm and within an
+    ulp or two with it (the fused kernel's sum of squares adds in another order than the
+    rms_norm kernel's, as the H200 showed); bf16: within bf16 rounding of them and of the torch
+    reference."""
     n, block_size, num_blocks = num_tokens, 16, 80
     width = (num_q_heads + 2 * num_kv_heads) * head_dim
     qkv = (torch.randn(n, width + 64) * 2).to(dtype)[:, 64:]   # a strided projection output
@@ -172,9 +174,12 @@ def test_qk_norm_rope_store_matches_the_unfused_kernels(dtype, num_q_heads, num_
     live = slots >= 0
     flat = {name: c.view(2, -1, num_kv_heads, head_dim)[:, slots[live]] for name, c in kv.items()}
     assert kv["fused"].isnan().all(-1).all(-1).sum().item() == 2 * (num_blocks * block_size - live.sum().item())
-    if dtype == torch.float32:
+    if dtype == torch.float32 and not qk_norm:
         assert torch.equal(q, want_q)
         assert torch.equal(flat["fused"], flat["unfused"])
+    elif dtype == torch.float32:
+        torch.testing.assert_close(q, want_q, rtol=4e-7, atol=1e-6)
+        torch.testing.assert_close(flat["fused"], flat["unfused"], rtol=4e-7, atol=1e-6)
     else:
         assert_rows_close(q, want_q, 2**-8)
         assert_rows_close(flat["fused"], flat["unfused"], 2**-8)
