@@ -230,7 +230,7 @@ class ModelRunner:
                         out.logprobs_host = tuple(self._to_host(x) for x in (chosen, top_ids, top_lp))
             if bufs is not None and self.tp.rank == 0:
                 from .probes.manager import ProbeManager
-                out.probes = bufs.finish(out.sampled_ids, ProbeManager.sample_index(plan),
+                out.probes = bufs.finish(out.sampled_ids, plan, ProbeManager.sample_index(plan),
                                          self.block_size)
         out.collectives = self.tp.take_collective_count()
         out.collective_timer = timer

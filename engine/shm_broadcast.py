@@ -24,7 +24,7 @@ _HEADER = 2          # int64s per slot: sequence number, payload length
 
 class ShmBroadcast:
     def __init__(self, num_readers: int, slot_bytes: int = 4 << 20, num_slots: int = 4,
-                 name: str | None = None):
+                 name: str | None = None, spin_s: float = 1e-3):
         self.num_readers, self.slot_bytes, self.num_slots = num_readers, slot_bytes, num_slots
         self.slot_stride = _HEADER * 8 + slot_bytes
         size = num_slots * self.slot_stride + num_readers * num_slots * 8
@@ -42,6 +42,10 @@ class ShmBroadcast:
                 h[:] = (-1, 0)
             self.acks[:] = -1
         self.seq = 0            # next message number (writer), or next expected (reader)
+        # how long a waiting side yield-spins before it backs off to sleeps: on a GPU machine
+        # the next step's message comes within ~1-30 ms, and a reader asleep when it arrives
+        # delays its rank's launch, which every all-reduce of the step then waits for
+        self.spin_s = spin_s
 
     @property
     def name(self) -> str:
@@ -49,12 +53,12 @@ class ShmBroadcast:
 
     def handle(self) -> tuple:
         """What a reader process needs to attach."""
-        return (self.num_readers, self.slot_bytes, self.num_slots, self.shm.name)
+        return (self.num_readers, self.slot_bytes, self.num_slots, self.shm.name, self.spin_s)
 
     @classmethod
     def attach(cls, handle: tuple) -> "ShmBroadcast":
-        n, slot_bytes, num_slots, name = handle
-        return cls(n, slot_bytes, num_slots, name)
+        n, slot_bytes, num_slots, name, spin_s = handle
+        return cls(n, slot_bytes, num_slots, name, spin_s)
 
     # ---- writer --------------------------------------------------------------------------------
     def send(self, obj, check=None) -> None:
@@ -67,7 +71,7 @@ class ShmBroadcast:
         slot = self.seq % self.num_slots
         prev = self.seq - self.num_slots
         if prev >= 0:
-            _wait(lambda: bool((self.acks[:, slot] >= prev).all()), check)
+            _wait(lambda: bool((self.acks[:, slot] >= prev).all()), check, self.spin_s)
         off = slot * self.slot_stride + _HEADER * 8
         self.shm.buf[off:off + len(data)] = data
         head = self.heads[slot]
@@ -80,7 +84,7 @@ class ShmBroadcast:
         """The next message for reader `rank` (1-based rank of the worker -> index rank - 1)."""
         slot = self.seq % self.num_slots
         head = self.heads[slot]
-        _wait(lambda: head[0] == self.seq, check)
+        _wait(lambda: head[0] == self.seq, check, self.spin_s)
         off = slot * self.slot_stride + _HEADER * 8
         obj = pickle.loads(self.shm.buf[off:off + int(head[1])])
         self.acks[rank - 1, slot] = self.seq
@@ -97,8 +101,8 @@ class ShmBroadcast:
             pass
 
 
-def _wait(ready, check, check_every_s: float = 0.2) -> None:
-    """Poll `ready()`: spin-yield for ~1 ms, then sleep in growing steps up to 2 ms."""
+def _wait(ready, check, spin_s: float = 1e-3, check_every_s: float = 0.2) -> None:
+    """Poll `ready()`: yield-spin for spin_s, then sleep in growing steps up to 2 ms."""
     if ready():
         return
     t0 = last = time.perf_counter()
@@ -108,7 +112,7 @@ def _wait(ready, check, check_every_s: float = 0.2) -> None:
         if check is not None and now - last > check_every_s:
             check()
             last = now
-        if now - t0 > 1e-3:
+        if now - t0 > spin_s:
             pause = min(2e-3, max(pause * 2, 20e-6))
         time.sleep(pause)
 

@@ -248,7 +248,8 @@ class ProbeBuffers:
         self.attn_probs = tp.all_gather_dim(torch.stack(outs, 1), 2)   # [A, W, Hq, max_ctx]
 
     # ---- after sampling (rank 0) ----------------------------------------------------------------
-    def finish(self, sampled: torch.Tensor | None, sample_index: list[int], block_size: int):
+    def finish(self, sampled: torch.Tensor | None, plan: ProbePlan, sample_index: list[int],
+               block_size: int):
         """Queue everything the host will read about this step, right after sampling: the lens'
         rank of the sampled token, one flat buffer of every small result crossing in one
         non-blocking copy into fresh pinned memory, and device copies of the watched attention
@@ -267,7 +268,9 @@ class ProbeBuffers:
             named.append(("lens_sampled_rank", (probs > p[..., None]).sum(-1)))
         for (layer, start), t in self.patterns.items():
             named.append((f"pat{layer}_{start}", t))
-        attention = queue_attention_rows(self, block_size)
+        # the step's plan, not self.plan: a CUDA graph's buffers keep the template they were
+        # captured with, and only the step's plan says which requests asked for which layers
+        attention = queue_attention_rows(self, plan, block_size)
         return ProbeResult.start(named, self.layout, attention, self.has_shared_gate)
 
 

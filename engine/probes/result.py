@@ -63,9 +63,8 @@ class ProbeResult:
                 for name, (off, shape) in self.layout.items()}
 
 
-def queue_attention_rows(bufs, block_size: int) -> list[QueuedAttention]:
-    """Device copies of the attention rows each watched sampling entry asked for."""
-    plan = bufs.plan
+def queue_attention_rows(bufs, plan, block_size: int) -> list[QueuedAttention]:
+    """Device copies of the attention rows each watched sampling entry of `plan` asked for."""
     a = bufs.attn_probs                             # [A, W, Hq, max_ctx] or None
     if a is None or not plan.attention_layers:
         return []
