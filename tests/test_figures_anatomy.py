@@ -24,6 +24,7 @@ from engine.probes.snapshot import BlockInfo
 from tiny_models import build_tokenizer, make_config
 from views import figures_anatomy as FA
 from views import figures_anatomy_html as FH
+from views import figures_anatomy_path as FP
 
 
 @pytest.fixture(scope="module")
@@ -170,18 +171,18 @@ def test_token_path_diagram_has_every_stage_and_live_numbers():
     rng = np.random.default_rng(5)
     tr = make_trace(rng, num_layers=a.arch.num_layers, moe_experts=8)
     live = FA.live_token(tr, 7, decode)
-    out = FH.token_path_html(a, live)
+    out = FP.token_path_html(a, live)
     assert re.findall(r'data-stage="(\w+)"', out) == [s.key for s in a.path.outer]
     assert len(re.findall(r'class="anat-layer" data-layer', out)) == a.arch.num_layers
     assert f"‖x‖ = {live.norms[0]:.4g}" in out and "experts " in out
     assert "[64 hidden]" in out and "[512 vocab]" in out
-    assert "‖x‖" not in FH.token_path_html(a)            # nothing live without a token
+    assert "‖x‖" not in FP.token_path_html(a)            # nothing live without a token
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "qwen2_moe"])
 def test_layer_diagram_shows_attention_gqa_and_the_mlp_kinds(arch):
     a = make_anatomy(arch)
-    out = FH.layer_html(a)
+    out = FP.layer_html(a)
     assert len(re.findall(r'class="anat-gqa" data-kv', out)) == a.arch.num_kv_heads
     assert ("dense MLP" in out) == bool(a.path.mlp)
     assert ("MoE block" in out) == a.arch.is_moe

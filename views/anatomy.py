@@ -13,10 +13,11 @@ from engine.anatomy import (SOURCE, ModelAnatomy, model_anatomy, parse_ids, piec
                             published_rows, read_kv_cache_bytes, shape_row, tokenize)
 from views import figures_anatomy as FA
 from views import figures_anatomy_html as FH
+from views import figures_anatomy_path as FP
 from views.figures_engine import tp_map_figure
 from views.live import EngineHub
 
-TICK_S = 1.0
+TICK_S = 0.5
 TP_DEGREES = (1, 2, 4, 8)
 SAMPLE_TEXT = "Glassbox opens the model up: 47+38=85."
 NO_TRACE = ("Send a message in the **Chat** tab: its reply is watched, and choosing one of its "
@@ -53,22 +54,28 @@ def _trace(hub: EngineHub, rid: str | None):
         return None
 
 
-def _block_outputs(hub: EngineHub, a: ModelAnatomy, block_id) -> tuple:
+def _block_id(value) -> int:
     try:
-        b = int(block_id)
+        return int(value)
     except (TypeError, ValueError):
-        b = 0
-    fig = FA.kv_regions_figure(a.kv, b)
-    snap = hub.snapshot()
-    block = next((x for x in snap.blocks if x.block_id == b), None)
-    first = None
-    offset = 0
+        return 0
+
+
+def _block_info(hub: EngineHub, a: ModelAnatomy, block_id) -> str:
+    """Owner and tokens of a block (from the snapshot) and the first numbers at its address."""
+    b = _block_id(block_id)
+    block = next((x for x in hub.snapshot().blocks if x.block_id == b), None)
+    first, offset = None, 0
     if 0 <= b < a.kv.num_blocks:
-        region = a.kv.regions(b)[0]
-        offset, n = region.offset, min(8, a.kv.shape[5]) * a.kv.elem_bytes
+        offset = a.kv.regions(b)[0].offset
+        n = min(8, a.kv.shape[5]) * a.kv.elem_bytes
         first = numbers_of(read_kv_cache_bytes(hub.llm, offset, n), a.kv.dtype)
     special = frozenset(p.id for p in a.vocabulary.special)
-    return fig, FH.block_info_html(block, a.block_size, hub.decode, first, offset, special)
+    return FH.block_info_html(block, a.block_size, hub.decode, first, offset, special)
+
+
+def _block_outputs(hub: EngineHub, a: ModelAnatomy, block_id) -> tuple:
+    return FA.kv_regions_figure(a.kv, _block_id(block_id)), _block_info(hub, a, block_id)
 
 
 def numbers_of(raw: bytes, dtype: str) -> np.ndarray:
@@ -101,7 +108,8 @@ def build(hub: EngineHub) -> gr.Timer:
     """The Anatomy tab's components and events; returns its timer (live numbers, model switch)."""
     a = anatomy_of(hub.llm)
     timer = gr.Timer(TICK_S, active=False)
-    last = gr.State({"llm": id(hub.llm)})   # the statics below are drawn for this engine
+    # the statics below are drawn for this engine, block 0
+    last = gr.State({"llm": id(hub.llm), "block": (id(hub.llm), 0, None)})
     gr.Markdown("Everything below is read from the running engine — its config, its modules, "
                 "its tensors and its code — except the published shapes in section 5.",
                 elem_id="anatomy-intro")
@@ -132,8 +140,8 @@ def build(hub: EngineHub) -> gr.Timer:
                           elem_id="anatomy-token", scale=4)
         follow = gr.Checkbox(True, label="follow newest token", elem_id="anatomy-follow",
                              scale=1)
-    path = gr.HTML(FH.token_path_html(a), elem_id="anatomy-path")
-    inside = gr.HTML(FH.layer_html(a), elem_id="anatomy-layer")
+    path = gr.HTML(FP.token_path_html(a), elem_id="anatomy-path")
+    inside = gr.HTML(FP.layer_html(a), elem_id="anatomy-layer")
 
     gr.Markdown("### 3 · The KV cache data plane: one logical block, L × 2 physical regions")
     plane = gr.HTML(FH.kv_plane_html(a.kv, a.tp_size), elem_id="anatomy-kv-plane")
@@ -182,8 +190,8 @@ def build(hub: EngineHub) -> gr.Timer:
         text_of = FH.esc(hub.decode([p.id for p in pieces]))
         return FH.tokens_html(pieces) + f"<div>text: <b>{text_of}</b></div>"
 
-    text.input(on_text, text, toks, api_visibility="private", trigger_mode="always_last")
-    ids.input(on_ids, ids, decoded, api_visibility="private", trigger_mode="always_last")
+    text.change(on_text, text, toks, api_visibility="private", trigger_mode="always_last")
+    ids.change(on_ids, ids, decoded, api_visibility="private", trigger_mode="always_last")
 
     def on_block(b):
         return _block_outputs(hub, anatomy_of(hub.llm), b)
@@ -197,7 +205,8 @@ def build(hub: EngineHub) -> gr.Timer:
         c.change(on_tp, [tp, wdtype, gpu_gb, util], [tp_bytes, tp_map, tp_table],
                  api_visibility="private")
 
-    statics = [vocab, weights_plot, weights_table, code, plane, depth, shapes, tp, wdtype]
+    statics = [vocab, weights_plot, weights_table, code, plane, depth, shapes, tp, wdtype, gpu_gb,
+               util, tp_bytes, tp_map, tp_table]
 
     def refresh(last_keys: dict, tok, follow_on, block_id, request: gr.Request):
         llm = hub.llm
@@ -205,6 +214,9 @@ def build(hub: EngineHub) -> gr.Timer:
         out = {}
         if last_keys.get("llm") != id(llm):          # a model switch: redraw everything
             rows = _shape_rows(a)
+            running = a.tp_size if a.tp_size in TP_DEGREES else 1
+            out[tp_bytes], out[tp_map], out[tp_table] = _tp_outputs(a, running, a.dtype, 141,
+                                                                    0.9)
             out.update({vocab: FH.vocabulary_html(a.vocabulary),
                         weights_plot: FA.weights_figure(a.weights),
                         weights_table: FH.weights_table_html(a.weights),
@@ -212,7 +224,7 @@ def build(hub: EngineHub) -> gr.Timer:
                         plane: FH.kv_plane_html(a.kv, a.tp_size),
                         depth: FA.depth_width_figure(rows),
                         shapes: FH.shapes_table_html(rows, SOURCE),
-                        tp: gr.Radio(value=a.tp_size if a.tp_size in TP_DEGREES else 1),
+                        tp: gr.Radio(value=running), gpu_gb: 141, util: 0.9,
                         wdtype: gr.Radio(choices=[a.dtype, "bfloat16"] if a.dtype != "bfloat16"
                                          else ["bfloat16"], value=a.dtype)})
         rid = _watched(hub, request)
@@ -228,11 +240,13 @@ def build(hub: EngineHub) -> gr.Timer:
                            f"Watching `{rid}` ({'finished' if tr.finished else 'streaming…'}): "
                            f"token {t} of {n} · its live numbers are in green below")
             out[token] = gr.Slider(minimum=0, maximum=max(n - 1, 1), value=t)
-            out[path] = FH.token_path_html(a, live)
-            out[inside] = FH.layer_html(a, live)
+            out[path] = FP.token_path_html(a, live)
+            out[inside] = FP.layer_html(a, live)
         block_key = (id(llm), block_id, last_step)
         if block_key != last_keys.get("block"):
-            out[regions], out[block_info] = _block_outputs(hub, a, block_id)
+            out[block_info] = _block_info(hub, a, block_id)
+            if block_key[:2] != tuple(last_keys.get("block", ())[:2]):
+                out[regions] = FA.kv_regions_figure(a.kv, _block_id(block_id))
         out[last] = {"llm": id(llm), "live": live_key, "block": block_key}
         return out
 
