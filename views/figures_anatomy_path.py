@@ -24,10 +24,11 @@ def _box(stage: PathStage, code: CodeRef | None, device: str, live: str = "",
     note = f'<div style="font-size:11px;{MUTED}">{esc(stage.note)}</div>' if stage.note else ""
     live_html = f'<div style="margin-top:2px"><span style="{LIVE}">{live}</span></div>' \
         if live else ""
-    return (f'<div class="anat-stage" data-stage="{esc(stage.key)}" style="border:2px solid '
-            f'{colour};border-radius:6px;padding:4px 8px;flex:1 1 0;min-width:118px;max-width:230px;'
-            f'background:#fff"><div style="font-weight:600;font-size:13px">{esc(stage.label)}'
-            f'</div><div style="{MONO};font-size:12px">{esc(stage.shape_text)}</div>{note}'
+    box = (f"border:2px solid {colour};border-radius:6px;padding:4px 8px;flex:1 1 0;"
+           "min-width:118px;max-width:230px;background:#fff")
+    return (f'<div class="anat-stage" data-stage="{esc(stage.key)}" style="{box}">'
+            f'<div style="font-weight:600;font-size:13px">{esc(stage.label)}</div>'
+            f'<div style="{MONO};font-size:12px">{esc(stage.shape_text)}</div>{note}'
             f'{kern}{extra}{live_html}</div>')
 
 
