@@ -100,7 +100,7 @@ def build_app(llm, *, banner: str | None = None, choices: dict[str, str] | None 
     """The playground as a gr.Blocks over a running LLM (tests launch it in-process)."""
     import gradio as gr
 
-    from views import chat, engine_view, kv_cache, layers
+    from views import anatomy, chat, engine_view, kv_cache, layers
     from views.live import EngineHub
 
     hub = EngineHub(llm, llm_kwargs=llm_kwargs or {}, choices=choices or {})
@@ -122,10 +122,12 @@ def build_app(llm, *, banner: str | None = None, choices: dict[str, str] | None 
                 layers_timer = layers.build(hub)
             with gr.Tab("Engine", id="engine", elem_id="tab-engine") as tab_engine:
                 engine_timer = engine_view.build(hub)
+            with gr.Tab("Anatomy", id="anatomy", elem_id="tab-anatomy") as tab_anatomy:
+                anatomy_timer = anatomy.build(hub)
         # only the visible tab polls the engine: hidden tabs cost nothing
-        timers = [kv_timer, layers_timer, engine_timer]
+        timers = [kv_timer, layers_timer, engine_timer, anatomy_timer]
         for tab, live in ((tab_chat, None), (tab_kv, kv_timer), (tab_layers, layers_timer),
-                          (tab_engine, engine_timer)):
+                          (tab_engine, engine_timer), (tab_anatomy, anatomy_timer)):
             tab.select(lambda live=live: [gr.Timer(active=t is live) for t in timers],
                        outputs=timers, api_visibility="private", queue=False)
         switch.change(hub.switch_ui, inputs=switch, outputs=model_line,
