@@ -1,12 +1,15 @@
 """Glassbox playground: parse flags, load the engine once, build the Gradio UI, launch it.
 
 `python app.py` serves the bundled demo checkpoint (assets/demo-qwen3); when that is missing it
-builds a tiny random Qwen3 in a temp dir so the app still runs offline, and says so in a banner.
+builds a tiny random Qwen3 in a fresh private temp dir so the app still runs offline, and says
+so in a banner.
 """
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -78,9 +81,11 @@ def resolve_model(model: str | None) -> tuple[str, str | None]:
         return model, None
     if (DEMO_DENSE / "config.json").exists():
         return str(DEMO_DENSE), None
-    tmp = Path(tempfile.gettempdir()) / "glassbox-fallback-qwen3"
-    if not (tmp / "config.json").exists():
-        build_fallback_checkpoint(tmp)
+    # a fresh private (0700) dir each start: never a predictable shared path that someone else
+    # could have filled first, and loaded as trusted
+    tmp = Path(tempfile.mkdtemp(prefix="glassbox-fallback-qwen3-"))
+    atexit.register(shutil.rmtree, tmp, ignore_errors=True)
+    build_fallback_checkpoint(tmp)
     return str(tmp), FALLBACK_BANNER
 
 
@@ -95,7 +100,7 @@ def build_app(llm, *, banner: str | None = None, choices: dict[str, str] | None 
     """The playground as a gr.Blocks over a running LLM (tests launch it in-process)."""
     import gradio as gr
 
-    from views import chat, engine_view, kv_cache, layers
+    from views import anatomy, chat, engine_view, kv_cache, layers
     from views.live import EngineHub
 
     hub = EngineHub(llm, llm_kwargs=llm_kwargs or {}, choices=choices or {})
@@ -117,10 +122,12 @@ def build_app(llm, *, banner: str | None = None, choices: dict[str, str] | None 
                 layers_timer = layers.build(hub)
             with gr.Tab("Engine", id="engine", elem_id="tab-engine") as tab_engine:
                 engine_timer = engine_view.build(hub)
+            with gr.Tab("Anatomy", id="anatomy", elem_id="tab-anatomy") as tab_anatomy:
+                anatomy_timer = anatomy.build(hub)
         # only the visible tab polls the engine: hidden tabs cost nothing
-        timers = [kv_timer, layers_timer, engine_timer]
+        timers = [kv_timer, layers_timer, engine_timer, anatomy_timer]
         for tab, live in ((tab_chat, None), (tab_kv, kv_timer), (tab_layers, layers_timer),
-                          (tab_engine, engine_timer)):
+                          (tab_engine, engine_timer), (tab_anatomy, anatomy_timer)):
             tab.select(lambda live=live: [gr.Timer(active=t is live) for t in timers],
                        outputs=timers, api_visibility="private", queue=False)
         switch.change(hub.switch_ui, inputs=switch, outputs=model_line,
@@ -133,11 +140,21 @@ def build_app(llm, *, banner: str | None = None, choices: dict[str, str] | None 
 
 
 def launch(demo, host: str = "127.0.0.1", port: int | None = None, share: bool = False,
-           prevent_thread_lock: bool = False):
-    """Launch with the app's stylesheet (Gradio 6 takes css at launch, not in Blocks)."""
+           prevent_thread_lock: bool = False, api_key: str | None = None):
+    """Launch with the app's stylesheet (Gradio 6 takes css at launch, not in Blocks), and the
+    OpenAI-compatible routes (/v1/*) on the same server: Gradio builds its FastAPI app from
+    `app_kwargs`, so the routes are there before the first request. `api_key`: None reads
+    $GLASSBOX_API_KEY; with a key, /v1/* needs `Authorization: Bearer KEY`."""
+    from api import build_router, exposure_warning, resolve_api_key
+    api_key = resolve_api_key(api_key)
+    warning = exposure_warning(host, api_key, share)
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
+    routes = list(build_router(demo.hub, api_key).routes)
     return demo.launch(server_name=host, server_port=port, share=share,
                        prevent_thread_lock=prevent_thread_lock, css=CSS_PATH.read_text(),
-                       max_threads=96, show_error=True, footer_links=["api", "gradio"])
+                       max_threads=96, show_error=True, footer_links=["api", "gradio"],
+                       app_kwargs={"routes": routes})
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -152,6 +169,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0 to expose)")
     p.add_argument("--port", type=int, default=7860)
     p.add_argument("--share", action="store_true", help="make a public gradio.live link")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on the OpenAI-"
+                                     "compatible API /v1/* (default: $GLASSBOX_API_KEY, else none)")
     return p.parse_args(argv)
 
 
@@ -182,13 +201,15 @@ def main(argv: list[str] | None = None) -> None:
         llm_kwargs["num_kv_blocks"] = 256   # the tiny fallback: a cache the grid shows whole
     try:
         llm = load_llm(model, llm_kwargs)
-    except (ValueError, FileNotFoundError, RuntimeError) as e:
+    except (ValueError, OSError, RuntimeError) as e:     # the engine's errors name the file
         sys.exit(f"could not load {model}: {e}")
     choices = demo_choices() if args.model is None else {}
     demo = build_app(llm, banner=banner, choices=choices, llm_kwargs=llm_kwargs)
-    _, url, share_url = launch(demo, args.host, args.port, args.share, prevent_thread_lock=True)
+    _, url, share_url = launch(demo, args.host, args.port, args.share, prevent_thread_lock=True,
+                               api_key=args.api_key)
     print(f"Glassbox playground: {url}" + (f"  (public: {share_url})" if share_url else ""),
           flush=True)
+    print(f"OpenAI-compatible API: {url.rstrip('/')}/v1", flush=True)
     try:
         demo.block_thread()
     finally:

@@ -40,6 +40,7 @@ class EngineHub:
         self.llm = llm
         self.llm_kwargs = dict(llm_kwargs or {})
         self.choices = dict(choices or {})
+        self.switching = False      # True while switch() swaps engines: the API answers 503
         self.sessions: dict[str, Session] = {}
         self.hit_history: deque[tuple[float, float]] = deque(maxlen=2000)  # (time, hit rate)
         self._ids = itertools.count()
@@ -112,6 +113,13 @@ class EngineHub:
 
     def switch(self, choice: str) -> None:
         """Load another bundled model; every in-flight reply is aborted first."""
+        self.switching = True
+        try:
+            self._switch(choice)
+        finally:
+            self.switching = False
+
+    def _switch(self, choice: str) -> None:
         if choice not in self.choices:
             raise ValueError(f"unknown model {choice!r}; choose one of {list(self.choices)}")
         if choice == self.current_choice():
@@ -121,6 +129,9 @@ class EngineHub:
             for rid in list(s.active):
                 self.llm.abort(rid)
             s.watched = None
+        snap = self.llm.inspect()       # API requests too: their streams end with "abort"
+        for rid in snap.running + snap.waiting:
+            self.llm.abort(rid)
         # free the old engine first: two models need not fit in memory at once
         old_path = self.llm.model_path
         self.llm.shutdown()

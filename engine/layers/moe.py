@@ -20,7 +20,7 @@ from ..kernels import moe_configs, moe_routing
 from ..kernels.moe_gemv import fused_moe_gemv
 from ..parallel_state import divide, get_tp_rank, get_tp_size
 from .gemm import linear
-from .linear import copy_checked, materialize, narrow
+from .linear import copy_checked, expect_size, materialize, narrow
 
 
 class FusedMoE(nn.Module):
@@ -30,7 +30,7 @@ class FusedMoE(nn.Module):
         tp = get_tp_size()
         self.num_experts, self.top_k, self.norm_topk_prob = num_experts, top_k, norm_topk_prob
         self.inter = divide(intermediate_size, tp, "moe_intermediate_size")
-        self.rank = get_tp_rank()
+        self.rank, self.tp_size = get_tp_rank(), tp
         self.route_counts: torch.Tensor | None = None  # the fused router's semaphores (GPU)
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * self.inter, hidden_size),
                                 requires_grad=False)
@@ -46,21 +46,21 @@ class FusedMoE(nn.Module):
         """shard = (expert, piece): piece 0 gate, 1 up, 2 down; expert None = all experts
         at once from the fused 3-D layout (gate_up_proj [E, 2I, H] / down_proj [E, H, I])."""
         expert, piece = shard
-        i, r = self.inter, self.rank
+        i, r, full = self.inter, self.rank, self.inter * self.tp_size
         if expert is None:
             w = materialize(loaded)
             if piece == 2:
-                copy_checked(param, w.narrow(2, r * i, i))
+                copy_checked(param, narrow(w, 2, r * i, i, full=full))
             else:   # fused gate_up: gate rows [0, I_full), up rows [I_full, 2 I_full)
-                full = w.shape[1] // 2
+                expect_size(w, 1, 2 * full)
                 copy_checked(param.data[:, :i], w.narrow(1, r * i, i))
                 copy_checked(param.data[:, i:], w.narrow(1, full + r * i, i))
             return {k for k in param.shard_keys if (k[1] == 2) == (piece == 2)}
         if piece == 2:
-            copy_checked(param.data[expert], materialize(narrow(loaded, 1, r * i, i)))
+            copy_checked(param.data[expert], materialize(narrow(loaded, 1, r * i, i, full=full)))
         else:
             copy_checked(param.data[expert, piece * i:(piece + 1) * i],
-                         materialize(narrow(loaded, 0, r * i, i)))
+                         materialize(narrow(loaded, 0, r * i, i, full=full)))
 
     def forward(self, x: torch.Tensor, gate_weight: torch.Tensor, layer_idx: int,
                 shared_gate: torch.Tensor | None = None) -> torch.Tensor:
