@@ -29,6 +29,22 @@ THROUGHPUT_REQUESTS = {"qwen3-0.6b": 256, "qwen3-30b-a3b": 128, "qwen2.5-72b": 6
                        "qwen3-235b-a22b": 64}
 
 
+def _active_params(cfg) -> int:
+    """Parameters one decode token reads: not the embedding table (one row of it; with tied
+    embeddings the table is read once, as the LM head), and of MoE layers top_k of E experts."""
+    from engine.model_size import param_count
+    total = param_count(cfg)
+    if not getattr(cfg, "tie_word_embeddings", False):
+        total -= cfg.vocab_size * cfg.hidden_size
+    E = getattr(cfg, "num_experts", 0)
+    if not E:
+        return total
+    from engine.models.qwen_moe import is_moe_layer
+    moe = sum(is_moe_layer(cfg, i) for i in range(cfg.num_hidden_layers))
+    experts = moe * E * 3 * cfg.hidden_size * cfg.moe_intermediate_size
+    return total - experts + experts * cfg.num_experts_per_tok // E
+
+
 def _collectives(llm, since: int) -> dict:
     """All-reduce time per decode step where the engine measured it, and collectives/step."""
     steps = [s for s in llm.inspect().steps if s.step_id >= since and s.num_prefill_tokens == 0]
@@ -43,7 +59,6 @@ def worker(model: str, tp: int, device: str, tiny: bool, throughput: bool, laten
     """One engine, one process: the figures for one (model, tp)."""
     from bench.latency import glassbox_latency
     from bench.throughput import glassbox_throughput, warmup_glassbox
-    from engine.model_size import param_count
     dev = resolve_device(device)
     name = TINY_OF.get(model, model) if tiny else model
     out: dict = {"model": model, "tp": tp}
@@ -58,7 +73,7 @@ def worker(model: str, tp: int, device: str, tiny: bool, throughput: bool, laten
         cfg = AutoConfig.from_pretrained(model_dir(name))
         if dev.type == "cuda":
             bw = measure_copy_bandwidth(dev)
-            out["floor_tok_s"] = bw / (param_count(cfg) * 2 / tp)
+            out["floor_tok_s"] = bw / (_active_params(cfg) * 2 / tp)
             out["copy_tb_s"] = bw / 1e12
         if latency:
             since = llm.core.step_id

@@ -55,6 +55,7 @@ class DecodeGraphs:
         self.logits: dict[tuple, torch.Tensor] = {}
         self.probe_bufs: dict[tuple, object] = {}
         self.timers: dict[tuple, CollectiveTimer] = {}     # (bucket, "timed") -> its events
+        self.collectives: dict[tuple, int] = {}     # collectives each graph issues per replay
         self.timing = runner.tp.size > 1                    # off for good if capture refuses
         self.replays = 0
         self.pool = torch.cuda.graph_pool_handle()
@@ -89,11 +90,13 @@ class DecodeGraphs:
             # a timed copy records external events (graph event-record nodes) around each
             # collective; any other capture records none
             timer = tp.timer = CollectiveTimer(cuda=True, external=True) if timed else None
+            tp.take_collective_count()
             try:
                 with torch.cuda.graph(g, pool=self.pool):
                     self.logits[(bs, variant)] = self._run(bs, probes)
             finally:
                 tp.timer = None
+            self.collectives[(bs, variant)] = tp.take_collective_count()
         self.graphs[(bs, variant)] = g
         if probes is not None:
             self.probe_bufs[(bs, variant)] = probes
@@ -146,7 +149,8 @@ class DecodeGraphs:
                                        prev.index_select(0, self.i64[3 * n + P:3 * n + 2 * P]))
 
     def replay(self, inp, plan):
-        """-> (logits [B, vocab], the variant's probe buffers or None, bucket, timer)."""
+        """-> (logits [B, vocab], the variant's probe buffers or None, bucket, timer,
+        collectives replayed)."""
         from .probes.buffers import graph_variant
         B = inp.num_seqs
         bs = self.bucket(B)
@@ -167,7 +171,9 @@ class DecodeGraphs:
         if bufs is not None:
             bufs.load_plan(plan)
         self.graphs[(bs, variant)].replay()
-        return self.logits[(bs, variant)][:B], bufs, bs, self.timers.get((bs, variant))
+        key = (bs, variant)
+        return (self.logits[key][:B], bufs, bs, self.timers.get(key),
+                self.collectives.get(key, 0))
 
 
 def pack_graph_inputs(inp, n: int, max_blocks: int, a64: np.ndarray, a32: np.ndarray) -> None:

@@ -206,13 +206,14 @@ class ModelRunner:
         plan = inp.probe_plan
         timer = self.tp.start_step(eager=True)
         out = StepOutput(step_id=inp.step_id, sampled_ids=None)
+        replayed = 0
         if cuda:
             out.gpu_start = torch.cuda.Event(enable_timing=True)
             out.gpu_end = torch.cuda.Event(enable_timing=True)
             out.gpu_start.record()
         with torch.inference_mode():
             if self.graphs is not None and inp.is_decode and self.graphs.can_run(inp, plan):
-                logits, bufs, out.graph_bucket, timer = self.graphs.replay(inp, plan)
+                logits, bufs, out.graph_bucket, timer, replayed = self.graphs.replay(inp, plan)
             else:
                 bufs = None
                 if plan is not None:
@@ -232,7 +233,7 @@ class ModelRunner:
                 from .probes.manager import ProbeManager
                 out.probes = bufs.finish(out.sampled_ids, plan, ProbeManager.sample_index(plan),
                                          self.block_size)
-        out.collectives = self.tp.take_collective_count()
+        out.collectives = self.tp.take_collective_count() + replayed
         out.collective_timer = timer
         if cuda:
             out.gpu_end.record()
