@@ -133,3 +133,43 @@ def test_shutdown_releases_the_engine(qwen3_dir):
     del llm
     gc.collect()
     assert ref() is None
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(l.split()[1]) for l in f if l.startswith("VmRSS")) / 1024
+
+
+def test_engines_shut_down_mid_burst_do_not_accumulate(qwen3_dir):
+    """Build an engine, fire a burst of streams, shut it down mid-burst, repeat: the streams end
+    at once, their threads exit, and neither memory nor threads grow from cycle to cycle (the
+    app's model switch does exactly this)."""
+    threads0 = threading.active_count()
+    rss = []
+    for cycle in range(4):
+        llm = LLM(qwen3_dir, device="cpu", block_size=4)
+        ended = []
+
+        def consume(i, llm=llm):
+            try:
+                for _ in llm.stream(random_prompts([9], seed=60 + i)[0],
+                                    SamplingParams(temperature=0.8, max_tokens=400,
+                                                   ignore_eos=True)):
+                    pass
+            except EngineShutdownError:
+                ended.append(i)
+        burst = [threading.Thread(target=consume, args=(i,)) for i in range(6)]
+        for t in burst:
+            t.start()
+        time.sleep(0.3)
+        ref = weakref.ref(llm)
+        llm.shutdown()
+        for t in burst:
+            t.join(10)
+        assert sorted(ended) == list(range(6))
+        del llm, consume, burst
+        gc.collect()
+        assert ref() is None, "something still holds the shut-down engine"
+        rss.append(_rss_mb())
+    assert threading.active_count() <= threads0 + 1
+    assert rss[-1] - rss[1] < 60, f"RSS grew by cycle: {rss}"
