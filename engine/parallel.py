@@ -82,6 +82,10 @@ def _worker_main(rank, size, port, config, hf_config, model_path, max_model_len,
         res_q.put(("ready", rank, None))
         while True:
             cmd, args = chan.recv(rank)
+            if cmd == "shutdown" and os.environ.get("GLASSBOX_TP_TEST_HANG") == str(rank):
+                import signal                      # tests: a worker deaf to shutdown and SIGTERM
+                signal.signal(signal.SIGTERM, signal.SIG_IGN)
+                time.sleep(3600)
             if cmd == "shutdown":
                 res_q.put(("bye", rank, None))
                 os._exit(0)     # skip process-group destructors, which can block on exit

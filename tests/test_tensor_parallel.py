@@ -191,3 +191,14 @@ def test_tp_group_binding_is_per_thread():
         t.join(timeout=10)
     assert seen == {0: 0, 1: 1}
     assert get_tp().size == 1               # outside any block: a single rank
+
+
+def test_shutdown_kills_a_worker_that_ignores_terminate(model_factory, monkeypatch):
+    monkeypatch.setenv("GLASSBOX_TP_TEST_HANG", "1")
+    llm = LLM(model_factory("qwen3"), num_kv_blocks=48, block_size=4, tensor_parallel_size=2)
+    procs = list(llm.runner.procs)
+    t0 = time.time()
+    llm.shutdown()
+    assert time.time() - t0 < 20
+    assert not any(p.is_alive() for p in procs)
+    assert procs[0].exitcode == -signal.SIGKILL
