@@ -24,6 +24,16 @@ from bench.common import (base_parser, build_engine, make_workload, random_promp
 from bench.throughput import run_glassbox, warmup_glassbox, workload_kwargs
 
 
+def cuda_kernel_rows(prof) -> list[tuple[float, int, str]]:
+    """(CUDA µs, launches, kernel name) of every kernel the profiler saw, largest first."""
+    rows = []
+    for e in prof.key_averages():
+        dev_us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if e.device_type == torch.autograd.DeviceType.CUDA and dev_us > 0:
+            rows.append((dev_us, e.count, e.key))
+    return sorted(rows, reverse=True)
+
+
 def kernel_table(llm, prompts: list[list[int]], new_tokens: int, top: int = 25,
                  temperature: float = 0.0, watch=None) -> None:
     """Profile decoding `new_tokens` for these prompts; print CUDA time per kernel per step,
@@ -47,12 +57,7 @@ def kernel_table(llm, prompts: list[list[int]], new_tokens: int, top: int = 25,
             torch.cuda.synchronize()
     wall = time.perf_counter() - t0
     steps = max(llm.core.step_id - n0, 1)
-    rows = []
-    for e in prof.key_averages():
-        dev_us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
-        if e.device_type == torch.autograd.DeviceType.CUDA and dev_us > 0:
-            rows.append((dev_us, e.count, e.key))
-    rows.sort(reverse=True)
+    rows = cuda_kernel_rows(prof)
     total = sum(r[0] for r in rows)
     print(f"\n== batch {len(prompts)}, T={temperature}, {steps} steps ({new_tokens} tokens incl. "
           f"prefill step): no profiler {1e3 * plain:.3f} ms/step (last decode steps: host "
@@ -83,12 +88,7 @@ def prefill_table(llm, prompt: list[int], id_high: int, top: int = 20) -> None:
         llm.generate([[(t + 3) % id_high for t in prompt]], params)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-    rows = []
-    for e in prof.key_averages():
-        dev_us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
-        if e.device_type == torch.autograd.DeviceType.CUDA and dev_us > 0:
-            rows.append((dev_us, e.count, e.key))
-    rows.sort(reverse=True)
+    rows = cuda_kernel_rows(prof)
     st = llm.core.steps[-1]
     print(f"\n== TTFT, {len(prompt)}-token prompt: wall {1e3 * sorted(walls)[2]:.2f} ms (median "
           f"of 5); CUDA kernels {sum(r[0] for r in rows) / 1e3:.2f} ms in "
