@@ -137,6 +137,13 @@ def kernel_kind(fn) -> str:
     return "triton"
 
 
+def is_compute(ref: KernelRef) -> bool:
+    """A kernel computes: it launches Triton, or it is a torch reference / CPU path by name.
+    Host-side helpers of the kernel modules (moe_configs.pick_config, a launch-config picker)
+    compute nothing on tensors and are not claimed as kernels."""
+    return ref.kind != "torch" or ref.function.endswith(TORCH_REFS)
+
+
 def code_reached(fn, depth: int = 2) -> tuple[list, list[KernelRef], list[str]]:
     """(engine helper functions, kernels, torch.nn.functional ops) a function reaches."""
     helpers, kernels, ops = [], [], []
@@ -146,7 +153,7 @@ def code_reached(fn, depth: int = 2) -> tuple[list, list[KernelRef], list[str]]:
         mod = getattr(obj, "__module__", "") or ""
         if _in_kernels(obj) and not obj.__name__.startswith("_"):
             ref = KernelRef(_relpath(obj), obj.__name__, kernel_kind(obj))
-            if ref not in kernels:
+            if is_compute(ref) and ref not in kernels:
                 kernels.append(ref)
         elif _is_function(obj) and mod.startswith("engine.") and depth and obj is not fn:
             h, k, o = code_reached(obj, depth - 1)
