@@ -1,13 +1,16 @@
 """Glassbox playground: parse flags, load the engine once, build the Gradio UI, launch it.
 
 `python app.py` serves the bundled demo checkpoint (assets/demo-qwen3); when that is missing it
-builds a tiny random Qwen3 in a temp dir so the app still runs offline, and says so in a banner.
+builds a tiny random Qwen3 in a fresh private temp dir so the app still runs offline, and says
+so in a banner.
 """
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
 import socket
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -79,9 +82,11 @@ def resolve_model(model: str | None) -> tuple[str, str | None]:
         return model, None
     if (DEMO_DENSE / "config.json").exists():
         return str(DEMO_DENSE), None
-    tmp = Path(tempfile.gettempdir()) / "glassbox-fallback-qwen3"
-    if not (tmp / "config.json").exists():
-        build_fallback_checkpoint(tmp)
+    # a fresh private (0700) dir each start: never a predictable shared path that someone else
+    # could have filled first, and loaded as trusted
+    tmp = Path(tempfile.mkdtemp(prefix="glassbox-fallback-qwen3-"))
+    atexit.register(shutil.rmtree, tmp, ignore_errors=True)
+    build_fallback_checkpoint(tmp)
     return str(tmp), FALLBACK_BANNER
 
 
@@ -99,8 +104,8 @@ def build_app(llm, *, banner: str | None = None, choices: dict[str, str] | None 
     """The playground as a gr.Blocks over a running LLM (tests launch it in-process)."""
     import gradio as gr
 
-    from views import chat, engine_view, kv_cache, layers
-    from views.live import EngineHub
+    from views import anatomy, chat, engine_view, kv_cache, layers
+    from views.live import EngineHub, LiveTab
     from views.live_plot import preload_plotly
 
     hub = EngineHub(llm, llm_kwargs=llm_kwargs or {}, choices=choices or {})
@@ -125,16 +130,19 @@ def build_app(llm, *, banner: str | None = None, choices: dict[str, str] | None 
                 layers_tab = layers.build(hub)
             with gr.Tab("Engine", id="engine", elem_id="tab-engine") as tab_engine:
                 engine_tab = engine_view.build(hub)
+            with gr.Tab("Anatomy", id="anatomy", elem_id="tab-anatomy") as tab_anatomy:
+                anatomy_timer = anatomy.build(hub)
         # only the visible tab polls the engine: hidden tabs cost nothing; a tab refreshes
         # at once when opened instead of waiting for its first tick
-        live_tabs = [kv_tab, layers_tab, engine_tab]
+        anatomy_tab = LiveTab(anatomy_timer, None, [], [])   # its tick notices a model swap
+        live_tabs = [kv_tab, layers_tab, engine_tab, anatomy_tab]
         timers = [t.timer for t in live_tabs]
         for tab, live in ((tab_chat, None), (tab_kv, kv_tab), (tab_layers, layers_tab),
-                          (tab_engine, engine_tab)):
+                          (tab_engine, engine_tab), (tab_anatomy, anatomy_tab)):
             ev = tab.select(lambda live=live: [gr.Timer(active=live is not None and t is live.timer)
                                               for t in timers],
                             outputs=timers, api_visibility="private", queue=False)
-            if live is not None:
+            if live is not None and live.refresh is not None:
                 ev.then(live.refresh, live.inputs, live.outputs, api_visibility="private",
                         show_progress="hidden")
 
@@ -148,12 +156,12 @@ def build_app(llm, *, banner: str | None = None, choices: dict[str, str] | None 
                 return [gr.skip()] * len(sync_outputs)
             limit = chat.max_tokens_limit(hub.llm)
             return [hub.model_line(),
-                    gr.Dropdown(value=hub.current_choice(), interactive=hub.switching is None),
+                    gr.Dropdown(value=hub.current_choice(), interactive=not hub.switching),
                     gr.Slider(maximum=limit, label=chat.max_tokens_label(hub.llm)),
                     gr.Row(visible=hub.is_demo()), now]
 
         def on_switch(choice, seen_state):
-            if choice and choice != hub.current_choice() and hub.switching is None:
+            if choice and choice != hub.current_choice() and not hub.switching:
                 try:
                     hub.switch(choice)
                     gr.Info(f"Loaded {choice}. Every open page now shows it.")
@@ -173,15 +181,23 @@ def build_app(llm, *, banner: str | None = None, choices: dict[str, str] | None 
 
 
 def launch(demo, host: str = "127.0.0.1", port: int | None = None, share: bool = False,
-           prevent_thread_lock: bool = False):
-    """Launch with the app's stylesheet (Gradio 6 takes css at launch, not in Blocks).
-    Quiet: main() prints the address and the app's own hints (`--share`, not Gradio's
-    `share=True`)."""
+           prevent_thread_lock: bool = False, api_key: str | None = None):
+    """Launch with the app's stylesheet (Gradio 6 takes css at launch, not in Blocks), and the
+    OpenAI-compatible routes (/v1/*) on the same server: Gradio builds its FastAPI app from
+    `app_kwargs`, so the routes are there before the first request. `api_key`: None reads
+    $GLASSBOX_API_KEY; with a key, /v1/* needs `Authorization: Bearer KEY`. Quiet: main()
+    prints the address and the app's own hints (`--share`, not Gradio's `share=True`)."""
+    from api import build_router, exposure_warning, resolve_api_key
     from views.live_plot import ALLOWED_PATHS
+    api_key = resolve_api_key(api_key)
+    warning = exposure_warning(host, api_key, share)
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
+    routes = list(build_router(demo.hub, api_key).routes)
     return demo.launch(server_name=host, server_port=port, share=share,
                        prevent_thread_lock=prevent_thread_lock, css=CSS_PATH.read_text(),
                        max_threads=96, show_error=True, footer_links=["api", "gradio"],
-                       quiet=True, allowed_paths=ALLOWED_PATHS)
+                       quiet=True, allowed_paths=ALLOWED_PATHS, app_kwargs={"routes": routes})
 
 
 def check_port(host: str, port: int) -> None:
@@ -208,6 +224,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0 to expose)")
     p.add_argument("--port", type=int, default=7860)
     p.add_argument("--share", action="store_true", help="make a public gradio.live link")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on the OpenAI-"
+                                     "compatible API /v1/* (default: $GLASSBOX_API_KEY, else none)")
     return p.parse_args(argv)
 
 
@@ -259,7 +277,7 @@ def main(argv: list[str] | None = None) -> None:
                      f"{args.port}"])
     try:
         llm = load_llm(model, llm_kwargs, stages)
-    except (ValueError, FileNotFoundError, RuntimeError) as e:
+    except (ValueError, OSError, RuntimeError) as e:     # the engine's errors name the file
         stages.bar.close()
         sys.exit(f"could not load {model}: {e}")
     stages.next()
@@ -268,7 +286,7 @@ def main(argv: list[str] | None = None) -> None:
     stages.next()
     try:
         _, url, share_url = launch(demo, args.host, args.port, args.share,
-                                   prevent_thread_lock=True)
+                                   prevent_thread_lock=True, api_key=args.api_key)
     except OSError as e:        # lost a race for the port since check_port
         llm.shutdown()
         sys.exit(f"cannot serve on {args.host}:{args.port}: {e}. Pass a free one with --port.")
@@ -276,6 +294,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"Glassbox playground: {url}" + (f"  (public: {share_url})" if share_url else
                                           "  (add --share for a public gradio.live link)"),
           flush=True)
+    print(f"OpenAI-compatible API: {url.rstrip('/')}/v1", flush=True)
     try:
         demo.block_thread()
     finally:

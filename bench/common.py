@@ -40,6 +40,20 @@ MODEL_SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
         decoder_sparse_step=1, mlp_only_layers=[], rms_norm_eps=1e-6,
         rope_parameters={"rope_type": "default", "rope_theta": 1e6},
         max_position_embeddings=40960, bos_token_id=151643, eos_token_id=151645)),
+    "qwen2.5-72b": ("Qwen2Config", dict(
+        architectures=["Qwen2ForCausalLM"], vocab_size=152064, hidden_size=8192,
+        intermediate_size=29568, num_hidden_layers=80, num_attention_heads=64,
+        num_key_value_heads=8, tie_word_embeddings=False, rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+        max_position_embeddings=32768, bos_token_id=151643, eos_token_id=151645)),
+    "qwen3-235b-a22b": ("Qwen3MoeConfig", dict(
+        architectures=["Qwen3MoeForCausalLM"], vocab_size=151936, hidden_size=4096,
+        intermediate_size=12288, num_hidden_layers=94, num_attention_heads=64,
+        num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+        moe_intermediate_size=1536, norm_topk_prob=True, tie_word_embeddings=False,
+        decoder_sparse_step=1, mlp_only_layers=[], rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+        max_position_embeddings=40960, bos_token_id=151643, eos_token_id=151645)),
     "tiny": ("Qwen3Config", dict(
         architectures=["Qwen3ForCausalLM"], vocab_size=1000, hidden_size=64,
         intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -55,7 +69,8 @@ MODEL_SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
         rope_parameters={"rope_type": "default", "rope_theta": 1e6},
         max_position_embeddings=4096, bos_token_id=1, eos_token_id=2)),
 }
-TINY_OF = {"qwen3-0.6b": "tiny", "qwen3-30b-a3b": "tiny-moe", "demo": "tiny"}
+TINY_OF = {"qwen3-0.6b": "tiny", "qwen3-30b-a3b": "tiny-moe", "demo": "tiny",
+           "qwen2.5-72b": "tiny", "qwen3-235b-a22b": "tiny-moe"}
 
 _MODEL_DIRS: dict[str, Path] = {}
 

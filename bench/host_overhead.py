@@ -21,29 +21,33 @@ from engine.block_manager import BlockManager  # noqa: E402
 from engine.engine_core import EngineCore  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
 from engine.scheduler import Scheduler  # noqa: E402
+from engine.sampling import SamplingTensors, sample  # noqa: E402
 from engine.sequence import Sequence  # noqa: E402
+from engine.step_output import StepOutput  # noqa: E402
 
 
 class StubRunner:
-    """Returns logits of the right shape at once: only host work remains."""
+    """Samples from fixed logits of the right shape at once: only host work remains."""
     device = torch.device("cpu")
 
     def __init__(self, vocab: int):
         self.logits = torch.randn(4096, vocab)
 
     def execute_step(self, inp):
-        return self.logits[:len(inp.sample_rows)], None
-
-    def last_step_info(self) -> dict:
-        return {}
+        out = StepOutput(inp.step_id, None)
+        if inp.sampling is not None:
+            st = SamplingTensors.from_batch(inp.sampling, self.device)
+            ids, *_ = sample(self.logits[:len(inp.sample_rows)], st)
+            out.sampled_ids = out.sampled_host = ids
+        return out
 
 
 def main(batch: int = 256, steps: int = 50, vocab: int = 1000, seed: int = 0,
-         temperature: float = 0.0, profile: bool = False) -> dict:
+         temperature: float = 0.0, profile: bool = False, overlap: bool = True) -> dict:
     rng = random.Random(seed)
     bm = BlockManager(batch * 80, 16)
     sched = Scheduler(bm, batch, 8192, 4096, {0})
-    core = EngineCore(StubRunner(vocab), sched, bm, None, {0})
+    core = EngineCore(StubRunner(vocab), sched, bm, None, {0}, overlap=overlap)
     for i in range(batch):
         n = rng.randint(100, 1000)
         core.add(Sequence(str(i), [rng.randint(1, vocab - 1) for _ in range(n)],
@@ -77,5 +81,6 @@ if __name__ == "__main__":
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--profile", action="store_true", help="cProfile the timed steps")
+    ap.add_argument("--serial", action="store_true", help="no overlap scheduling")
     a = ap.parse_args()
-    main(a.batch, a.steps, temperature=a.temperature, profile=a.profile)
+    main(a.batch, a.steps, temperature=a.temperature, profile=a.profile, overlap=not a.serial)

@@ -1,4 +1,14 @@
-"""Microbenchmark: fused_moe vs its torch reference at Qwen3-30B-A3B shapes, against the memory/compute floor."""
+"""Microbenchmark: the MoE expert kernels at Qwen3-30B-A3B shapes against their floor and the torch
+reference — the path the engine picks (engine/layers/moe.py: tuned tables or defaults), and both
+paths side by side (GEMV decode path up to 64 tokens, grouped GEMM path), plus the router (gate
+GEMV + routing fused in one launch up to 64 tokens, vs the router linear + route kernel) and align.
+
+Floor = max(active experts' bytes + x + out over the measured copy bandwidth, FLOPs over the
+measured bf16 matmul rate). "graph" = µs per call inside a CUDA graph, cycling weight copies so
+that no call finds its experts in L2.
+
+    python bench/moe_kernels.py [--tp 2] [--out-json f.json]
+"""
 
 import argparse
 import json
@@ -10,32 +20,22 @@ from triton.testing import do_bench, do_bench_cudagraph
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from engine.kernels.fused_moe import MoEKernelConfig, fused_moe, fused_moe_ref, pick_config  # noqa: E402
+from engine.kernels.fused_moe import fused_moe, fused_moe_ref  # noqa: E402
 from engine.kernels.moe_align import _moe_align_torch, _moe_align_triton  # noqa: E402
-from engine.kernels.moe_routing import route, route_ref  # noqa: E402
+from engine.kernels.moe_configs import (MoEGemvConfig, config_dir, config_file_name,  # noqa: E402
+                                        default_gemv, default_grouped, device_name, pick_config)
+from engine.kernels.moe_gemv import fused_moe_gemv  # noqa: E402
+from engine.kernels.moe_routing import FUSED_MAX_TOKENS, route, route_counts, route_hidden, route_ref  # noqa: E402
+from engine.layers.gemm import linear  # noqa: E402
+from engine.layers.moe import fused_experts  # noqa: E402
 
 E, K, H, I = 128, 8, 2048, 768  # Qwen3-30B-A3B: 128 experts, top-8, hidden 2048, moe_intermediate 768
-TOKENS = [1, 8, 64, 256, 1024, 4096]
+TOKENS = [1, 2, 4, 8, 16, 64, 256, 1024, 4096]
+GEMV_MAX = 64
 LAYERS = 48
 # Distinct weight sets cycled per timed call, so the experts a call touches are not still in L2
 # from the previous call (a real forward reads each layer's experts once).
 COPIES = 4
-
-SWEEP = [
-    MoEKernelConfig(16, 32, 64, 128, 1, 4, 4),
-    MoEKernelConfig(16, 16, 32, 128, 1, 4, 4),
-    MoEKernelConfig(16, 32, 32, 256, 1, 4, 3),
-    MoEKernelConfig(16, 64, 64, 128, 1, 4, 4),
-    MoEKernelConfig(16, 64, 128, 64, 8, 4, 4),
-    MoEKernelConfig(32, 64, 128, 64, 8, 4, 4),
-    MoEKernelConfig(64, 128, 128, 64, 8, 4, 3),
-    MoEKernelConfig(64, 64, 128, 64, 8, 4, 4),
-    MoEKernelConfig(128, 128, 128, 64, 8, 8, 3),
-    MoEKernelConfig(128, 128, 128, 64, 8, 8, 4),
-    MoEKernelConfig(128, 128, 256, 64, 8, 8, 3),
-    MoEKernelConfig(128, 64, 128, 64, 8, 4, 4),
-    MoEKernelConfig(64, 128, 128, 64, 8, 8, 4),
-]
 
 
 def _median_ms(fn, graph: bool) -> float:
@@ -56,66 +56,73 @@ def measure_floors() -> tuple[float, float]:
     return bw, rate
 
 
-def _short(c: MoEKernelConfig) -> str:
-    return f"bm{c.block_m} bn{c.block_n13}/{c.block_n2} bk{c.block_k} g{c.group_m} w{c.num_warps} s{c.num_stages}"
-
-
-def main(out_json: str | None = None, sweep: bool = False) -> list[dict]:
+def main(out_json: str | None = None, tp: int = 1, ref: bool = True) -> list[dict]:
     torch.manual_seed(0)
+    inter = I // tp
     bw, rate = measure_floors()
-    print(f"device {torch.cuda.get_device_name()}: copy {bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s")
-    layers = [((torch.randn(E, 2 * I, H, device="cuda") / H**0.5).to(torch.bfloat16),
-               (torch.randn(E, H, I, device="cuda") / I**0.5).to(torch.bfloat16)) for _ in range(COPIES)]
-    expert_bytes = 3 * H * I * 2
+    dev = torch.device("cuda")
+    table = config_dir() / config_file_name(E, inter, H, torch.bfloat16, device_name(dev))
+    print(f"device {torch.cuda.get_device_name()}: copy {bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} "
+          f"TFLOP/s; TP={tp} (I={inter}); configs: {table.name if table.is_file() else 'defaults (no table)'}")
+    layers = [((torch.randn(E, 2 * inter, H, device="cuda") / H**0.5).to(torch.bfloat16),
+               (torch.randn(E, H, inter, device="cuda") / inter**0.5).to(torch.bfloat16)) for _ in range(COPIES)]
+    expert_bytes = 3 * H * inter * 2
 
     rows = []
-    head = f"{'N':>5} {'fused graph':>11} {'eager':>8} {'ref':>9} {'floor':>8} {'%floor':>6} " \
-           f"{'x ref':>6} {'route trit/torch':>16} {'align trit/torch':>16} {'experts':>7}  (µs)"
-    print(head)
+    print(f"{'N':>5} {'path':>7} {'engine':>7} {'%floor':>6} | {'gemv':>6} {'%fl':>4} | {'grouped':>7} {'%fl':>4} | "
+          f"{'floor':>6} {'ref':>8} {'router fused/2-step':>19} {'route trit/torch':>16} {'align':>5} {'experts':>7}  (µs)")
     for n in TOKENS:
         x = torch.randn(n, H, device="cuda").to(torch.bfloat16)
         logits = torch.randn(n, E, device="cuda").to(torch.bfloat16)
         _, w, ids = route(logits, K, True)
         out = torch.empty_like(x)
-        cfg = pick_config(n, K, E)
+        cfg = pick_config(n, K, E, inter, H, torch.bfloat16, dev)
         used = int(torch.unique(ids).numel())
-        floor_s = max((used * expert_bytes + 2 * x.numel() * x.element_size()) / bw, 2 * n * K * 3 * H * I / rate)
+        floor_us = 1e6 * max((used * expert_bytes + 2 * x.numel() * x.element_size()) / bw,
+                             2 * n * K * 3 * H * inter / rate)
 
-        def run_fused(c=None):
-            for w13, w2 in layers:
-                fused_moe(x, w13, w2, w, ids, out=out, config=c)
+        def graph_us(fn) -> float:
+            def run():
+                for w13, w2 in layers:
+                    fn(w13, w2)
+            run()  # compile outside the graph
+            return _median_ms(run, True) * 1e3 / COPIES
 
-        def run_ref():
-            for w13, w2 in layers:
-                fused_moe_ref(x, w13, w2, w, ids)
-
-        run_fused()
-        fused_us = _median_ms(run_fused, True) * 1e3 / COPIES
-        eager_us = _median_ms(run_fused, False) * 1e3 / COPIES
-        ref_us = _median_ms(run_ref, False) * 1e3 / COPIES
+        engine_us = graph_us(lambda w13, w2: fused_experts(x, w13, w2, w, ids))
+        gemv_cfg = cfg if isinstance(cfg, MoEGemvConfig) else default_gemv(2)
+        gemv_us = graph_us(lambda w13, w2: fused_moe_gemv(x, w13, w2, w, ids, out=out, config=gemv_cfg)) \
+            if n <= GEMV_MAX else float("nan")
+        grouped_cfg = None if isinstance(cfg, MoEGemvConfig) else cfg
+        grouped_us = graph_us(lambda w13, w2: fused_moe(x, w13, w2, w, ids, out=out, config=grouped_cfg))
+        ref_us = float("nan")
+        if ref:
+            w13, w2 = layers[0]
+            ref_us = _median_ms(lambda: fused_moe_ref(x, w13, w2, w.to(x.dtype), ids), False) * 1e3
         route_us = _median_ms(lambda: route(logits, K, True), True) * 1e3
+        gate = (torch.randn(E, H, device="cuda") / H**0.5).to(torch.bfloat16)
+        two_step_us = _median_ms(lambda: route(linear(x, gate), K, True), True) * 1e3
+        fused_router_us = float("nan")
+        if n <= FUSED_MAX_TOKENS:
+            counts = route_counts(dev)
+            fused_router_us = _median_ms(lambda: route_hidden(x, gate, K, True, counts), True) * 1e3
+        router_us = fused_router_us if n <= FUSED_MAX_TOKENS else two_step_us
         route_torch_us = _median_ms(lambda: route_ref(logits, K, True), True) * 1e3
-        align_tr = _median_ms(lambda: _moe_align_triton(ids, E, cfg.block_m), True) * 1e3
-        align_to = _median_ms(lambda: _moe_align_torch(ids, E, cfg.block_m), True) * 1e3
-        row = dict(num_tokens=n, fused_us=fused_us, fused_eager_us=eager_us, ref_us=ref_us,
-                   floor_us=floor_s * 1e6, pct_of_floor=100 * floor_s * 1e6 / fused_us,
-                   speedup_vs_ref=ref_us / fused_us, route_us=route_us, route_torch_us=route_torch_us,
-                   align_triton_us=align_tr, align_torch_us=align_to, experts_used=used, config=_short(cfg))
+        bm = (grouped_cfg or default_grouped(n, K, E)).block_m
+        align_us = _median_ms(lambda: _moe_align_triton(ids, E, bm), True) * 1e3
+        align_torch_us = _median_ms(lambda: _moe_align_torch(ids, E, bm), True) * 1e3
+        pct = lambda us: 100 * floor_us / us  # noqa: E731
+        row = dict(kernel="moe_experts", tp=tp, num_tokens=n, path=cfg.path, us=engine_us,
+                   pct_of_floor=pct(engine_us), floor_us=floor_us, gemv_us=gemv_us, grouped_us=grouped_us,
+                   ref_us=ref_us, router_us=router_us, router_fused_us=fused_router_us,
+                   router_two_step_us=two_step_us, route_us=route_us, route_torch_us=route_torch_us, align_us=align_us,
+                   align_torch_us=align_torch_us, experts_used=used, config=cfg.short())
         rows.append(row)
-        route_col = f"{route_us:.1f} / {route_torch_us:.1f}"
-        align_col = f"{align_tr:.1f} / {align_to:.1f}"
-        print(f"{n:>5} {fused_us:>11.1f} {eager_us:>8.1f} {ref_us:>9.1f} {row['floor_us']:>8.1f} "
-              f"{row['pct_of_floor']:>5.0f}% {row['speedup_vs_ref']:>5.1f}x {route_col:>16} {align_col:>16} {used:>7}")
-        if sweep:
-            for c in SWEEP:
-                try:
-                    run_fused(c)
-                    us = _median_ms(lambda: run_fused(c), True) * 1e3 / COPIES
-                    print(f"        sweep {_short(c)}: {us:.1f} µs")
-                except Exception as exc:  # out of shared memory etc.: report and go on
-                    print(f"        sweep {_short(c)}: failed {type(exc).__name__}: {str(exc)[:80]}")
-    us1 = rows[0]["fused_us"] + rows[0]["route_us"]
-    print(f"batch-1 decode: route+experts {us1:.1f} µs/layer -> {LAYERS} layers {LAYERS * us1 / 1e3:.2f} ms/token "
+        print(f"{n:>5} {cfg.path:>7} {engine_us:7.1f} {pct(engine_us):5.0f}% | {gemv_us:6.1f} {pct(gemv_us):3.0f}% | "
+              f"{grouped_us:7.1f} {pct(grouped_us):3.0f}% | {floor_us:6.1f} {ref_us:8.0f} "
+              f"{f'{fused_router_us:.1f} / {two_step_us:.1f}':>19} "
+              f"{f'{route_us:.1f} / {route_torch_us:.1f}':>16} {align_us:5.1f} {used:>7}")
+    us1 = rows[0]["us"] + rows[0]["router_us"]
+    print(f"batch-1 decode: router+experts {us1:.1f} µs/layer -> {LAYERS} layers {LAYERS * us1 / 1e3:.2f} ms/token "
           f"(MoE alone caps decode at {1e6 / (LAYERS * us1):.0f} tok/s)")
     if out_json:
         with open(out_json, "w") as f:
@@ -124,8 +131,9 @@ def main(out_json: str | None = None, sweep: bool = False) -> list[dict]:
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser(description=__doc__)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out-json", default=None)
-    p.add_argument("--sweep", action="store_true", help="also time a few alternative tile configs per N")
+    p.add_argument("--tp", type=int, default=1, help="per-rank intermediate size I = 768 / tp")
+    p.add_argument("--no-ref", action="store_true", help="skip timing the torch reference")
     args = p.parse_args()
-    main(args.out_json, args.sweep)
+    main(args.out_json, args.tp, not args.no_ref)

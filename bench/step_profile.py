@@ -24,6 +24,16 @@ from bench.common import (base_parser, build_engine, make_workload, random_promp
 from bench.throughput import run_glassbox, warmup_glassbox, workload_kwargs
 
 
+def cuda_kernel_rows(prof) -> list[tuple[float, int, str]]:
+    """(CUDA µs, launches, kernel name) of every kernel the profiler saw, largest first."""
+    rows = []
+    for e in prof.key_averages():
+        dev_us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if e.device_type == torch.autograd.DeviceType.CUDA and dev_us > 0:
+            rows.append((dev_us, e.count, e.key))
+    return sorted(rows, reverse=True)
+
+
 def kernel_table(llm, prompts: list[list[int]], new_tokens: int, top: int = 25,
                  temperature: float = 0.0, watch=None) -> None:
     """Profile decoding `new_tokens` for these prompts; print CUDA time per kernel per step,
@@ -47,12 +57,7 @@ def kernel_table(llm, prompts: list[list[int]], new_tokens: int, top: int = 25,
             torch.cuda.synchronize()
     wall = time.perf_counter() - t0
     steps = max(llm.core.step_id - n0, 1)
-    rows = []
-    for e in prof.key_averages():
-        dev_us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
-        if e.device_type == torch.autograd.DeviceType.CUDA and dev_us > 0:
-            rows.append((dev_us, e.count, e.key))
-    rows.sort(reverse=True)
+    rows = cuda_kernel_rows(prof)
     total = sum(r[0] for r in rows)
     print(f"\n== batch {len(prompts)}, T={temperature}, {steps} steps ({new_tokens} tokens incl. "
           f"prefill step): no profiler {1e3 * plain:.3f} ms/step (last decode steps: host "
@@ -67,12 +72,39 @@ def kernel_table(llm, prompts: list[list[int]], new_tokens: int, top: int = 25,
         print(f"{us / steps:9.1f} {cnt / steps:10.1f}  {key[:110]}")
 
 
+def prefill_table(llm, prompt: list[int], id_high: int, top: int = 20) -> None:
+    """TTFT of one prompt (max_tokens=1): wall time without and with the profiler, the CUDA
+    time and launch count of its kernels, and the top kernels."""
+    from torch.profiler import ProfilerActivity, profile
+    params = sampling(temperature=0.0, max_tokens=1)
+    llm.generate([prompt[::-1]], params)                 # warm: compile the prefill shapes
+    walls = []
+    for i in range(5):
+        p = [(t + 7 * (i + 1)) % id_high for t in prompt]  # fresh ids: no prefix-cache hit
+        t0 = time.perf_counter()
+        llm.generate([p], params)
+        walls.append(time.perf_counter() - t0)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        llm.generate([[(t + 3) % id_high for t in prompt]], params)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    rows = cuda_kernel_rows(prof)
+    st = llm.core.steps[-1]
+    print(f"\n== TTFT, {len(prompt)}-token prompt: wall {1e3 * sorted(walls)[2]:.2f} ms (median "
+          f"of 5); CUDA kernels {sum(r[0] for r in rows) / 1e3:.2f} ms in "
+          f"{sum(r[1] for r in rows)} launches; last step: schedule {1e3 * st.t_schedule:.2f}, "
+          f"prepare {1e3 * st.t_prepare:.2f}, launch {1e3 * st.t_launch:.2f}, wait "
+          f"{1e3 * st.t_wait:.2f}, device {1e3 * st.t_forward:.2f}, post {1e3 * st.t_sample:.2f} ms")
+    for us, cnt, key in rows[:top]:
+        print(f"{us:9.1f} {cnt:6d}  {key[:110]}")
+
+
 @contextmanager
 def host_timers(llm):
     """Wall time spent in the engine step's phases (and the probes' host work), summed."""
     timers: dict[str, float] = defaultdict(float)
-    targets = [(llm.runner, "execute_step"), (llm.probes, "plan"), (llm.probes, "collect"),
-               (llm.probes, "after_sample"), (llm.core, "_postprocess"), (llm.core, "_record")]
+    targets = [(llm.core, "_prepare"), (llm.runner, "execute_step"), (llm.probes, "plan"),
+               (llm.probes, "fold"), (llm.core, "_postprocess"), (llm.core, "_record")]
     saved = []
     for obj, name in targets:
         fn = getattr(obj, name)
@@ -101,7 +133,7 @@ def step_kinds(llm, model: str, num_requests: int, tiny: bool = False) -> None:
     steps = [s for s in llm.core.steps if s.step_id >= n0]
     print(f"\n== throughput workload: {num_requests} requests, {tokens} tokens in {secs:.2f}s = "
           f"{tok_s:,.0f} tok/s, {llm.core.step_id - n0} steps ({len(steps)} traced)")
-    agg = defaultdict(lambda: [0, 0.0, 0.0, 0.0, 0.0, 0.0, 0, 0])
+    agg = defaultdict(lambda: [0, 0.0, 0.0, 0.0, 0.0, 0.0, 0, 0, 0.0, 0.0])
     for s in steps:
         if s.num_prefill_tokens and s.num_decode_tokens:
             kind = "mixed"
@@ -118,13 +150,18 @@ def step_kinds(llm, model: str, num_requests: int, tiny: bool = False) -> None:
         a[5] += s.t_schedule + s.t_prepare + s.t_forward + s.t_sample
         a[6] += s.num_prefill_tokens
         a[7] += s.num_decode_tokens
-    print(f"{'kind':>13} {'steps':>6} {'total s':>8} {'ms/step':>8} {'sched':>7} {'prep':>7} "
-          f"{'fwd':>7} {'sample+post':>11} {'prefill tok':>11} {'decode tok':>10}")
-    for kind, a in sorted(agg.items(), key=lambda kv: -kv[1][5]):
+        a[8] += s.t_launch
+        a[9] += s.t_wait
+    # fwd: device time of forward + sampling (CUDA events); launch/wait: host time staging and
+    # launching / blocked on the device; post: postprocessing. With overlap the host parts of
+    # step N+1 run while step N is on the device, so they do not add up to the step's wall time.
+    print(f"{'kind':>13} {'steps':>6} {'fwd s':>8} {'fwd ms':>8} {'sched':>7} {'prep':>7} "
+          f"{'launch':>7} {'wait':>7} {'post':>7} {'prefill tok':>11} {'decode tok':>10}")
+    for kind, a in sorted(agg.items(), key=lambda kv: -kv[1][3]):
         n = a[0]
-        print(f"{kind:>13} {n:6d} {a[5]:8.2f} {1e3 * a[5] / n:8.2f} {1e3 * a[1] / n:7.2f} "
-              f"{1e3 * a[2] / n:7.2f} {1e3 * a[3] / n:7.2f} {1e3 * a[4] / n:11.2f} "
-              f"{a[6]:11d} {a[7]:10d}")
+        print(f"{kind:>13} {n:6d} {a[3]:8.2f} {1e3 * a[3] / n:8.2f} {1e3 * a[1] / n:7.2f} "
+              f"{1e3 * a[2] / n:7.2f} {1e3 * a[8] / n:7.2f} {1e3 * a[9] / n:7.2f} "
+              f"{1e3 * a[4] / n:7.2f} {a[6]:11d} {a[7]:10d}")
     buckets = defaultdict(int)
     for s in steps:
         if s.graph_bucket is not None:
@@ -137,6 +174,7 @@ def main(argv=None) -> None:
     p.add_argument("--num-requests", type=int, default=256)
     p.add_argument("--probes-only", action="store_true",
                    help="batch-1 decode with each probe spec watched, nothing else")
+    p.add_argument("--ttft", action="store_true", help="the 1,024-token prefill only")
     a = p.parse_args(argv)
     dev = resolve_device(a.device)
     model = TINY_OF.get(a.model, a.model) if a.tiny else a.model
@@ -146,6 +184,9 @@ def main(argv=None) -> None:
     try:
         warmup_glassbox(llm, model, a.tiny, dev)
         id_high = workload_kwargs(model, a.tiny)["id_high"]
+        if a.ttft:
+            prefill_table(llm, random_prompt(32 if a.tiny else 1024, id_high, 5), id_high)
+            return
         if a.probes_only:
             from bench.probes import probe_specs
             kernel_table(llm, [random_prompt(plen // 2, id_high, 1)], 64)

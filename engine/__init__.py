@@ -1,6 +1,6 @@
 """Glassbox engine: a paged-KV Qwen inference engine whose internals can be watched."""
-from .errors import (CheckpointMismatchError, ModelNotFoundError, PromptTooLongError,
-                     UnsupportedArchitectureError, WorkerDiedError)
+from .errors import (CheckpointFormatError, CheckpointMismatchError, ModelNotFoundError,
+                     PromptTooLongError, UnsupportedArchitectureError, WorkerDiedError)
 from .llm import LLM
 from .probes.spec import ProbeSpec
 from .sampling import SamplingParams
@@ -10,4 +10,5 @@ from .probes.trace import RequestTrace
 
 __all__ = ["LLM", "SamplingParams", "ProbeSpec", "RequestOutput", "TokenEvent", "EngineSnapshot",
            "RequestTrace", "PromptTooLongError", "UnsupportedArchitectureError",
-           "CheckpointMismatchError", "ModelNotFoundError", "WorkerDiedError"]
+           "CheckpointMismatchError", "CheckpointFormatError", "ModelNotFoundError",
+           "WorkerDiedError"]

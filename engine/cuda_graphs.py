@@ -7,14 +7,25 @@ norms never pays for the logit lens or the attention rows.
 
 Graph inputs are static device buffers sized for max_num_seqs rows and max_model_len plus one
 block of context, so any decode batch up to the largest bucket replays (padded rows get
-context_len 0 and slot -1); larger batches run eagerly. Inputs are staged in pinned host
-memory and copied without blocking; the only host sync of a step is reading sampled tokens.
+context_len 0 and slot -1); larger batches run eagerly. They are views into two device
+buffers (int64: ids, positions, slots; int32: context lens, block tables), each filled by one
+non-blocking copy from pinned memory allocated for that step: with overlap scheduling the host
+prepares step N+1 before step N's copies have run, so a reused staging buffer would race.
+Pending input ids (sampled by the step before, still on the device) are written after the
+copy. With tensor parallelism every rank captures the same graphs in the same order, NCCL
+all-reduces inside, and replays them in lockstep. One decode step in TIMED_EVERY replays a
+"timed" copy of its graph whose collectives are bracketed by CUDA events captured with it: the
+all-reduce time per step is measured where it happens, at the cost of nothing on the others.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from .context import ForwardContext, set_context
+from .parallel_state import CollectiveTimer
+
+TIMED_EVERY = 64        # with TP: one decode step in this many measures its collectives
 
 
 def graph_buckets(max_num_seqs: int) -> list[int]:
@@ -32,21 +43,21 @@ class DecodeGraphs:
         bs = runner.block_size
         self.max_blocks = (runner.max_model_len + bs - 1) // bs + 1
         n = self.max_bs
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=dev)
-        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=dev)
-        self.context_lens = torch.zeros(n, dtype=torch.int32, device=dev)
-        self.block_tables = torch.zeros(n, self.max_blocks, dtype=torch.int32, device=dev)
-        # pinned staging: one host->device copy per buffer, no pageable-memory sync
-        self.h_ids = torch.zeros(n, dtype=torch.int64).pin_memory()
-        self.h_pos = torch.zeros(n, dtype=torch.int64).pin_memory()
-        self.h_slots = torch.zeros(n, dtype=torch.int64).pin_memory()
-        self.h_ctx = torch.zeros(n, dtype=torch.int32).pin_memory()
-        self.h_tables = torch.zeros(n, self.max_blocks, dtype=torch.int32).pin_memory()
+        # [ids | positions | slots] of n rows each, then room for the pending rows and sources
+        self.i64 = torch.zeros(5 * n, dtype=torch.int64, device=dev)
+        self.input_ids, self.positions, self.slot_mapping = self.i64[:3 * n].view(3, n)
+        self.i32 = torch.zeros(n + n * self.max_blocks, dtype=torch.int32, device=dev)
+        self.context_lens = self.i32[:n]
+        self.block_tables = self.i32[n:].view(n, self.max_blocks)
+        self.slot_mapping.fill_(-1)
         # key: (bucket, variant); variant None = probes off, else probes.buffers.graph_variant(plan)
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.logits: dict[tuple, torch.Tensor] = {}
         self.probe_bufs: dict[tuple, object] = {}
+        self.timers: dict[tuple, CollectiveTimer] = {}     # (bucket, "timed") -> its events
+        self.collectives: dict[tuple, int] = {}     # collectives each graph issues per replay
+        self.timing = runner.tp.size > 1                    # off for good if capture refuses
+        self.replays = 0
         self.pool = torch.cuda.graph_pool_handle()
         self._capture_all()
 
@@ -67,16 +78,30 @@ class DecodeGraphs:
 
     def _capture(self, bs: int, variant) -> None:
         from .probes.buffers import graph_probe_buffers
-        probes = graph_probe_buffers(self.runner, bs, variant) if variant is not None else None
+        timed = variant == "timed"
+        probes = graph_probe_buffers(self.runner, bs, variant) \
+            if variant is not None and not timed else None
+        tp = self.runner.tp
+        tp.timer = None                     # the warm-up runs eagerly: no timing there
         with torch.inference_mode():
             self._run(bs, probes)                   # warm-up: compile, allocate scratch
             torch.cuda.synchronize()
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=self.pool):
-                self.logits[(bs, variant)] = self._run(bs, probes)
+            # a timed copy records external events (graph event-record nodes) around each
+            # collective; any other capture records none
+            timer = tp.timer = CollectiveTimer(cuda=True, external=True) if timed else None
+            tp.take_collective_count()
+            try:
+                with torch.cuda.graph(g, pool=self.pool):
+                    self.logits[(bs, variant)] = self._run(bs, probes)
+            finally:
+                tp.timer = None
+            self.collectives[(bs, variant)] = tp.take_collective_count()
         self.graphs[(bs, variant)] = g
         if probes is not None:
             self.probe_bufs[(bs, variant)] = probes
+        if timer is not None:
+            self.timers[(bs, variant)] = timer
 
     def _capture_all(self) -> None:
         self.context_lens.fill_(1)          # a valid context for warm-up and capture
@@ -102,37 +127,67 @@ class DecodeGraphs:
         return None
 
     def can_run(self, inp, plan) -> bool:
-        if self.bucket(len(inp.context_lens)) is None:
+        if self.bucket(inp.num_seqs) is None:
             return False
         if inp.block_tables.shape[1] > self.max_blocks:
             return False
         from .probes.buffers import graph_supports
         return graph_supports(plan, self.runner)
 
+    def _stage(self, inp) -> None:
+        """This step's inputs into the static buffers: two pinned host buffers laid out like
+        the device ones, two copies (the int32 one only up to this batch's table rows)."""
+        n, w, P = self.max_bs, self.max_blocks, len(inp.pending_rows)
+        h64 = torch.empty(3 * n + 2 * P, dtype=torch.int64, pin_memory=True)
+        h32 = torch.empty(n + inp.num_seqs * w, dtype=torch.int32, pin_memory=True)
+        pack_graph_inputs(inp, n, w, h64.numpy(), h32.numpy())
+        self.i64[:3 * n + 2 * P].copy_(h64, non_blocking=True)
+        self.i32[:n + inp.num_seqs * w].copy_(h32, non_blocking=True)
+        if P:
+            prev = self.runner.prev_sampled(inp)
+            self.input_ids.index_copy_(0, self.i64[3 * n:3 * n + P],
+                                       prev.index_select(0, self.i64[3 * n + P:3 * n + 2 * P]))
+
     def replay(self, inp, plan):
-        """-> (logits [B, vocab], the variant's probe buffers or None)."""
+        """-> (logits [B, vocab], the variant's probe buffers or None, bucket, timer,
+        collectives replayed)."""
         from .probes.buffers import graph_variant
-        B = len(inp.context_lens)
+        B = inp.num_seqs
         bs = self.bucket(B)
         variant = graph_variant(plan)
+        self.replays += 1
+        if variant is None and self.timing and self.replays % TIMED_EVERY == 1:
+            variant = "timed"
         if (bs, variant) not in self.graphs:
-            self._capture_late(bs, variant)
-        nb = inp.block_tables.shape[1]
-        self.h_ids[:B] = inp.input_ids
-        self.h_pos[:B] = inp.positions
-        self.h_slots[:B] = inp.slot_mapping
-        self.h_slots[B:bs] = -1
-        self.h_ctx[:B] = inp.context_lens
-        self.h_ctx[B:bs] = 0
-        self.h_tables[:B, :nb] = inp.block_tables
-        self.input_ids[:bs].copy_(self.h_ids[:bs], non_blocking=True)
-        self.positions[:bs].copy_(self.h_pos[:bs], non_blocking=True)
-        self.slot_mapping[:bs].copy_(self.h_slots[:bs], non_blocking=True)
-        self.context_lens[:bs].copy_(self.h_ctx[:bs], non_blocking=True)
-        self.block_tables[:B, :nb].copy_(self.h_tables[:B, :nb], non_blocking=True)
+            try:
+                self._capture_late(bs, variant)
+            except RuntimeError:
+                if variant != "timed":
+                    raise
+                self.timing, variant = False, None      # timed capture refused: stay untimed
+                torch.cuda.synchronize()
+        self._stage(inp)
         bufs = self.probe_bufs.get((bs, variant))
         if bufs is not None:
             bufs.load_plan(plan)
         self.graphs[(bs, variant)].replay()
-        self.runner._graph_bucket = bs
-        return self.logits[(bs, variant)][:B], bufs
+        key = (bs, variant)
+        return (self.logits[key][:B], bufs, bs, self.timers.get(key),
+                self.collectives.get(key, 0))
+
+
+def pack_graph_inputs(inp, n: int, max_blocks: int, a64: np.ndarray, a32: np.ndarray) -> None:
+    """Lay one decode step out like the graph's static buffers, for n rows (the largest
+    bucket) and tables max_blocks wide. a64 [3n + 2P]: ids | positions | slots (padded rows:
+    0, 0, -1 — no K/V write), then the pending rows and their sources. a32 [n + B * max_blocks]:
+    context lens (padded rows 0: attend to nothing), then the batch's block-table rows."""
+    B, nb, P = inp.num_seqs, inp.block_tables.shape[1], len(inp.pending_rows)
+    rows = a64[:3 * n].reshape(3, n)
+    rows[0, :B], rows[1, :B], rows[2, :B] = inp.input_ids, inp.positions, inp.slot_mapping
+    rows[:2, B:] = 0
+    rows[2, B:] = -1
+    a64[3 * n:3 * n + P] = inp.pending_rows
+    a64[3 * n + P:3 * n + 2 * P] = inp.pending_src
+    a32[:B] = inp.context_lens
+    a32[B:n] = 0
+    a32[n:n + B * max_blocks].reshape(B, max_blocks)[:, :nb] = inp.block_tables

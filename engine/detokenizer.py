@@ -17,17 +17,18 @@ class IncrementalDetokenizer:
     def _decode(self, ids) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def add(self, token_ids: list[int], start: int = 0) -> None:
-        """Decode what the output (token_ids[start:]) gained since the last call, reading only
-        the tail window (byte-level BPE safe: a token that ends inside a multi-byte character
-        waits for the next one)."""
+    def add(self, token_ids: list[int], start: int = 0, end: int | None = None) -> None:
+        """Decode what the output (token_ids[start:end]) gained since the last call, reading
+        only the tail window (byte-level BPE safe: a token that ends inside a multi-byte
+        character waits for the next one). `end` excludes tokens still pending on the device."""
         if self.tokenizer is None or self.stopped:
             return
+        end = len(token_ids) if end is None else end
         before = self._decode(token_ids[start + self.prefix_offset:start + self.read_offset])
-        after = self._decode(token_ids[start + self.prefix_offset:])
+        after = self._decode(token_ids[start + self.prefix_offset:end])
         if len(after) > len(before) and not after.endswith("\ufffd"):
             self.text += after[len(before):]
-            self.prefix_offset, self.read_offset = self.read_offset, len(token_ids) - start
+            self.prefix_offset, self.read_offset = self.read_offset, end - start
         if self.stop:
             window = max(map(len, self.stop))
             start = max(0, self.emitted - window)

@@ -13,9 +13,23 @@ class CheckpointMismatchError(RuntimeError):
     """The checkpoint's tensors do not match the model's parameters (missing or unexpected)."""
 
 
+class CheckpointFormatError(ValueError):
+    """A checkpoint file cannot be used as it is: an invalid config.json, a truncated or corrupt
+    safetensors file, a shard path that leaves the checkpoint directory, a tokenizer that would
+    run code shipped in the checkpoint."""
+
+
 class ModelNotFoundError(FileNotFoundError):
     """Neither a local directory nor a hub id that can be fetched."""
 
 
 class WorkerDiedError(RuntimeError):
     """A tensor-parallel worker process exited; the engine cannot continue."""
+
+
+class RequestFailedError(RuntimeError):
+    """This request's own data made an engine step fail; the engine goes on serving others."""
+
+
+class EngineShutdownError(RuntimeError):
+    """The engine was shut down (or switched) while this request was in flight."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import numbers
 import os
 import queue
 import random
@@ -13,7 +14,7 @@ import time
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .engine_core import EngineCore
-from .errors import PromptTooLongError
+from .errors import EngineShutdownError, PromptTooLongError, RequestFailedError
 from .loader import resolve_model_path
 from .probes.spec import ProbeSpec
 from .sampling import SamplingParams
@@ -25,29 +26,62 @@ _engine_ids = itertools.count()
 
 
 def _load_hf_config(path: str):
+    """config.json -> the transformers config, never running code shipped in the checkpoint."""
     from transformers import AutoConfig
 
-    from .models.registry import model_class
+    from .errors import CheckpointFormatError, UnsupportedArchitectureError
+    from .models.registry import model_class, supported_architectures
+    file = os.path.join(path, "config.json")
     try:
-        cfg = AutoConfig.from_pretrained(path)
-    except (ValueError, KeyError) as e:
-        with open(os.path.join(path, "config.json")) as f:
+        with open(file, encoding="utf-8") as f:
             raw = json.load(f)
-        from .errors import UnsupportedArchitectureError
-        from .models.registry import supported_architectures
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointFormatError(f"{file} is not valid JSON: {e}; fix or replace the "
+                                    "checkpoint's config.json") from None
+    except OSError as e:
+        raise CheckpointFormatError(f"cannot read {file}: {e}") from None
+    if not isinstance(raw, dict):
+        raise CheckpointFormatError(f"{file} must hold a JSON object (the model's settings), "
+                                    f"got a JSON {type(raw).__name__}")
+    try:
+        cfg = AutoConfig.from_pretrained(path, trust_remote_code=False)
+    except (ValueError, KeyError, OSError) as e:
+        remote = raw.get("auto_map") and "trust_remote_code" in str(e)
+        why = ("it maps its model_type to Python code in the checkpoint (auto_map), and "
+               "Glassbox never runs code from a checkpoint" if remote else f"{e}")
         raise UnsupportedArchitectureError(
             f"architecture {raw.get('architectures')} (model_type {raw.get('model_type')!r}) "
-            f"cannot be loaded: {e}. Supported: {', '.join(supported_architectures())}") from None
+            f"cannot be loaded: {why}. Supported: {', '.join(supported_architectures())}") from None
     model_class(cfg)            # raises UnsupportedArchitectureError with a clear message
     return cfg
 
 
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+
+
 def _load_tokenizer(path: str):
-    try:
-        from transformers import AutoTokenizer
-        return AutoTokenizer.from_pretrained(path)
-    except Exception:           # no tokenizer files: token-id prompts only
+    """The checkpoint's tokenizer, None when it has no tokenizer files (token-id prompts only);
+    never one defined by code shipped in the checkpoint."""
+    if not any(os.path.exists(os.path.join(path, f)) for f in _TOKENIZER_FILES):
         return None
+    from transformers import AutoTokenizer
+
+    from .errors import CheckpointFormatError
+    try:
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+    except Exception as e:
+        try:
+            with open(os.path.join(path, "tokenizer_config.json"), encoding="utf-8") as f:
+                remote = "auto_map" in json.load(f)
+        except (OSError, ValueError):
+            remote = False
+        why = ("its tokenizer_config.json maps the tokenizer to Python code in the checkpoint "
+               "(auto_map), and Glassbox never runs code from a checkpoint" if remote
+               else f"{type(e).__name__}: {e}")
+        raise CheckpointFormatError(f"the tokenizer in {path} cannot be loaded: {why}. Use a "
+                                    "checkpoint with a standard tokenizer (tokenizer.json), or "
+                                    "remove the tokenizer files to serve token-id prompts only"
+                                    ) from None
 
 
 def _eos_ids(path: str, hf_config, tokenizer) -> set[int]:
@@ -67,6 +101,15 @@ def _eos_ids(path: str, hf_config, tokenizer) -> set[int]:
     return ids
 
 
+def _is_token_id(t) -> bool:
+    return isinstance(t, numbers.Integral) and not isinstance(t, bool)
+
+
+def _is_conversation(prompt) -> bool:
+    """A list of chat messages (dicts), as opposed to a list of prompts."""
+    return isinstance(prompt, (list, tuple)) and bool(prompt) and isinstance(prompt[0], dict)
+
+
 class LLM:
     def __init__(self, model: str, device=None, dtype=None, tensor_parallel_size: int = 1,
                  block_size: int = 16, num_kv_blocks: int | None = None,
@@ -74,7 +117,8 @@ class LLM:
                  max_num_batched_tokens: int = 8192, max_model_len: int | None = None,
                  enable_prefix_caching: bool = True, enforce_eager: bool = False, seed: int = 0,
                  load_format: str = "auto", trace_history: int = 256,
-                 record_expert_load: bool = False, max_traces: int = 64):
+                 record_expert_load: bool = False, max_traces: int = 64,
+                 async_scheduling: bool | None = None):
         self.config = cfg = EngineConfig(
             model=model, device=device, dtype=dtype, tensor_parallel_size=tensor_parallel_size,
             block_size=block_size, num_kv_blocks=num_kv_blocks,
@@ -95,6 +139,14 @@ class LLM:
         self._rng = random.Random(seed)
         self._ids = itertools.count()
 
+        if cfg.device.startswith("cuda"):      # refuse what cannot fit before allocating
+            import torch
+
+            from .model_size import check_fits
+            check_fits(self.hf_config, cfg.tensor_parallel_size,
+                       torch.empty(0, dtype=cfg.torch_dtype).element_size(),
+                       torch.cuda.get_device_properties(0).total_memory,
+                       cfg.gpu_memory_utilization, str(cfg.torch_dtype).replace("torch.", ""))
         from .runtime import build_runner
         self.runner = build_runner(cfg, self.hf_config, self.model_path, self.max_model_len)
         num_blocks = num_kv_blocks or self.runner.profile_num_blocks(
@@ -106,19 +158,26 @@ class LLM:
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens,
                                    self.max_model_len, self.eos_token_ids)
         from .probes.manager import ProbeManager
-        self.probes = ProbeManager(self, max_traces=max_traces)
         # expert load per step is a global aggregate (every request, watched or not): off by
         # default so an unwatched engine does no probe work; the playground turns it on
-        self.probes.record_expert_load = bool(record_expert_load)
+        self.probes = ProbeManager(
+            self.hf_config.num_hidden_layers, block_size, self.runner.moe_layers,
+            self.tokenizer.decode if self.tokenizer is not None else None,
+            max_traces=max_traces, record_expert_load=bool(record_expert_load))
         self.runner.capture_graphs(max_num_seqs)
-        self.core = EngineCore(self.runner, self.scheduler, self.block_manager, self.tokenizer,
-                               self.eos_token_ids, self.probes, trace_history)
+        # overlap scheduling pays where the forward is asynchronous (a GPU); on the CPU the
+        # forward blocks the host anyway, so each step is postprocessed right after its launch
+        self.async_scheduling = (cfg.device.startswith("cuda") if async_scheduling is None
+                                 else bool(async_scheduling))
         self._seqs: dict[str, Sequence] = {}
         self._queues: dict[str, queue.Queue] = {}
         self._lock = threading.RLock()
         self._wake = threading.Condition(self._lock)
+        self.core = EngineCore(self.runner, self.scheduler, self.block_manager, self.tokenizer,
+                               self.eos_token_ids, self.probes, trace_history,
+                               overlap=self.async_scheduling, lock=self._lock)
         self._stop = False
-        self._error: BaseException | None = None
+        self._error: BaseException | None = None    # an engine-wide failure (e.g. a dead worker)
         self._thread = threading.Thread(target=self._loop, name=f"glassbox-engine-{self.engine_id}",
                                         daemon=True)
         self._thread.start()
@@ -164,30 +223,35 @@ class LLM:
             if not prompt:
                 raise ValueError("prompt is empty: give at least one character or token")
             return self.tokenizer.encode(prompt, add_special_tokens=False), prompt
-        if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], dict):
+        if _is_conversation(prompt):
             if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
                 raise ValueError("this checkpoint has no chat template; pass a plain prompt")
-            for m in prompt:
-                if "role" not in m or "content" not in m:
-                    raise ValueError("each chat message needs 'role' and 'content' keys")
-            text = self.tokenizer.apply_chat_template(list(prompt), tokenize=False,
-                                                      add_generation_prompt=True)
-            return self.tokenizer.encode(text, add_special_tokens=False), text
+            from .prompt import encode_chat     # message text stays text: no role injection
+            return encode_chat(self.tokenizer, list(prompt))
         if isinstance(prompt, (list, tuple)):
-            ids = [int(t) for t in prompt]
-            return ids, None
+            bad = [t for t in prompt if not _is_token_id(t)]
+            if bad:
+                raise ValueError(f"prompt token ids must be integers, got {bad[0]!r} "
+                                 f"({type(bad[0]).__name__})")
+            return [int(t) for t in prompt], None
         raise ValueError(f"prompt must be a string, a list of token ids or a list of chat "
                          f"messages, got {type(prompt).__name__}")
 
     def _make_sequence(self, prompt, params: SamplingParams | None, watch: ProbeSpec | None,
                        request_id: str | None) -> tuple[Sequence, str | None]:
-        params = params or SamplingParams()
+        params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
-            raise ValueError("sampling must be a SamplingParams")
+            raise ValueError(f"sampling must be a SamplingParams or None, "
+                             f"got {type(params).__name__}")
+        if watch is not None and not isinstance(watch, ProbeSpec):
+            raise ValueError(f"watch must be a ProbeSpec or None, got {type(watch).__name__}")
+        vocab = self.hf_config.vocab_size
+        params.check_for_model(vocab)           # frozen: what is checked is what runs
+        if watch is not None:                   # negative layers resolved, out of range refused
+            watch = watch.resolve(self.hf_config.num_hidden_layers, vocab)
         ids, text = self._encode(prompt)
         if not ids:
             raise ValueError("prompt is empty: give at least one character or token")
-        vocab = self.hf_config.vocab_size
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
@@ -210,20 +274,26 @@ class LLM:
     def _loop(self) -> None:
         while True:
             with self._wake:
-                while not self._stop and not self.scheduler.has_work():
+                while not self._stop and not self.core.has_work():
                     self._wake.wait()
                 if self._stop:
                     return
-                try:
-                    events = self.core.step()
-                except BaseException as e:     # fail the in-flight requests, keep serving
-                    events = []
+            # the step takes the lock only while it changes engine state: not during the
+            # forward or while waiting for the device, so inspect/abort/submit never starve
+            try:
+                events = self.core.step()
+            except BaseException as e:     # engine-wide (a dead TP worker): fail everything
+                with self._lock:
+                    self._error = e
                     self._fail_all(e)
+                continue
+            with self._lock:
+                for seq, err in self.core.failed:       # one request's own failure
+                    self._fail_one(seq.request_id, err)
+                self.core.failed.clear()
                 for ev in events:
                     self._deliver(ev)
-            # between steps, outside the lock: give waiting threads (inspect, abort, new
-            # requests from the UI) the lock; CPython locks are not fair, and without this
-            # the loop can re-take it at once, step after step
+            # between steps: give waiting threads the lock; CPython locks are not fair
             time.sleep(0)
 
     def _deliver(self, ev: TokenEvent) -> None:
@@ -234,21 +304,28 @@ class LLM:
             self._queues.pop(ev.request_id, None)
             self._seqs.pop(ev.request_id, None)
 
+    def _fail_one(self, rid: str, err: BaseException) -> None:
+        seq = self._seqs.pop(rid, None)
+        if seq is not None and not seq.is_finished:
+            self.scheduler.finish(seq, "abort")
+        q = self._queues.pop(rid, None)
+        if q is not None:
+            q.put(err)
+
     def _fail_all(self, err: BaseException) -> None:
-        for rid, seq in list(self._seqs.items()):
-            if not seq.is_finished:
-                self.scheduler.finish(seq, "abort")
-            q = self._queues.pop(rid, None)
-            if q is not None:
-                q.put(err)
-            self._seqs.pop(rid, None)
+        self.core.inflight = None
+        for rid in list(self._seqs):
+            self._fail_one(rid, err)
         self.core.detok.clear()
 
     def _submit(self, seq: Sequence) -> queue.Queue:
-        if not self._thread.is_alive():
-            raise RuntimeError("the engine has been shut down; create a new LLM")
         q: queue.Queue = queue.Queue()
         with self._wake:
+            if self._stop or not self._thread.is_alive():
+                raise EngineShutdownError("the engine has been shut down; create a new LLM")
+            if self._error is not None:
+                raise RuntimeError(f"the engine failed ({self._error!r}) and cannot serve "
+                                   "requests; create a new LLM") from self._error
             self._seqs[seq.request_id] = seq
             self._queues[seq.request_id] = q
             self.probes.register(seq)
@@ -259,6 +336,8 @@ class LLM:
     @staticmethod
     def _next(q: queue.Queue) -> TokenEvent:
         ev = q.get()
+        if isinstance(ev, (RequestFailedError, EngineShutdownError)):
+            raise ev
         if isinstance(ev, BaseException):
             raise RuntimeError(f"the engine failed while running this request: {ev!r}") from ev
         return ev
@@ -266,9 +345,12 @@ class LLM:
     # ---- public API ------------------------------------------------------------------------------
     def generate(self, prompts, sampling=None, use_tqdm: bool = False,
                  watch=None) -> list[RequestOutput]:
-        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
-                                        and isinstance(prompts[0], int)):
-            prompts = [prompts]
+        if isinstance(prompts, str) or _is_conversation(prompts) or (
+                isinstance(prompts, (list, tuple)) and prompts and _is_token_id(prompts[0])):
+            prompts = [prompts]             # one prompt: a string, token ids, a conversation
+        if not isinstance(prompts, (list, tuple)):
+            raise ValueError(f"prompts must be a string, a list of token ids, a list of chat "
+                             f"messages, or a list of those; got {type(prompts).__name__}")
         n = len(prompts)
         params = sampling if isinstance(sampling, (list, tuple)) else [sampling] * n
         watches = watch if isinstance(watch, (list, tuple)) else [watch] * n
@@ -323,6 +405,8 @@ class LLM:
     def inspect(self) -> EngineSnapshot:
         from .probes.inspect import take_snapshot
         with self._lock:
+            if getattr(self, "_closed", False):
+                raise EngineShutdownError("the engine has been shut down; create a new LLM")
             return take_snapshot(self)
 
     def trace(self, request_id: str):
@@ -345,16 +429,26 @@ class LLM:
         if not 0 <= layer < self.hf_config.num_hidden_layers:
             raise ValueError(f"layer must be in [0, {self.hf_config.num_hidden_layers})")
         with self._lock:
+            if getattr(self, "_closed", False):
+                raise EngineShutdownError("the engine has been shut down; create a new LLM")
             return self.runner.read_kv_block(block_id, layer, head, 0 if which == "k" else 1)
 
     def shutdown(self) -> None:
+        """Stop the engine loop, fail every request still in flight at once (their streams
+        raise EngineShutdownError), and free the weights, the KV cache and TP workers."""
         with self._wake:
+            if self._stop and getattr(self, "_closed", False):
+                return
             self._stop = True
             self._wake.notify_all()
         if threading.current_thread() is not self._thread:
-            self._thread.join(timeout=10)
+            self._thread.join(timeout=30)
+        with self._lock:
+            self._fail_all(EngineShutdownError(
+                "the engine was shut down while this request was in flight"))
+            self._closed = True
+        self.probes.release_device()
         self.runner.shutdown()
-
     def __enter__(self):
         return self
 

@@ -14,7 +14,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from .errors import CheckpointMismatchError, ModelNotFoundError
+from .errors import CheckpointFormatError, CheckpointMismatchError, ModelNotFoundError
 
 # checkpoint tensors that carry no parameters of ours
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -42,11 +42,42 @@ def resolve_model_path(model: str) -> str:
             "--model /path/to/checkpoint") from None
 
 
+def _allowed_roots(path: str) -> list[Path]:
+    """Where the checkpoint's files may really live: its directory, and for a huggingface_hub
+    cache snapshot (snapshots/<rev>/ of symlinks) the repo's blobs/ beside it."""
+    root = Path(path).resolve()
+    roots = [root]
+    if root.parent.name == "snapshots":
+        roots.append(root.parent.parent / "blobs")
+    return roots
+
+
+def _inside(file: str, roots: list[Path]) -> bool:
+    real = Path(file).resolve()
+    return any(real == r or r in real.parents for r in roots)
+
+
 def checkpoint_files(path: str) -> list[str]:
+    """The safetensors files of a checkpoint: the shards its index names, else every
+    *.safetensors file. Each must lie inside the checkpoint directory (an index entry such as
+    "../x.safetensors", an absolute path, or a symlink out of the directory is refused)."""
+    roots = _allowed_roots(path)
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.exists(index):
-        with open(index) as f:
-            shards = sorted(set(json.load(f)["weight_map"].values()))
+        try:
+            with open(index, encoding="utf-8") as f:
+                weight_map = json.load(f)["weight_map"]
+            shards = sorted(set(weight_map.values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise CheckpointFormatError(f"{index} is not a valid shard index (a JSON object with "
+                                        f"a 'weight_map' of tensor -> file): {e!r}") from None
+        for s in shards:
+            if (not isinstance(s, str) or not s or os.path.isabs(s)
+                    or os.path.normpath(s).split(os.sep)[0] == ".."
+                    or not _inside(os.path.join(path, s), roots)):
+                raise CheckpointFormatError(
+                    f"{index} names the shard {s!r}, which is outside the checkpoint directory "
+                    f"{path}; shard entries must be files inside it")
         missing = [s for s in shards if not os.path.exists(os.path.join(path, s))]
         if missing:
             raise CheckpointMismatchError(f"{index} names shard files that are missing: {missing}")
@@ -55,6 +86,10 @@ def checkpoint_files(path: str) -> list[str]:
     if not files:
         raise CheckpointMismatchError(f"no *.safetensors files in {path}; Glassbox loads "
                                       "safetensors checkpoints (convert .bin with transformers)")
+    for file in files:
+        if not _inside(file, roots):
+            raise CheckpointFormatError(f"{file} is a link to {Path(file).resolve()}, outside "
+                                        f"the checkpoint directory {path}; copy the file in")
     return files
 
 
@@ -71,13 +106,37 @@ def _route(model: nn.Module, name: str):
     return name, None
 
 
+# checkpoint dtypes a parameter takes (cast to the model dtype); ints or bools are never weights
+_FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
+
+
+def _open(file: str):
+    try:
+        return safe_open(file, framework="pt", device="cpu")
+    except Exception as e:        # safetensors raises its own SafetensorError (an Exception)
+        raise CheckpointFormatError(f"{file} is truncated or corrupt ({e}); download or convert "
+                                    "it again") from None
+
+
+def _load_tensor(param: nn.Parameter, sl, shard) -> set | None:
+    """Copy one checkpoint tensor (a lazy slice) into param through its weight_loader; the
+    pieces it filled (None: the one named by shard). ValueError when it does not fit."""
+    loader = getattr(param, "weight_loader", None)
+    if loader is None:          # a plain parameter (norms): exactly its shape, no broadcast
+        if tuple(sl.get_shape()) != tuple(param.shape):
+            raise ValueError("shapes differ")
+        param.data.copy_(sl[:])
+        return None
+    return loader(param, sl, shard) if shard is not None else loader(param, sl)
+
+
 def load_weights(model: nn.Module, path: str) -> None:
     params = dict(model.named_parameters())
     loaded: dict[str, set] = {n: set() for n in params}
     unexpected, duplicates = [], []
     tied = getattr(model, "tied", False)
     for file in checkpoint_files(path):
-        with safe_open(file, framework="pt", device="cpu") as f:
+        with _open(file) as f:
             for name in f.keys():
                 if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
                     continue
@@ -89,13 +148,20 @@ def load_weights(model: nn.Module, path: str) -> None:
                 if shard in loaded[pname]:
                     duplicates.append(name)
                     continue
-                loader = getattr(param, "weight_loader", None)
                 sl = f.get_slice(name)
-                if loader is None:
-                    param.data.copy_(sl[:])
-                    filled = None
-                else:
-                    filled = loader(param, sl, shard) if shard is not None else loader(param, sl)
+                dtype, shape = sl.get_dtype(), tuple(sl.get_shape())
+                if dtype not in _FLOAT_DTYPES:
+                    raise CheckpointMismatchError(
+                        f"{name} in {file} has dtype {dtype}; parameter {pname} takes floating "
+                        f"point weights ({', '.join(_FLOAT_DTYPES)}). Check the checkpoint.")
+                try:
+                    filled = _load_tensor(param, sl, shard)
+                except (ValueError, RuntimeError, IndexError) as e:
+                    piece = f" (piece {shard!r})" if shard is not None else ""
+                    raise CheckpointMismatchError(
+                        f"{name} in {file} has shape {shape}, which does not fit parameter "
+                        f"{pname}{piece} of shape {tuple(param.shape)}: {e}. Check that "
+                        "config.json belongs to these weights.") from None
                 # a loader that fills several pieces at once (fused experts) says which
                 filled = set(filled) if filled is not None else {shard}
                 if filled & loaded[pname]:

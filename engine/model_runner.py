@@ -1,11 +1,16 @@
-"""Per rank: build the model, load weights, allocate the paged KV cache, turn a scheduled
-batch into flat tensors (input_ids, positions, slot_mapping, block tables), run the forward
-(eagerly, or by replaying a CUDA graph for decode batches) and return logits."""
+"""Per rank: build the model, load weights, allocate the paged KV cache, stage one step's
+inputs (input_ids, positions, slot_mapping, block tables) on the device, run the forward
+(eagerly, or by replaying a CUDA graph for decode batches), sample, and return a StepOutput.
+
+Every rank samples: the LM head's logits are gathered on every rank, and the sampler is a
+pure function of them and the step's settings, so all ranks hold the same sampled ids on their
+device — the next step's pending input ids come from there, with no extra communication.
+"""
 from __future__ import annotations
 
 import os
 import threading
-from dataclasses import dataclass
+import time
 
 import numpy as np
 import torch
@@ -15,62 +20,13 @@ from .context import ForwardContext, set_context
 from .loader import init_dummy_weights, load_weights
 from .models.registry import model_class
 from .parallel_state import TPGroup, use_tp
+from .sampling import SamplingTensors, sample
+from .step_inputs import StepInputs
+from .step_output import StepOutput
 
 
 _BUILD_LOCK = threading.Lock()
-
-
-@dataclass
-class StepInputs:
-    """One step's batch as host tensors: what rank 0 sends to every rank."""
-    input_ids: torch.Tensor         # [N] int64
-    positions: torch.Tensor         # [N] int64
-    slot_mapping: torch.Tensor      # [N] int64
-    context_lens: torch.Tensor      # [B] int32
-    block_tables: torch.Tensor      # [B, max_blocks] int32
-    cu_seqlens_q: torch.Tensor      # [B + 1] int32
-    max_seqlen_q: int
-    sample_rows: torch.Tensor       # [S] int64: flat rows whose logits are sampled
-    is_decode: bool
-    probe_plan: object | None = None   # probes.plan.ProbePlan, or None when nothing is watched
-
-
-def build_step_inputs(scheduled, block_size: int, probe_plan=None) -> StepInputs:
-    """Flatten a scheduled batch. Plain Python lists and one numpy block table: this runs on
-    every step, serial with the GPU, so per-row tensor creation is avoided."""
-    ids, pos, slots, ctx_lens, cu, rows = [], [], [], [], [0], []
-    max_q = 0
-    max_blocks = max((len(s.seq.block_table) for s in scheduled), default=1) or 1
-    table = np.zeros((len(scheduled), max_blocks), dtype=np.int32)
-    total = 0
-    for i, s in enumerate(scheduled):
-        seq, n, start = s.seq, s.num_tokens, s.start
-        bt = seq.block_table
-        table[i, :len(bt)] = bt
-        if n == 1:                                   # decode: no per-token ranges
-            ids.append(seq.token_ids[start])
-            pos.append(start)
-            slots.append(bt[start // block_size] * block_size + start % block_size)
-        else:
-            ids.extend(seq.token_ids[start:start + n])
-            p = range(start, start + n)
-            pos.extend(p)
-            slots.extend(bt[j // block_size] * block_size + j % block_size for j in p)
-        ctx_lens.append(start + n)
-        total += n
-        cu.append(total)
-        if n > max_q:
-            max_q = n
-        if s.samples:
-            rows.append(total - 1)
-    return StepInputs(
-        input_ids=torch.tensor(ids, dtype=torch.int64),
-        positions=torch.tensor(pos, dtype=torch.int64),
-        slot_mapping=torch.tensor(slots, dtype=torch.int64),
-        context_lens=torch.tensor(ctx_lens, dtype=torch.int32),
-        block_tables=torch.from_numpy(table), cu_seqlens_q=torch.tensor(cu, dtype=torch.int32),
-        max_seqlen_q=max_q, sample_rows=torch.tensor(rows, dtype=torch.int64),
-        is_decode=max_q == 1, probe_plan=probe_plan)
+CPU_FULL_SEQS = 16      # the CPU KV cache's default: this many full-length sequences
 
 
 class ModelRunner:
@@ -111,6 +67,7 @@ class ModelRunner:
         self.num_heads = attn0.num_heads
         self.kv_cache: torch.Tensor | None = None
         self.graphs = None
+        self._last_sampled: tuple[int, torch.Tensor | None] = (-1, None)
 
     # ---- KV cache ----------------------------------------------------------------------------
     @property
@@ -120,15 +77,20 @@ class ModelRunner:
 
     def profile_num_blocks(self, max_num_batched_tokens: int, max_num_seqs: int) -> int:
         """How many KV blocks fit: on the GPU, after a profiling forward at the largest
-        batch; on the CPU, a bounded share of RAM (never more than max_num_seqs full seqs)."""
-        cap = max_num_seqs * ((self.max_model_len + self.block_size - 1) // self.block_size) + 1
+        batch (never more than max_num_seqs full-length sequences); on the CPU, room for
+        CPU_FULL_SEQS full-length sequences (at least 64 blocks) within a bounded share of RAM:
+        a cache a laptop can hold, sized so the KV view shows it in use, not a sea of empty
+        blocks."""
+        per_seq = (self.max_model_len + self.block_size - 1) // self.block_size
+        cap = max_num_seqs * per_seq + 1
         if self.device.type != "cuda":
             try:
                 avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
             except (ValueError, OSError):
                 avail = 8 << 30
             budget = min(2 << 30, avail // 4)
-            return max(1, min(cap, budget // self.bytes_per_block))
+            want = max(64, CPU_FULL_SEQS * per_seq)
+            return max(1, min(cap, want, budget // self.bytes_per_block))
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         self._profile_forward(max_num_batched_tokens, max_num_seqs)
@@ -183,22 +145,46 @@ class ModelRunner:
         self.num_blocks = num_blocks
 
     # ---- running a step ----------------------------------------------------------------------
-    def to_device(self, x: torch.Tensor) -> torch.Tensor:
+    def stage(self, a: np.ndarray) -> torch.Tensor:
+        """Host array -> device tensor (pinned, non-blocking on a GPU)."""
+        t = torch.from_numpy(a)
         if self.device.type == "cpu":
-            return x
-        return x.pin_memory().to(self.device, non_blocking=True)
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
+
+    def prev_sampled(self, inp: StepInputs) -> torch.Tensor | None:
+        """The previous step's sampled ids on this device, for the step's pending input rows."""
+        if not len(inp.pending_rows):
+            return None
+        step, ids = self._last_sampled
+        if step != inp.prev_step_id:
+            raise RuntimeError(f"step {inp.step_id} needs the ids sampled by step "
+                               f"{inp.prev_step_id}, but this rank holds step {step}'s")
+        return ids
+
+    def fill_pending(self, input_ids: torch.Tensor, inp: StepInputs) -> None:
+        """Write the pending input ids (sampled by the step before, still on the device)."""
+        prev = self.prev_sampled(inp)
+        if prev is not None:
+            rows = self.stage(inp.pending_rows)
+            input_ids.index_copy_(0, rows, prev.index_select(0, self.stage(inp.pending_src)))
 
     def execute(self, inp: StepInputs, probes=None) -> torch.Tensor:
         """Run the forward eagerly; returns logits [S, vocab] of the sampled rows."""
-        d = self.to_device
+        d = self.stage
         ctx = ForwardContext(slot_mapping=d(inp.slot_mapping), context_lens=d(inp.context_lens),
                              block_tables=d(inp.block_tables),
                              cu_seqlens_q=d(inp.cu_seqlens_q), max_seqlen_q=inp.max_seqlen_q,
                              is_decode=inp.is_decode, probes=probes)
+        input_ids = d(inp.input_ids)
+        if len(inp.pending_rows):
+            if self.device.type == "cpu":
+                input_ids = input_ids.clone()       # from_numpy shares the message's memory
+            self.fill_pending(input_ids, inp)
         with torch.inference_mode():
             set_context(ctx)
             try:
-                hidden = self.model(d(inp.input_ids), d(inp.positions))
+                hidden = self.model(input_ids, d(inp.positions))
                 logits = self.model.compute_logits(hidden.index_select(0, d(inp.sample_rows)))
             finally:
                 set_context(None)
@@ -211,29 +197,56 @@ class ModelRunner:
         self.graphs = DecodeGraphs(self, max_num_seqs)
 
     # ---- the step API the engine core calls (a TP driver offers the same) -------------------
-    def execute_step(self, inp: StepInputs):
-        """-> (logits [S, vocab], probe buffers or None). Decode batches replay a CUDA graph
-        when one fits (with the probe-capturing variant when a request is watched)."""
+    def execute_step(self, inp: StepInputs) -> StepOutput:
+        """Launch one step: the forward (a CUDA graph for decode batches when one fits, with the
+        probe-capturing variant when a request is watched), then sampling, all queued on the
+        device. Returns at once; the host copies are in flight (StepOutput.wait())."""
+        t0 = time.perf_counter()
+        cuda = self.device.type == "cuda"
         plan = inp.probe_plan
-        self._graph_bucket = None
-        if self.graphs is not None and inp.is_decode and self.graphs.can_run(inp, plan):
-            with torch.inference_mode():
-                logits, bufs = self.graphs.replay(inp, plan)
-        else:
-            bufs = None
-            if plan is not None:
-                from .probes.buffers import ProbeBuffers
-                bufs = ProbeBuffers.for_step(self, inp)
-            logits = self.execute(inp, bufs)
-        if bufs is not None:
-            bufs.start_copy()       # the step's one device->host copy, read after the sync
-        self._collectives = self.tp.take_collective_count()
-        return logits, bufs
+        timer = self.tp.start_step(eager=True)
+        out = StepOutput(step_id=inp.step_id, sampled_ids=None)
+        replayed = 0
+        if cuda:
+            out.gpu_start = torch.cuda.Event(enable_timing=True)
+            out.gpu_end = torch.cuda.Event(enable_timing=True)
+            out.gpu_start.record()
+        with torch.inference_mode():
+            if self.graphs is not None and inp.is_decode and self.graphs.can_run(inp, plan):
+                logits, bufs, out.graph_bucket, timer, replayed = self.graphs.replay(inp, plan)
+            else:
+                bufs = None
+                if plan is not None:
+                    from .probes.buffers import ProbeBuffers
+                    bufs = ProbeBuffers.for_step(self, inp)
+                logits = self.execute(inp, bufs)
+            if inp.sampling is not None and len(inp.sampling):
+                st = SamplingTensors.from_batch(inp.sampling, self.device)
+                ids, chosen, top_ids, top_lp = sample(logits, st)
+                out.sampled_ids = ids
+                self._last_sampled = (inp.step_id, ids)
+                if self.tp.rank == 0:       # only rank 0 reads results on the host
+                    out.sampled_host = self._to_host(ids)
+                    if chosen is not None:
+                        out.logprobs_host = tuple(self._to_host(x) for x in (chosen, top_ids, top_lp))
+            if bufs is not None and self.tp.rank == 0:
+                from .probes.manager import ProbeManager
+                out.probes = bufs.finish(out.sampled_ids, plan, ProbeManager.sample_index(plan),
+                                         self.block_size)
+        out.collectives = self.tp.take_collective_count() + replayed
+        out.collective_timer = timer
+        if cuda:
+            out.gpu_end.record()
+            out.done = torch.cuda.Event()
+            out.done.record()
+        out.t_launch = time.perf_counter() - t0
+        return out
 
-    def last_step_info(self) -> dict:
-        return {"graph_bucket": getattr(self, "_graph_bucket", None),
-                "collectives": getattr(self, "_collectives", 0),
-                "expert_load": getattr(self, "_expert_load", None)}
+    def _to_host(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type == "cpu":
+            return x
+        h = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+        return h.copy_(x, non_blocking=True)
 
     # ---- facts for inspect() -----------------------------------------------------------------
     @property
@@ -255,4 +268,17 @@ class ModelRunner:
                 for r in range(self.tp.size)]
 
     def shutdown(self) -> None:
+        """Release the weights, the KV cache and the graphs (a later engine in this process
+        gets the memory back)."""
         self.graphs = None
+        self._last_sampled = (-1, None)
+        self.kv_cache = None
+        if getattr(self, "model", None) is not None:
+            for attn in self.model.attention_layers:
+                attn.k_cache = attn.v_cache = None
+            self.model.k_cache_all = None
+            self.model = None
+        if self.device.type == "cuda":
+            import gc
+            gc.collect()
+            torch.cuda.empty_cache()

@@ -2,17 +2,26 @@
 ranks 1..N-1 are spawned workers. Each engine gets its own TCPStore on a free port and its
 own process group object (gloo on CPU, NCCL on GPU), so two engines never collide.
 
-Rank 0 sends every command (profile, allocate, capture, step) to the workers through a queue
-and runs it itself at the same time; the collectives inside the forward keep them in step.
-A worker that dies is noticed before the next step (and a broken collective raises), so rank 0
-reports it within seconds instead of hanging.
+Rank 0 sends every command (profile, allocate, capture, step) to the workers through a
+shared-memory broadcast ring (shm_broadcast.py: no pickled queue, no feeder thread on the hot
+path) and runs it itself at the same time; the collectives inside the forward keep them in
+step. Every rank samples the same tokens from the gathered logits, so the next step's pending
+input ids are already on every device.
+
+Failure handling: a worker reports an exception on a result queue; rank 0 checks the workers
+whenever it waits (start-up, a slot of the ring, the end of a step), so a worker that dies at
+start-up raises at once and one killed mid-run raises within a second instead of hanging in a
+collective. Workers exit by themselves when their parent process is gone, and shutdown()
+kills a worker that ignores terminate.
 """
 from __future__ import annotations
 
 import datetime
 import os
-import pickle
+import queue
 import socket
+import threading
+import time
 import traceback
 
 import torch
@@ -22,6 +31,7 @@ import torch.multiprocessing as mp
 from .errors import WorkerDiedError
 from .model_runner import ModelRunner
 from .parallel_state import TPGroup
+from .shm_broadcast import ShmBroadcast
 
 _TIMEOUT = datetime.timedelta(seconds=int(os.environ.get("GLASSBOX_TP_TIMEOUT_S", "60")))
 
@@ -32,38 +42,69 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def make_group(rank: int, size: int, port: int, device: str) -> TPGroup:
+def make_group(rank: int, size: int, port: int, device: str) -> tuple[TPGroup, object]:
     store = dist.TCPStore("127.0.0.1", port, size, is_master=rank == 0, timeout=_TIMEOUT)
     if device.startswith("cuda"):
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = _TIMEOUT
         pg = dist.ProcessGroupNCCL(store, rank, size, opts)
+        kind = "cuda"
     else:
         opts = dist.ProcessGroupGloo._Options()
         opts._timeout = _TIMEOUT
         opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
         pg = dist.ProcessGroupGloo(store, rank, size, opts)
-    return TPGroup(rank, size, pg), store
+        kind = "cpu"
+    return TPGroup(rank, size, pg, device_type=kind), store
 
 
-def _worker_main(rank, size, port, config, hf_config, model_path, max_model_len, cmd_q, res_q):
+def _exit_with_parent(ppid: int) -> None:
+    """Worker watchdog: a worker whose parent died (killed, SIGTERM, crashed) exits too."""
+    while True:
+        time.sleep(0.5)
+        if os.getppid() != ppid:
+            os._exit(3)
+
+
+def _worker_main(rank, size, port, config, hf_config, model_path, max_model_len, handle,
+                 res_q, ppid):
+    threading.Thread(target=_exit_with_parent, args=(ppid,), daemon=True,
+                     name="glassbox-parent-watch").start()
     try:
+        if os.environ.get("GLASSBOX_TP_FAIL_AT_START") == str(rank):    # tests: start-up death
+            raise RuntimeError("worker start-up failure requested by GLASSBOX_TP_FAIL_AT_START")
         torch.set_num_threads(max(1, (os.cpu_count() or size) // size))
         if config.device.startswith("cuda"):
             torch.cuda.set_device(rank)
         tp, _store = make_group(rank, size, port, config.device)
         runner = ModelRunner(config, hf_config, model_path, max_model_len, tp)
-        res_q.put(("ready", rank))
+        chan = ShmBroadcast.attach(handle)
+        res_q.put(("ready", rank, None))
         while True:
-            cmd, args = pickle.loads(cmd_q.get())
+            cmd, args = chan.recv(rank)
+            if cmd == "shutdown" and os.environ.get("GLASSBOX_TP_TEST_HANG") == str(rank):
+                import signal                      # tests: a worker deaf to shutdown and SIGTERM
+                signal.signal(signal.SIGTERM, signal.SIG_IGN)
+                time.sleep(3600)
             if cmd == "shutdown":
-                res_q.put(("bye", rank))
+                res_q.put(("bye", rank, None))
                 os._exit(0)     # skip process-group destructors, which can block on exit
             out = getattr(runner, cmd)(*args)
-            if cmd in ("profile_num_blocks",):
-                res_q.put(("ok", out))
+            if cmd == "profile_num_blocks":
+                res_q.put(("ok", rank, out))
     except BaseException:
-        res_q.put(("error", f"rank {rank}: {traceback.format_exc()}"))
+        res_q.put(("error", rank, f"rank {rank}: {traceback.format_exc()}"))
+        time.sleep(0.5)         # let the queue's feeder thread deliver it
+        os._exit(1)
+
+
+def _slot_bytes(config, max_model_len: int) -> int:
+    """A broadcast slot holds the largest step message: flat token arrays, block tables,
+    sampling settings and the probe plan, with room to spare."""
+    blocks = (max_model_len + config.block_size - 1) // config.block_size + 1
+    est = (config.max_num_batched_tokens * 8 * 4 + config.max_num_seqs * blocks * 4
+           + config.max_num_seqs * 64)
+    return max(4 << 20, 2 * est + (1 << 20))
 
 
 class TPDriver:
@@ -71,57 +112,85 @@ class TPDriver:
 
     def __init__(self, config, hf_config, model_path: str, max_model_len: int):
         self.size = n = config.tensor_parallel_size
+        self.procs: list = []
+        self._results: list = []
         port = free_port()
         ctx = mp.get_context("spawn")
-        self.cmd_qs, self.res_qs, self.procs = [], [], []
+        # GPU ranks spin for a while between steps (a sleeping rank delays every collective of
+        # the next step); CPU ranks share the cores with rank 0 and back off within 1 ms
+        spin = 0.05 if config.device.startswith("cuda") else 1e-3
+        self.chan = ShmBroadcast(n - 1, slot_bytes=_slot_bytes(config, max_model_len),
+                                 spin_s=spin)
+        self.res_q = ctx.Queue()
         for rank in range(1, n):
-            cq, rq = ctx.Queue(), ctx.Queue()
             p = ctx.Process(target=_worker_main, daemon=True, name=f"glassbox-tp{rank}",
                             args=(rank, n, port, config, hf_config, model_path, max_model_len,
-                                  cq, rq))
+                                  self.chan.handle(), self.res_q, os.getpid()))
             p.start()
-            self.cmd_qs.append(cq)
-            self.res_qs.append(rq)
             self.procs.append(p)
         try:
-            tp, self._store = make_group(0, n, port, config.device)
-            self.local = ModelRunner(config, hf_config, model_path, max_model_len, tp)
-            for rank in range(1, n):
-                self._result(rank)
+            self.local = self._build_rank0(config, hf_config, model_path, max_model_len, port)
+            ready = 0
+            while ready < n - 1:
+                kind, _, _ = self._next_result()
+                ready += kind == "ready"
         except BaseException:
             self.shutdown()
             raise
 
+    def _build_rank0(self, config, hf_config, model_path, max_model_len, port) -> ModelRunner:
+        """Rank 0's group and runner, built on a thread while this one watches the workers: a
+        worker that dies at start-up is reported at once, not after the store's timeout."""
+        box: dict = {}
+
+        def build():
+            try:
+                tp, box["store"] = make_group(0, self.size, port, config.device)
+                box["runner"] = ModelRunner(config, hf_config, model_path, max_model_len, tp)
+            except BaseException as e:      # noqa: BLE001 — re-raised on the caller's thread
+                box["error"] = e
+        t = threading.Thread(target=build, daemon=True, name="glassbox-tp0-build")
+        t.start()
+        while t.is_alive():
+            t.join(0.05)
+            self.check_workers()
+        if "error" in box:
+            raise box["error"]
+        self._store = box["store"]
+        return box["runner"]
+
     def __getattr__(self, name):          # facts and read-only state come from rank 0
-        return getattr(self.__dict__["local"], name)
+        local = self.__dict__.get("local")
+        if local is None:
+            raise AttributeError(name)
+        return getattr(local, name)
 
     # ---- plumbing ------------------------------------------------------------------------------
     def check_workers(self) -> None:
+        """Raise WorkerDiedError if a worker reported an error or exited."""
+        while True:
+            try:
+                kind, rank, val = self.res_q.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "error":
+                raise WorkerDiedError(f"tensor-parallel worker failed:\n{val}")
+            self._results.append((kind, rank, val))
         for rank, p in enumerate(self.procs, start=1):
             if not p.is_alive():
                 raise WorkerDiedError(f"tensor-parallel worker rank {rank} exited (code "
                                       f"{p.exitcode}); the engine cannot continue. Restart it.")
 
-    def _result(self, rank: int):
-        import queue
-        q = self.res_qs[rank - 1]
-        while True:
-            try:
-                kind, val = q.get(timeout=1.0)
-            except queue.Empty:
-                self.check_workers()
-                continue
-            if kind == "error":
-                raise WorkerDiedError(f"tensor-parallel worker failed:\n{val}")
-            return val
+    def _next_result(self):
+        while not self._results:
+            self.check_workers()
+            if not self._results:
+                time.sleep(0.01)
+        return self._results.pop(0)
 
     def _broadcast(self, cmd: str, *args) -> None:
         self.check_workers()
-        # plain pickle, by value: a multiprocessing queue would move tensors into shared
-        # memory from its feeder thread while this rank's forward is still reading them
-        msg = pickle.dumps((cmd, args))
-        for q in self.cmd_qs:
-            q.put(msg)
+        self.chan.send((cmd, args), check=self.check_workers)
 
     def _run(self, cmd: str, *args):
         self._broadcast(cmd, *args)
@@ -135,7 +204,12 @@ class TPDriver:
     def profile_num_blocks(self, max_num_batched_tokens: int, max_num_seqs: int) -> int:
         mine = self._run("profile_num_blocks", max_num_batched_tokens, max_num_seqs)
         # every rank must hold the same number of blocks: agree on the minimum
-        return min([mine] + [self._result(r) for r in range(1, self.size)])
+        theirs = []
+        while len(theirs) < self.size - 1:
+            kind, _, val = self._next_result()
+            if kind == "ok":
+                theirs.append(val)
+        return min([mine] + theirs)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self._run("allocate_kv_cache", num_blocks)
@@ -146,31 +220,36 @@ class TPDriver:
     def execute_step(self, inp):
         return self._run("execute_step", inp)
 
-    def last_step_info(self) -> dict:
-        # the probes store the step's expert load on the runner they see: this driver
-        info = dict(self.local.last_step_info())
-        info["expert_load"] = self.__dict__.get("_expert_load")
-        return info
-
     def shutdown(self) -> None:
-        for q in getattr(self, "cmd_qs", []):
+        procs = self.__dict__.get("procs", [])
+        chan = self.__dict__.get("chan")
+        if chan is not None and any(p.is_alive() for p in procs):
+            deadline = time.perf_counter() + 2.0
+
+            def give_up():
+                if time.perf_counter() > deadline or not all(p.is_alive() for p in procs):
+                    raise TimeoutError
             try:
-                q.put(pickle.dumps(("shutdown", ())))
-            except Exception:
+                chan.send(("shutdown", ()), check=give_up)
+            except (TimeoutError, ValueError):
                 pass
-        for p in getattr(self, "procs", []):
+        for p in procs:
             p.join(timeout=5)
             if p.is_alive():
                 p.terminate()
                 p.join(timeout=2)
-        for q in getattr(self, "cmd_qs", []) + getattr(self, "res_qs", []):
+            if p.is_alive():            # ignores SIGTERM: no choice left
+                p.kill()
+                p.join(timeout=2)
+        self.procs = []
+        if chan is not None:
+            chan.close()
+            self.chan = None
+        q = self.__dict__.get("res_q")
+        if q is not None:
             q.close()
             q.join_thread()
-        # spawn-context queues hold named semaphores in /dev/shm that are unlinked when the
-        # queue objects are collected: drop them now so shutdown leaves nothing behind
-        self.cmd_qs, self.res_qs, self.procs = [], [], []
-        import gc
-        gc.collect()
+            self.res_q = None
         local = self.__dict__.get("local")
         if local is not None:
             local.shutdown()

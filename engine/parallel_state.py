@@ -9,9 +9,42 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 import torch
+
+
+class CollectiveTimer:
+    """Measured time spent in one step's collectives: CUDA event pairs around each one on a GPU
+    (read after the step is done), host wall time on the CPU (gloo collectives are synchronous).
+    Measured, not counted: it includes waiting for the slowest rank."""
+
+    def __init__(self, cuda: bool, external: bool = False):
+        self.cuda, self.external = cuda, external
+        self.pairs: list[tuple] = []
+        self.host_s = 0.0
+
+    @contextlib.contextmanager
+    def around(self):
+        if self.cuda:
+            start = torch.cuda.Event(enable_timing=True, external=self.external)
+            end = torch.cuda.Event(enable_timing=True, external=self.external)
+            start.record()
+            yield
+            end.record()
+            self.pairs.append((start, end))
+        else:
+            t0 = time.perf_counter()
+            yield
+            self.host_s += time.perf_counter() - t0
+
+    def total(self) -> float | None:
+        """Seconds (call once the step's device work is done)."""
+        try:
+            return self.host_s + sum(s.elapsed_time(e) for s, e in self.pairs) / 1e3
+        except RuntimeError:        # events that were never completed: no measurement
+            return None
 
 
 @dataclass
@@ -20,10 +53,16 @@ class TPGroup:
     size: int = 1
     group: object = None        # a torch ProcessGroup (gloo or NCCL), None for one rank
     collectives: int = 0
+    device_type: str = "cpu"
+    timer: CollectiveTimer | None = field(default=None, repr=False)
+
+    def _timed(self):
+        return self.timer.around() if self.timer is not None else contextlib.nullcontext()
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.size > 1:
-            self.group.allreduce([x]).wait()
+            with self._timed():
+                self.group.allreduce([x]).wait()
             self.collectives += 1
         return x
 
@@ -33,12 +72,22 @@ class TPGroup:
             return x
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.size)]
-        self.group.allgather([parts], [x]).wait()
+        with self._timed():
+            self.group.allgather([parts], [x]).wait()
         self.collectives += 1
         return torch.cat(parts, dim=dim)
 
+    def start_step(self, eager: bool = True) -> CollectiveTimer | None:
+        """A fresh timer for this step's eager collectives (None with one rank)."""
+        if self.size == 1:
+            self.timer = None
+            return None
+        self.timer = CollectiveTimer(self.device_type == "cuda") if eager else None
+        return self.timer
+
     def take_collective_count(self) -> int:
         n, self.collectives = self.collectives, 0
+        self.timer = None
         return n
 
 

@@ -6,13 +6,47 @@ draws do not depend on what else is in the batch and no per-request generator lo
 """
 from __future__ import annotations
 
+import functools
+import math
+import numbers
 from dataclasses import dataclass
 
 import torch
 
+SEED_RANGE = (-(1 << 63), 1 << 63)     # the noise hash takes any int64 seed
+MAX_TOP_K = 1 << 31                      # above any vocabulary; top_k >= vocab keeps every token
+MAX_LOGPROBS = 20
 
-@dataclass
+
+def _is_int(v) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, numbers.Real) and not isinstance(v, bool)
+
+
+def _number(name: str, v) -> float:
+    if not _is_number(v):
+        raise ValueError(f"{name} must be a number, got {v!r} ({type(v).__name__})")
+    v = float(v)
+    if not math.isfinite(v):
+        raise ValueError(f"{name} must be finite, got {v!r}")
+    return v
+
+
+def _int(name: str, v, lo: int, hi: int | None, what: str) -> int:
+    """v as a Python int in [lo, hi) (hi None: no upper bound), else a ValueError saying `what`."""
+    if not _is_int(v) or v < lo or (hi is not None and v >= hi):
+        raise ValueError(f"{name} must be {what}, got {v!r}")
+    return int(v)
+
+
+@dataclass(frozen=True)
 class SamplingParams:
+    """Per-request sampling settings, checked at construction and immutable after, so what the
+    engine samples with is what was validated. `check_for_model` adds the checks that need the
+    model (token ids against the vocabulary); the engine calls it when a request is submitted."""
     temperature: float = 1.0        # 0 means greedy
     top_k: int = 0                  # 0 means off
     top_p: float = 1.0
@@ -26,31 +60,55 @@ class SamplingParams:
     logprobs: int = 0               # k: return the top-k logprobs of every generated token
 
     def __post_init__(self):
-        if isinstance(self.stop, str):
-            self.stop = (self.stop,)
-        self.stop = tuple(self.stop)
-        self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
-            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
-            raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], "
-                             f"got {self.min_tokens!r}")
-        if not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20:
-            raise ValueError(f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
-        if any(not s for s in self.stop):
+        put = functools.partial(object.__setattr__, self)     # the dataclass is frozen
+        t = _number("temperature", self.temperature)
+        if t < 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {t!r}")
+        put("temperature", t)
+        p = _number("top_p", self.top_p)
+        if not 0.0 < p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {p!r}")
+        put("top_p", p)
+        m = _number("min_p", self.min_p)
+        if not 0.0 <= m <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {m!r}")
+        put("min_p", m)
+        put("top_k", _int("top_k", self.top_k, 0, MAX_TOP_K,
+                          "an integer in [0, 2**31) (0 = off)"))
+        if self.seed is not None:
+            put("seed", _int("seed", self.seed, *SEED_RANGE,
+                             "None or an integer in [-2**63, 2**63)"))
+        put("max_tokens", _int("max_tokens", self.max_tokens, 1, None, "a positive integer"))
+        put("min_tokens", _int("min_tokens", self.min_tokens, 0, self.max_tokens + 1,
+                               f"an integer in [0, max_tokens={self.max_tokens}]"))
+        put("logprobs", _int("logprobs", self.logprobs, 0, MAX_LOGPROBS + 1,
+                             f"an integer in [0, {MAX_LOGPROBS}]"))
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
+            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
+        if any(not s for s in stop):
             raise ValueError("stop strings must be non-empty")
+        put("stop", tuple(stop))
+        ids = self.stop_token_ids
+        if not isinstance(ids, (list, tuple)) or not all(_is_int(i) and i >= 0 for i in ids):
+            raise ValueError(f"stop_token_ids must be a list of token ids (integers >= 0), "
+                             f"got {ids!r}")
+        put("stop_token_ids", tuple(int(i) for i in ids))
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    def check_for_model(self, vocab_size: int) -> None:
+        """The checks that need the model: token ids inside its vocabulary [0, vocab_size)."""
+        bad = [i for i in self.stop_token_ids if i >= vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids {bad[:5]} are outside the vocabulary "
+                             f"[0, {vocab_size}); give token ids of this model")
+        if self.logprobs > vocab_size:
+            raise ValueError(f"logprobs={self.logprobs} exceeds the vocabulary size {vocab_size}")
 
 
 # ---- counter-based uniform noise -----------------------------------------------------------
@@ -101,17 +159,23 @@ class SamplingTensors:
     @classmethod
     def build(cls, params: list[SamplingParams], seeds: list[int], positions: list[int],
               banned: list[tuple[int, int]], device) -> "SamplingTensors":
+        from .step_inputs import SamplingBatch
+        return cls.from_batch(SamplingBatch.build(params, seeds, positions, banned), device)
+
+    @classmethod
+    def from_batch(cls, b, device) -> "SamplingTensors":
+        """A step_inputs.SamplingBatch (host lists) -> tensors on `device`."""
         f32 = dict(dtype=torch.float32, device="cpu")
-        t = cls(temperature=torch.tensor([p.temperature for p in params], **f32),
-                top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64),
-                top_p=torch.tensor([p.top_p for p in params], **f32),
-                min_p=torch.tensor([p.min_p for p in params], **f32),
-                seeds=torch.tensor(seeds, dtype=torch.int64),
-                positions=torch.tensor(positions, dtype=torch.int64),
-                all_greedy=all(p.greedy for p in params),
-                need_sort=any(p.top_k > 0 or p.top_p < 1.0 for p in params),
-                need_min_p=any(p.min_p > 0 for p in params),
-                max_logprobs=max((p.logprobs for p in params), default=0), banned=banned)
+        temps = b.temperature
+        t = cls(temperature=torch.tensor(temps, **f32),
+                top_k=torch.tensor(b.top_k, dtype=torch.int64),
+                top_p=torch.tensor(b.top_p, **f32), min_p=torch.tensor(b.min_p, **f32),
+                seeds=torch.tensor(b.seeds, dtype=torch.int64),
+                positions=torch.tensor(b.positions, dtype=torch.int64),
+                all_greedy=all(x == 0.0 for x in temps),
+                need_sort=any(k > 0 for k in b.top_k) or any(p < 1.0 for p in b.top_p),
+                need_min_p=any(m > 0 for m in b.min_p), max_logprobs=b.max_logprobs,
+                banned=b.banned)
         if t.all_greedy:        # argmax needs none of the per-row tensors: skip the copies
             return t
         nb = torch.device(device).type == "cuda"

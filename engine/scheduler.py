@@ -1,7 +1,13 @@
 """Token-budget continuous batching: running requests first (decode tokens and the next chunk
 of unfinished prefills), then new requests while the budget and max_num_seqs allow. When the
 cache runs out, the youngest running request is preempted (its blocks freed; it is recomputed
-later, with nothing lost)."""
+later, with nothing lost).
+
+With overlap scheduling the batch of step N+1 is chosen while step N runs: a token sampled by
+step N is already in the sequence as PENDING (appended by `on_launch`), so lengths, block
+allocation, min_tokens and max_tokens are exact; `on_result` fills it in one step later and
+applies the stop rules that need its value (EOS, stop ids). A request that stops then has one
+wasted decode row in flight, whose blocks are freed with the rest of its blocks."""
 from __future__ import annotations
 
 from collections import deque
@@ -9,6 +15,7 @@ from dataclasses import dataclass, field
 
 from .block_manager import BlockManager
 from .sequence import Sequence, SequenceStatus
+from .step_inputs import PENDING
 
 
 @dataclass
@@ -63,6 +70,9 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             length = len(seq.token_ids)
+            if seq.pending and self._reached_limit(seq):
+                i += 1                               # its last token is in flight: it is done
+                continue
             if (length + bs - 1) // bs > len(seq.block_table):   # needs a new block (1 step in bs)
                 while not self.bm.can_append(seq, length):
                     victim = self.running[-1]
@@ -79,7 +89,7 @@ class Scheduler:
         # 2. admit waiting requests (preempted ones are at the front)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if not self.bm.can_allocate(seq):
+            if seq.pending or not self.bm.can_allocate(seq):   # pending: preempted in flight
                 break
             self.waiting.popleft()
             self.bm.allocate(seq)
@@ -90,12 +100,28 @@ class Scheduler:
             budget -= n
         return out
 
-    # ---- after the forward -----------------------------------------------------------------
+    def _reached_limit(self, seq: Sequence) -> bool:
+        return seq.num_output_tokens >= seq.params.max_tokens or len(seq) >= self.max_model_len
+
+    # ---- around the forward ----------------------------------------------------------------
+    def on_launch(self, scheduled: list[ScheduledSeq], step_id: int) -> None:
+        """The step is on the device: its tokens count as computed, and each sampling row's
+        token is appended as PENDING (resolved by on_result)."""
+        k = 0
+        for s in scheduled:
+            seq = s.seq
+            seq.num_computed_tokens = s.start + s.num_tokens
+            if s.samples:
+                seq.pending[len(seq.token_ids)] = (step_id, k)
+                seq.token_ids.append(PENDING)
+                k += 1
+
     def finish(self, seq: Sequence, reason: str) -> None:
         if seq.is_finished:
             return
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+        seq.drop_pending()
         if seq in self.running:
             self.running.remove(seq)
         else:
@@ -105,25 +131,40 @@ class Scheduler:
                 pass
         self.bm.free(seq)
 
-    def postprocess(self, scheduled: list[ScheduledSeq], tokens: list[int]) -> list[Sequence]:
-        """Advance each scheduled sequence; append sampled tokens (one per sampling entry,
-        in order). Returns the sequences that received a token."""
+    def on_result(self, scheduled: list[ScheduledSeq], tokens: list[int], step_id: int
+                  ) -> list[tuple[Sequence, int]]:
+        """Resolve the step's sampled tokens (one per sampling entry, in order) and apply the
+        stop rules. Returns (sequence, token) for each live sequence that received one."""
         got, k = [], 0
         for s in scheduled:
             seq = s.seq
-            seq.num_computed_tokens += s.num_tokens
-            self.bm.commit(seq)
             if not s.samples:
+                if not seq.is_finished:
+                    self.bm.commit(seq)
                 continue
             tok = tokens[k]
             k += 1
-            seq.token_ids.append(tok)
-            got.append(seq)
+            if seq.is_finished:                  # aborted or stopped while in flight
+                continue
+            pos = next((p for p, src in seq.pending.items() if src == (step_id, k - 1)), None)
+            if pos is None:
+                continue
+            del seq.pending[pos]
+            seq.token_ids[pos] = tok
+            self.bm.commit(seq)
+            got.append((seq, tok))
             p = seq.params
-            n_out = seq.num_output_tokens
+            n_out = pos + 1 - seq.num_prompt_tokens
             if (not p.ignore_eos and tok in self.eos_token_ids and n_out >= p.min_tokens) or \
                     (tok in p.stop_token_ids and n_out >= p.min_tokens):
+                del seq.token_ids[pos + 1:]      # a later token may already be in flight
                 self.finish(seq, "stop")
-            elif n_out >= p.max_tokens or len(seq) >= self.max_model_len:
+            elif n_out >= p.max_tokens or pos + 1 >= self.max_model_len:
+                del seq.token_ids[pos + 1:]
                 self.finish(seq, "length")
         return got
+
+    def postprocess(self, scheduled: list[ScheduledSeq], tokens: list[int]) -> list[Sequence]:
+        """Serial form (tests, tools): on_launch and on_result of one step at once."""
+        self.on_launch(scheduled, -1)
+        return [seq for seq, _ in self.on_result(scheduled, tokens, -1)]

@@ -35,6 +35,10 @@ class Sequence:
         self.seed = seed
         self.watch = watch
         self.status = SequenceStatus.WAITING
+        # position -> (step id, sampled row) of output tokens still on the device: with overlap
+        # scheduling a token is appended as PENDING when its step is launched, and resolved
+        # when that step is postprocessed. Always the tail of token_ids (at most two).
+        self.pending: dict[int, tuple[int, int]] = {}
         self.block_table: list[int] = []
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0          # prompt tokens served by the prefix cache (last admit)
@@ -61,6 +65,25 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_resolved_tokens(self) -> int:
+        """Tokens whose ids are known on the host (all but the pending tail)."""
+        return min(self.pending) if self.pending else len(self.token_ids)
+
+    def pending_src(self, pos: int, step_id: int) -> int:
+        """The sampled row of `step_id` that holds the pending token at `pos`."""
+        step, row = self.pending[pos]
+        if step != step_id:
+            raise RuntimeError(f"{self.request_id}: token {pos} is pending from step {step}, "
+                               f"not from the step in flight ({step_id})")
+        return row
+
+    def drop_pending(self) -> None:
+        """Forget unresolved tokens (the request finished before they came back)."""
+        if self.pending:
+            del self.token_ids[min(self.pending):]
+            self.pending.clear()
 
     @property
     def is_finished(self) -> bool:

@@ -156,6 +156,18 @@ def test_cpu_latency_runs_tiny_on_cpu():
     _assert_positive(_by_metric(rows, "ratio"), ["decode_tok_s"])
 
 
+def test_serve_runs_tiny_on_cpu_through_http_and_in_process():
+    from bench import serve
+    rows = serve.main(device="cpu", repeats=1, ttft_repeats=2, tiny=True)
+    _assert_no_errors(rows)     # includes: every workload token arrived over HTTP
+    assert {r["model"] for r in rows} == {"tiny"}
+    for system in ("glassbox", "glassbox-api"):
+        _assert_positive(_by_metric(rows, system), ["output_tok_s", "ttft_ms_32",
+                                                    "ttft_ms_loaded"])
+    over = _by_metric(rows, "overhead")
+    assert math.isfinite(over["throughput_overhead_pct"]) and math.isfinite(over["ttft_overhead_ms"])
+
+
 # ---------------------------------------------------------------- run_all
 
 def test_run_all_writes_json_and_markdown_and_survives_a_failing_section(tmp_path, monkeypatch):

@@ -95,3 +95,61 @@ def test_graph_probes_equal_eager_probes(model_factory, arch, spec):
     if ra is not None:
         np.testing.assert_allclose(ra[0], rb[0], atol=1e-5)
         np.testing.assert_array_equal(ra[1], rb[1])
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen2"])
+def test_fused_qk_norm_rope_store_gives_the_unfused_tokens_and_logprobs(model_factory, monkeypatch, arch):
+    """fp32, CUDA graphs and eager: the one-launch q/k norm + RoPE + K/V store gives the tokens
+    of the four launches it replaced, logprobs within fp32 rounding (its q/k-norm sum of squares
+    adds in another order; qwen2: bias, no q/k norm, exactly equal)."""
+    from engine.models import qwen
+    path = model_factory(arch)
+    sp = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=3)
+    runs = {}
+    for fused in (True, False):
+        monkeypatch.setattr(qwen, "fused_qkv_path", (lambda qkv: qkv.is_cuda) if fused
+                            else (lambda qkv: False))
+        for eager in (False, True):
+            llm = LLM(path, device="cuda", dtype="float32", num_kv_blocks=128, block_size=16,
+                      max_num_seqs=8, enforce_eager=eager)
+            outs = llm.generate(PROMPTS, sp)
+            llm.shutdown()
+            runs[fused, eager] = [(o.token_ids, [(lp.logprob, dict(lp.top)) for lp in o.logprobs])
+                                  for o in outs]
+    for eager in (False, True):
+        a, b = runs[True, eager], runs[False, eager]
+        assert [x[0] for x in a] == [x[0] for x in b], f"eager={eager}"
+        for (_, la), (_, lb) in zip(a, b):
+            np.testing.assert_allclose([x[0] for x in la], [x[0] for x in lb], atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_overlap_scheduling_equals_serial_on_the_gpu(model_factory, dtype):
+    """CUDA graphs + overlap (the GPU default): pending input ids come from the device, host
+    copies run one step late; tokens, logprobs, finish reasons and probes are the serial loop's."""
+    path = model_factory("qwen3")
+    prompts = PROMPTS + [list(range(100, 133)), [7, 8]]
+    eos = [o for o in (2,)]
+    params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2),
+              SamplingParams(temperature=0.8, seed=5, max_tokens=30, ignore_eos=True),
+              SamplingParams(temperature=1.0, top_p=0.9, seed=6, max_tokens=25, ignore_eos=True),
+              SamplingParams(temperature=0.9, seed=7, max_tokens=30, min_tokens=5,
+                             stop_token_ids=eos),
+              SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[9, 10, 11])]
+    runs = []
+    for overlap in (False, True):
+        llm = LLM(path, device="cuda", dtype=dtype, num_kv_blocks=128, block_size=16,
+                  max_num_seqs=8, async_scheduling=overlap)
+        outs = llm.generate(prompts, params, watch=[ProbeSpec(), None, None, None, None])
+        tr = llm.trace(outs[0].request_id)
+        snap = llm.inspect()
+        llm.shutdown()
+        assert not snap.block_tables
+        runs.append((outs, tr))
+    (a, ta), (b, tb) = runs
+    for x, y in zip(a, b):
+        assert x.token_ids == y.token_ids and x.finish_reason == y.finish_reason
+        assert [lp.logprob for lp in x.logprobs] == [lp.logprob for lp in y.logprobs]
+    np.testing.assert_array_equal(ta.norms(), tb.norms())
+    for x, y in zip(ta.attention, tb.attention):
+        np.testing.assert_array_equal(x.probs, y.probs)

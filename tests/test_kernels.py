@@ -27,6 +27,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:divide by zero encountered in lo
 
 
 from engine.kernels import activation, rmsnorm as norm, rotary, store_kvcache as kvstore
+from engine.kernels import qk_norm_rope_store as fused
 from engine.kernels import attention_probe as probe, decode_attention as decode, prefill_attention as prefill
 
 # If an earlier test module imported triton with the interpreter off, triton's own library
@@ -244,6 +245,172 @@ def test_rotary_kernel_rotates_strided_q_and_k_in_place_like_ref(dtype, head_dim
     torch.testing.assert_close(out_q, ref_q, **TOL[dtype])
     torch.testing.assert_close(out_k, ref_k, **TOL[dtype])
     assert torch.equal(qkv[:, (hq + hkv) * head_dim:], expected[:, (hq + hkv) * head_dim:])  # v untouched
+
+
+# ---------------------------------------------------------------- fused q/k norm + RoPE + K/V store
+
+MAX_POSITIONS = 40976  # Qwen3's rotary table length: large positions index far into it
+
+
+def _fused_inputs(n, hq, hkv, d, dtype, qk_norm, block_size=4, num_blocks=8):
+    """qkv as a column slice of a wider buffer (row stride > width, as a strided projection
+    output), fresh random positions up to the table's end, shuffled slots with padding (-1)."""
+    width = (hq + 2 * hkv) * d
+    qkv = (torch.randn(n, width + 24) * 2).to(dtype)[:, 24:]
+    positions = torch.randint(0, MAX_POSITIONS, (n,))
+    positions[0] = MAX_POSITIONS - 1
+    slots = torch.randperm(num_blocks * block_size)[:n]
+    slots[1::4] = -1
+    weights = (torch.randn(d).to(dtype), torch.randn(d).to(dtype)) if qk_norm else (None, None)
+    cache = rotary.build_cos_sin_cache(d, MAX_POSITIONS, 1e6, DEVICE)
+    return qkv, positions, slots, weights, cache, (num_blocks, block_size, hkv, d)
+
+
+def _unfused_triton(qkv, positions, cache, k_cache, v_cache, slots, hq, hkv, q_w, k_w, eps):
+    """Today's CUDA sequence in QwenAttention: split, q_norm, k_norm, rotary, store (4 launches)."""
+    n, d = qkv.shape[0], cache.shape[-1]
+    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], -1)
+    q, k, v = q.reshape(n, hq, d), k.reshape(n, hkv, d), v.reshape(n, hkv, d)
+    if q_w is not None:
+        q = norm.rms_norm(q.reshape(-1, d), q_w, eps).view(n, hq, d)
+        k = norm.rms_norm(k.reshape(-1, d), k_w, eps).view(n, hkv, d)
+    else:
+        q, k = q.clone(), k.clone()  # the model rotates views of qkv in place; keep the input
+    q, k = rotary.apply_rotary(q, k, positions, cache)
+    kvstore.store_kvcache(k, v, k_cache, v_cache, slots)
+    return q
+
+
+FUSED_HEADS = [(4, 2), (4, 4), (3, 1)]  # GQA, MHA, a single KV head (and Hq not a power of 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("hq,hkv", FUSED_HEADS)
+@pytest.mark.parametrize("head_dim", [16, 64, 128])
+@pytest.mark.parametrize("qk_norm", [True, False])
+def test_qk_norm_rope_store_equals_the_unfused_kernels_bit_for_bit(dtype, hq, hkv, head_dim, qk_norm):
+    """Same rounding points, same reductions: q and both caches equal the four-launch sequence
+    exactly; padding slots leave the cache untouched (NaN)."""
+    qkv, positions, slots, (q_w, k_w), cache, cache_shape = _fused_inputs(9, hq, hkv, head_dim, dtype, qk_norm)
+    before = qkv.clone()
+    got_kv = torch.full((2, *cache_shape), NAN, dtype=dtype)
+    want_kv = got_kv.clone()
+    q = fused.qk_norm_rope_store(qkv, positions, cache, got_kv[0], got_kv[1], slots, hq, hkv, q_w, k_w, 1e-6)
+    want_q = _unfused_triton(qkv, positions, cache, want_kv[0], want_kv[1], slots, hq, hkv, q_w, k_w, 1e-6)
+    assert q.shape == (9, hq, head_dim) and q.dtype == dtype and q.is_contiguous()
+    assert torch.equal(q, want_q)
+    assert torch.equal(got_kv.nan_to_num(7.0), want_kv.nan_to_num(7.0))
+    assert torch.equal(qkv, before)  # the projection output is read, never written
+    stored = (slots >= 0).sum().item()
+    assert got_kv.isnan().all(-1).all(-1).sum().item() == 2 * (cache_shape[0] * cache_shape[1] - stored)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("hq,hkv", FUSED_HEADS)
+@pytest.mark.parametrize("qk_norm", [True, False])
+def test_qk_norm_rope_store_kernel_matches_ref(dtype, hq, hkv, qk_norm):
+    qkv, positions, slots, (q_w, k_w), cache, cache_shape = _fused_inputs(11, hq, hkv, 64, dtype, qk_norm)
+    got_kv = torch.full((2, *cache_shape), NAN, dtype=dtype)
+    want_kv = got_kv.clone()
+    q = fused.qk_norm_rope_store(qkv, positions, cache, got_kv[0], got_kv[1], slots, hq, hkv, q_w, k_w, 1e-6)
+    want_q = fused.qk_norm_rope_store_ref(qkv, positions, cache, want_kv[0], want_kv[1], slots, hq, hkv,
+                                          q_w, k_w, 1e-6)
+    if qk_norm:  # the norm's fp32 sum of squares adds in another order than torch's mean
+        torch.testing.assert_close(q, want_q, **TOL[dtype])
+        torch.testing.assert_close(got_kv.nan_to_num(7.0), want_kv.nan_to_num(7.0), **TOL[dtype])
+    else:        # RoPE alone is elementwise: bit for bit
+        assert torch.equal(q, want_q)
+        assert torch.equal(got_kv.nan_to_num(7.0), want_kv.nan_to_num(7.0))
+
+
+@pytest.mark.parametrize("qk_norm", [True, False])
+def test_qk_norm_rope_store_ref_equals_hf_norm_and_rotary_with_a_dense_store(qk_norm):
+    """The reference against HF's own modules and a slot-by-slot store, so a wrong ref fails."""
+    n, hq, hkv, d, eps = 7, 4, 2, 32, 1e-6
+    qkv, positions, slots, (q_w, k_w), cache, cache_shape = _fused_inputs(n, hq, hkv, d, torch.float32, qk_norm)
+    kv = torch.full((2, *cache_shape), NAN)
+    q = fused.qk_norm_rope_store_ref(qkv, positions, cache, kv[0], kv[1], slots, hq, hkv, q_w, k_w, eps)
+    hf_q = qkv[:, :hq * d].reshape(n, hq, d)
+    hf_k = qkv[:, hq * d:(hq + hkv) * d].reshape(n, hkv, d)
+    if qk_norm:
+        q_norm, k_norm = Qwen3RMSNorm(d, eps), Qwen3RMSNorm(d, eps)
+        with torch.no_grad():
+            q_norm.weight.copy_(q_w)
+            k_norm.weight.copy_(k_w)
+            hf_q, hf_k = q_norm(hf_q), k_norm(hf_k)
+    cos = torch.cat([cache[positions, :d // 2]] * 2, -1)[None]  # [1, n, D], HF's layout
+    sin = torch.cat([cache[positions, d // 2:]] * 2, -1)[None]
+    hf_q, hf_k = apply_rotary_pos_emb(hf_q.transpose(0, 1)[None], hf_k.transpose(0, 1)[None], cos, sin)
+    hf_q, hf_k = hf_q[0].transpose(0, 1), hf_k[0].transpose(0, 1)
+    torch.testing.assert_close(q, hf_q, atol=1e-6, rtol=1e-6)
+    v = qkv[:, (hq + hkv) * d:].reshape(n, hkv, d)
+    for t in range(n):
+        s = slots[t].item()
+        if s >= 0:
+            torch.testing.assert_close(kv[0, s // 4, s % 4], hf_k[t], atol=1e-6, rtol=1e-6)
+            assert torch.equal(kv[1, s // 4, s % 4], v[t])
+
+
+@pytest.mark.parametrize("qk_norm", [True, False])
+def test_qk_norm_rope_store_copies_the_probe_rows_from_a_device_index(qk_norm):
+    """Rows read from a device tensor (a CUDA graph replays with new ones): each listed row's q
+    lands in its probe slot, -1 copies nothing, and q itself is unchanged by the probe."""
+    hq, hkv, d, n = 4, 2, 32, 10
+    qkv, positions, slots, (q_w, k_w), cache, cache_shape = _fused_inputs(n, hq, hkv, d, torch.float32, qk_norm)
+    kv = torch.full((2, *cache_shape), NAN)
+    plain = fused.qk_norm_rope_store(qkv, positions, cache, kv[0].clone(), kv[1].clone(), slots, hq, hkv,
+                                     q_w, k_w, 1e-6)
+    for rows in ([6], [9, 0, -1], [3, 3]):
+        probe_rows = torch.tensor(rows, dtype=torch.int64)
+        probe_q = torch.full((len(rows), hq, d), -5.0)
+        ref_probe_q = probe_q.clone()
+        q = fused.qk_norm_rope_store(qkv, positions, cache, kv[0], kv[1], slots, hq, hkv, q_w, k_w, 1e-6,
+                                     probe_rows=probe_rows, probe_q=probe_q)
+        fused.qk_norm_rope_store_ref(qkv, positions, cache, kv[0].clone(), kv[1].clone(), slots, hq, hkv,
+                                     q_w, k_w, 1e-6, probe_rows=probe_rows, probe_q=ref_probe_q)
+        assert torch.equal(q, plain)
+        for i, r in enumerate(rows):
+            want = plain[r] if r >= 0 else torch.full((hq, d), -5.0)
+            assert torch.equal(probe_q[i], want)
+        torch.testing.assert_close(ref_probe_q, probe_q, **TOL[torch.float32])
+    scalar = torch.tensor(4, dtype=torch.int64)  # a 0-d index: one probe row
+    probe_q = torch.zeros(1, hq, d)
+    fused.qk_norm_rope_store(qkv, positions, cache, kv[0], kv[1], slots, hq, hkv, q_w, k_w, 1e-6,
+                             probe_rows=scalar, probe_q=probe_q)
+    assert torch.equal(probe_q[0], plain[4])
+
+
+def test_qk_norm_rope_store_takes_int32_indices_an_output_buffer_and_no_tokens():
+    hq, hkv, d = 4, 2, 16
+    qkv, positions, slots, (q_w, k_w), cache, cache_shape = _fused_inputs(6, hq, hkv, d, torch.float16, True)
+    kv64 = torch.full((2, *cache_shape), NAN, dtype=torch.float16)
+    kv32 = kv64.clone()
+    want = fused.qk_norm_rope_store(qkv, positions, cache, kv64[0], kv64[1], slots, hq, hkv, q_w, k_w, 1e-6)
+    q_out = torch.empty(6, hq, d, dtype=torch.float16)
+    got = fused.qk_norm_rope_store(qkv, positions.int(), cache, kv32[0], kv32[1], slots.int(), hq, hkv,
+                                   q_w, k_w, 1e-6, q_out=q_out)
+    assert got.data_ptr() == q_out.data_ptr() and torch.equal(got, want)
+    assert torch.equal(kv32.nan_to_num(7.0), kv64.nan_to_num(7.0))
+    empty = fused.qk_norm_rope_store(qkv[:0], positions[:0], cache, kv32[0], kv32[1], slots[:0], hq, hkv,
+                                     q_w, k_w, 1e-6)
+    assert empty.shape == (0, hq, d) and torch.equal(kv32.nan_to_num(7.0), kv64.nan_to_num(7.0))
+
+
+def test_qk_norm_rope_store_rejects_inputs_it_would_misread():
+    hq, hkv, d = 4, 2, 16
+    qkv, positions, slots, (q_w, k_w), cache, cache_shape = _fused_inputs(5, hq, hkv, d, torch.float32, True)
+    kv = torch.zeros(2, *cache_shape)
+    args = (positions, cache, kv[0], kv[1], slots, hq, hkv)
+    with pytest.raises(ValueError, match="qkv must be"):
+        fused.qk_norm_rope_store(qkv[:, :-d], *args)
+    with pytest.raises(ValueError, match="contiguous last dim"):
+        fused.qk_norm_rope_store(torch.randn(qkv.shape[1], 5).t(), *args)
+    with pytest.raises(ValueError, match="cos_sin_cache must be fp32"):
+        fused.qk_norm_rope_store(qkv, positions, cache.half(), kv[0], kv[1], slots, hq, hkv)
+    with pytest.raises(ValueError, match="come together"):
+        fused.qk_norm_rope_store(qkv, *args, q_w, None)
+    with pytest.raises(ValueError, match="probe_q must be"):
+        fused.qk_norm_rope_store(qkv, *args, probe_rows=torch.tensor([1, 2]), probe_q=torch.zeros(1, hq, d))
 
 
 # ---------------------------------------------------------------- activation

@@ -1,5 +1,6 @@
 """GPU: every Triton kernel against its torch reference in bf16 at Qwen shapes, and paged decode
-attention replayed from a CUDA graph after its inputs change in place."""
+attention and the fused q/k-norm + RoPE + K/V store replayed from CUDA graphs after their
+inputs change in place."""
 import pytest
 import torch
 
@@ -8,6 +9,7 @@ from engine.kernels.activation import silu_and_mul, silu_and_mul_ref
 from engine.kernels.attention_probe import attention_probs, attention_probs_ref
 from engine.kernels.decode_attention import paged_decode_attention, paged_decode_attention_ref
 from engine.kernels.prefill_attention import paged_prefill_attention, paged_prefill_attention_ref
+from engine.kernels.qk_norm_rope_store import qk_norm_rope_store, qk_norm_rope_store_ref
 from engine.kernels.rmsnorm import fused_add_rms_norm, fused_add_rms_norm_ref, rms_norm, rms_norm_ref
 from engine.kernels.rotary import apply_rotary, apply_rotary_ref, build_cos_sin_cache
 from engine.kernels.store_kvcache import store_kvcache, store_kvcache_ref
@@ -115,6 +117,119 @@ def test_rotary_matches_ref(num_q_heads, num_kv_heads):
 def test_silu_and_mul_matches_ref(num_tokens):
     x = torch.randn(num_tokens, 2 * 3072, dtype=BF16)
     torch.testing.assert_close(silu_and_mul(x), silu_and_mul_ref(x), atol=2e-2, rtol=2e-2)
+
+
+# ---------------------------------------------------------------- fused q/k norm + RoPE + K/V store
+
+ROPE_POSITIONS = 40976  # Qwen3's table length
+
+
+def _unfused_qk_norm_rope_store(qkv, positions, cache, k_cache, v_cache, slots, hq, hkv, q_w, k_w):
+    """The four launches the fused kernel replaces, as QwenAttention ran them on the GPU."""
+    n, d = qkv.shape[0], cache.shape[-1]
+    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], -1)
+    q, k, v = q.reshape(n, hq, d), k.reshape(n, hkv, d), v.reshape(n, hkv, d)
+    if q_w is not None:
+        q = rms_norm(q.reshape(-1, d), q_w, 1e-6).view(n, hq, d)
+        k = rms_norm(k.reshape(-1, d), k_w, 1e-6).view(n, hkv, d)
+    else:
+        q, k = q.clone(), k.clone()
+    q, k = apply_rotary(q, k, positions, cache)
+    store_kvcache(k, v, k_cache, v_cache, slots)
+    return q
+
+
+# (Hq, Hkv, D): Qwen3-0.6B, Qwen3-30B-A3B, Qwen2.5-0.5B (14 query heads: not a power of 2)
+FUSED_SHAPES = [(16, 8, 128), (32, 4, 128), (14, 2, 64)]
+
+
+@pytest.mark.parametrize("dtype", [BF16, torch.float32])
+@pytest.mark.parametrize("num_q_heads,num_kv_heads,head_dim", FUSED_SHAPES)
+@pytest.mark.parametrize("qk_norm", [True, False])
+@pytest.mark.parametrize("num_tokens", [1, 7, 1000])
+def test_qk_norm_rope_store_matches_the_unfused_kernels(dtype, num_q_heads, num_kv_heads, head_dim,
+                                                        qk_norm, num_tokens):
+    """fp32: against the four launches it replaces, bit for bit without q/k norm and within an
+    ulp or two with it (the fused kernel's sum of squares adds in another order than the
+    rms_norm kernel's, as the H200 showed); bf16: within bf16 rounding of them and of the torch
+    reference."""
+    n, block_size, num_blocks = num_tokens, 16, 80
+    width = (num_q_heads + 2 * num_kv_heads) * head_dim
+    qkv = (torch.randn(n, width + 64) * 2).to(dtype)[:, 64:]   # a strided projection output
+    positions = torch.randint(0, ROPE_POSITIONS, (n,))
+    positions[0] = ROPE_POSITIONS - 1
+    slots = torch.randperm(num_blocks * block_size)[:n]
+    slots[1::5] = -1
+    q_w = torch.randn(head_dim).to(dtype) if qk_norm else None
+    k_w = torch.randn(head_dim).to(dtype) if qk_norm else None
+    cache = build_cos_sin_cache(head_dim, ROPE_POSITIONS, 1e6, "cuda")
+    kv = {name: torch.full((2, num_blocks, block_size, num_kv_heads, head_dim), NAN, dtype=dtype)
+          for name in ("fused", "unfused", "ref")}
+    q = qk_norm_rope_store(qkv, positions, cache, kv["fused"][0], kv["fused"][1], slots,
+                           num_q_heads, num_kv_heads, q_w, k_w, 1e-6)
+    want_q = _unfused_qk_norm_rope_store(qkv, positions, cache, kv["unfused"][0], kv["unfused"][1],
+                                         slots, num_q_heads, num_kv_heads, q_w, k_w)
+    ref_q = qk_norm_rope_store_ref(qkv, positions, cache, kv["ref"][0], kv["ref"][1], slots,
+                                   num_q_heads, num_kv_heads, q_w, k_w, 1e-6)
+    live = slots >= 0
+    flat = {name: c.view(2, -1, num_kv_heads, head_dim)[:, slots[live]] for name, c in kv.items()}
+    assert kv["fused"].isnan().all(-1).all(-1).sum().item() == 2 * (num_blocks * block_size - live.sum().item())
+    if dtype == torch.float32 and not qk_norm:
+        assert torch.equal(q, want_q)
+        assert torch.equal(flat["fused"], flat["unfused"])
+    elif dtype == torch.float32:
+        torch.testing.assert_close(q, want_q, rtol=4e-7, atol=1e-6)
+        torch.testing.assert_close(flat["fused"], flat["unfused"], rtol=4e-7, atol=1e-6)
+    else:
+        assert_rows_close(q, want_q, 2**-8)
+        assert_rows_close(flat["fused"], flat["unfused"], 2**-8)
+    assert_rows_close(q, ref_q, 2e-2)
+    assert_rows_close(flat["fused"], flat["ref"], 2e-2)
+
+
+def test_qk_norm_rope_store_replays_from_a_cuda_graph_with_new_probe_rows():
+    """The probe's q-row index is read on the device: a captured launch copies whichever row
+    the index names at replay, with new positions, slots and inputs."""
+    n, hq, hkv, d, block_size, num_blocks = 8, 16, 8, 128, 16, 64
+    qkv = torch.randn(n, (hq + 2 * hkv) * d, dtype=BF16)
+    positions = torch.randint(0, ROPE_POSITIONS, (n,))
+    slots = torch.randperm(num_blocks * block_size)[:n]
+    q_w, k_w = torch.randn(2, d, dtype=BF16)
+    cache = build_cos_sin_cache(d, ROPE_POSITIONS, 1e6, "cuda")
+    k_cache = torch.zeros(num_blocks, block_size, hkv, d, dtype=BF16)
+    v_cache = torch.zeros_like(k_cache)
+    probe_rows = torch.tensor([0], dtype=torch.int64)
+    probe_q = torch.zeros(1, hq, d, dtype=BF16)
+    q_out = torch.empty(n, hq, d, dtype=BF16)
+
+    def launch():
+        qk_norm_rope_store(qkv, positions, cache, k_cache, v_cache, slots, hq, hkv, q_w, k_w, 1e-6,
+                           probe_rows=probe_rows, probe_q=probe_q, q_out=q_out)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile before capture
+        launch()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        launch()
+
+    for row in (5, 0, 7, -1):
+        qkv.copy_(torch.randn_like(qkv))
+        positions.copy_(torch.randint(0, ROPE_POSITIONS, (n,)))
+        slots.copy_(torch.randperm(num_blocks * block_size)[:n])
+        probe_rows.fill_(row)
+        probe_q.fill_(NAN)
+        graph.replay()
+        torch.cuda.synchronize()
+        kv = torch.zeros(2, num_blocks, block_size, hkv, d, dtype=BF16)
+        want = _unfused_qk_norm_rope_store(qkv, positions, cache, kv[0], kv[1], slots, hq, hkv, q_w, k_w)
+        assert_rows_close(q_out, want, 2**-8)
+        if row >= 0:
+            assert torch.equal(probe_q[0], q_out[row])
+        else:
+            assert probe_q.isnan().all()
 
 
 # ---------------------------------------------------------------- attention

@@ -1,5 +1,8 @@
-"""MoE kernels on a CUDA GPU at Qwen3-30B-A3B shapes (bf16) vs the torch reference."""
+"""MoE kernels on a CUDA GPU at Qwen3-30B-A3B shapes (bf16, TP=1 and TP=2 per-rank slices) vs the
+torch reference: both expert paths, the dispatcher at every decode-graph bucket, every tuned
+config shipped for this device, CUDA-graph replay, routing."""
 
+import json
 import os
 
 import pytest
@@ -14,19 +17,32 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
-from engine.kernels.fused_moe import fused_moe, fused_moe_ref, pick_config  # noqa: E402
+from engine.kernels import moe_configs as mc  # noqa: E402
+from engine.kernels.fused_moe import fused_moe, fused_moe_ref, pick_config, w13_silu_ref, w2_weighted_ref  # noqa: E402
 from engine.kernels.moe_align import _moe_align_torch, _moe_align_triton, moe_align_ref  # noqa: E402
-from engine.kernels.moe_routing import route, route_ref  # noqa: E402
+from engine.kernels.moe_gemv import fused_moe_gemv  # noqa: E402
+from engine.kernels.moe_routing import route, route_counts, route_hidden, route_ref  # noqa: E402
+from engine.layers.moe import fused_experts  # noqa: E402
 
 E, K, H, I = 128, 8, 2048, 768  # Qwen3-30B-A3B
+BUCKETS = [1, 2, 4, 8, 16, 32, 48, 64, 128, 256, 512, 1024]  # decode-graph batch sizes (cuda_graphs.py)
+
+
+def _weights(inter, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    w13 = (torch.randn(E, 2 * inter, H, device="cuda", generator=g) / H**0.5).to(torch.bfloat16)
+    w2 = (torch.randn(E, H, inter, device="cuda", generator=g) / inter**0.5).to(torch.bfloat16)
+    return w13, w2
 
 
 @pytest.fixture(scope="module")
 def weights():
-    g = torch.Generator(device="cuda").manual_seed(0)
-    w13 = (torch.randn(E, 2 * I, H, device="cuda", generator=g) / H**0.5).to(torch.bfloat16)
-    w2 = (torch.randn(E, H, I, device="cuda", generator=g) / I**0.5).to(torch.bfloat16)
-    return w13, w2
+    return _weights(I, 0)
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
+def tp_weights(request, weights):
+    return weights if request.param == 1 else _weights(I // 2, 1)
 
 
 def _routing(n, seed):
@@ -36,34 +52,108 @@ def _routing(n, seed):
     return w, ids
 
 
+def _x(n, seed):
+    return torch.randn(n, H, device="cuda", generator=torch.Generator(device="cuda").manual_seed(seed)).to(torch.bfloat16)
+
+
 def _rel_err(got, want):
     return ((got.float() - want).norm() / want.norm()).item()
 
 
+def _ref32(x, w13, w2, w, ids):
+    """fp32 math on the bf16 inputs; the routing weights rounded to bf16 as HF (and the kernels) do."""
+    n = x.shape[0]
+    inter = w13_silu_ref(x, w13, ids)
+    return w2_weighted_ref(inter, w2, w.to(x.dtype).float(), ids).view(n, K, H).sum(1)
+
+
+def _assert_close_to_reference(out, x, w13, w2, w, ids):
+    want = _ref32(x, w13, w2, w, ids)
+    err = _rel_err(out, want)
+    err_bf16_ref = _rel_err(fused_moe_ref(x, w13, w2, w, ids), want)  # HF-style bf16, for scale
+    assert not out.isnan().any()
+    assert err < 1e-2, err
+    assert err <= 1.5 * err_bf16_ref + 1e-3, (err, err_bf16_ref)
+
+
 @pytest.mark.parametrize("n", [1, 8, 64, 512, 4096])
-def test_fused_moe_bf16_matches_fp32_reference(weights, n):
-    w13, w2 = weights
-    x = torch.randn(n, H, device="cuda", generator=torch.Generator(device="cuda").manual_seed(n)).to(torch.bfloat16)
+def test_fused_moe_bf16_matches_fp32_reference(tp_weights, n):
+    w13, w2 = tp_weights
+    x = _x(n, n)
     w, ids = _routing(n, seed=100 + n)
     out = torch.full_like(x, float("nan"))
     fused_moe(x, w13, w2, w, ids, out=out)
-    want = fused_moe_ref(x.float(), w13.float(), w2.float(), w, ids)
-    err = _rel_err(out, want)
-    err_hf_style = _rel_err(fused_moe_ref(x, w13, w2, w, ids), want)  # bf16 reference, for scale
-    print(f"N={n}: rel err fused {err:.2e}, bf16 torch reference {err_hf_style:.2e}")
-    assert not out.isnan().any()
-    assert err < 1e-2
-    assert err <= 1.5 * err_hf_style + 1e-3
+    _assert_close_to_reference(out, x, w13, w2, w, ids)
 
 
-@pytest.mark.parametrize("n", [1, 8, 16, 64, 512, 4096])
-def test_moe_align_paths_agree_on_gpu(n):
-    _, ids = _routing(n, seed=200 + n)
-    block_m = pick_config(n, K, E).block_m
-    want = moe_align_ref(ids.cpu(), E, block_m)
-    for impl in (_moe_align_triton, _moe_align_torch):
-        for a, b in zip(impl(ids, E, block_m), want):
-            assert torch.equal(a.cpu(), b), impl.__name__
+@pytest.mark.parametrize("n", [1, 2, 4, 8, 16, 64])
+def test_gemv_path_bf16_matches_fp32_reference(tp_weights, n):
+    w13, w2 = tp_weights
+    x = _x(n, 10 + n)
+    w, ids = _routing(n, seed=110 + n)
+    out = torch.full_like(x, float("nan"))
+    fused_moe_gemv(x, w13, w2, w, ids, out=out)
+    _assert_close_to_reference(out, x, w13, w2, w, ids)
+
+
+@pytest.mark.parametrize("n", BUCKETS)
+def test_dispatcher_at_every_decode_bucket(tp_weights, n):
+    w13, w2 = tp_weights
+    x = _x(n, 20 + n)
+    w, ids = _routing(n, seed=120 + n)
+    cfg = mc.pick_config(n, K, E, w2.shape[2], H, x.dtype, x.device)
+    out = fused_experts(x, w13, w2, w, ids)
+    print(f"N={n} I={w2.shape[2]}: {cfg.short()}")
+    _assert_close_to_reference(out, x, w13, w2, w, ids)
+
+
+def _tuned_entries():
+    """(file, M, config) for every table shipped for this device."""
+    out = []
+    for p in sorted(mc.config_dir().glob(f"moe_E={E}_N=*_H={H}_*.json")):
+        inter = int(p.name.split("_N=")[1].split("_")[0])
+        if p.name != mc.config_file_name(E, inter, H, torch.bfloat16, torch.cuda.get_device_name()):
+            continue
+        for m, entry in json.loads(p.read_text())["configs"].items():
+            out.append((inter, int(m), mc.config_from_dict(entry)))
+    return out
+
+
+def test_every_tuned_config_for_this_device_is_correct():
+    entries = _tuned_entries()
+    if not entries:
+        pytest.skip(f"no tuned table for {torch.cuda.get_device_name()} in {mc.config_dir()}")
+    shapes = {}
+    for inter, m, cfg in entries:
+        if inter not in shapes:
+            shapes[inter] = _weights(inter, 3)
+        w13, w2 = shapes[inter]
+        x = _x(m, 30 + m)
+        w, ids = _routing(m, seed=130 + m)
+        out = fused_experts(x, w13, w2, w, ids, config=cfg)
+        _assert_close_to_reference(out, x, w13, w2, w, ids)
+
+
+@pytest.mark.parametrize("n", [1, 4])
+def test_gemv_path_never_reads_inactive_experts(weights, n):
+    w13, w2 = (t.clone() for t in weights)
+    x = _x(n, 40 + n)
+    w, ids = _routing(n, seed=140 + n)
+    want = fused_moe_gemv(x, w13, w2, w, ids)
+    inactive = torch.ones(E, dtype=torch.bool, device="cuda")
+    inactive[ids.long().flatten()] = False
+    w13[inactive] = float("nan")
+    w2[inactive] = float("nan")
+    torch.testing.assert_close(fused_moe_gemv(x, w13, w2, w, ids), want, rtol=0, atol=0)
+
+
+def test_gemv_path_is_deterministic(weights):
+    w13, w2 = weights
+    x = _x(8, 50)
+    w, ids = _routing(8, seed=150)
+    a = fused_moe_gemv(x, w13, w2, w, ids)
+    b = fused_moe_gemv(x, w13, w2, w, ids)
+    assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("n", [1, 7, 512, 4096])
@@ -78,20 +168,72 @@ def test_route_triton_on_gpu_matches_torch_reference(n):
     same_set = (ids.sort(-1).values == ids_r.sort(-1).values).all(-1)
     assert bool((same_set | boundary_tie).all())
     assert bool((probs_r.gather(1, ids.long()) >= top[:, K - 1:K]).all())
+    # exactly a stable descending sort of the logits: ties to the lower expert
+    want = torch.sort(logits.float(), dim=-1, descending=True, stable=True).indices[:, :K]
+    assert torch.equal(ids.long(), want)
 
 
-@pytest.mark.parametrize("n", [1, 64])
-def test_fused_moe_replays_in_a_cuda_graph(weights, n):
-    w13, w2 = weights
-    x = torch.randn(n, H, device="cuda").to(torch.bfloat16)
-    w, ids = _routing(n, seed=300 + n)
-    out = torch.empty_like(x)
-    fused_moe(x, w13, w2, w, ids, out=out)  # compile outside the capture
+@pytest.mark.parametrize("n", [1, 2, 8, 16, 33, 64])
+def test_route_hidden_matches_router_linear_then_route_on_gpu(n):
+    g = torch.Generator(device="cuda").manual_seed(500 + n)
+    x = torch.randn(n, H, device="cuda", generator=g).to(torch.bfloat16)
+    gate = (torch.randn(E, H, device="cuda", generator=g) / H**0.5).to(torch.bfloat16)
+    probs, w, ids = route_hidden(x, gate, K, True, route_counts("cuda"))
+    # fp32 sums rounded to bf16 as the kernel does; a different summation order may flip the
+    # rounding of a logit by one bf16 ulp, so compare with a tolerance, not bitwise
+    probs_r, w_r, _ = route_ref(torch.nn.functional.linear(x.float(), gate.float()).to(torch.bfloat16), K, True)
+    torch.testing.assert_close(probs, probs_r, rtol=2e-2, atol=1e-5)
+    kth = probs_r.sort(-1, descending=True).values[:, K - 1:K]
+    assert bool((probs_r.gather(1, ids.long()) >= kth * (1 - 2e-2)).all())
+    torch.testing.assert_close(w, w_r, rtol=2e-2, atol=1e-4)
+
+
+def test_route_hidden_has_no_race_across_launches_and_graph_replays():
+    """48 launches back to back in a CUDA graph (a forward's MoE layers) share one set of
+    semaphores; 20 replays on fresh inputs must reproduce the eager results bit for bit. A
+    program routing before every tile's logits landed, or a semaphore left unreset, breaks it."""
+    n, layers = 16, 48
+    g = torch.Generator(device="cuda").manual_seed(7)
+    gates = [(torch.randn(E, H, device="cuda", generator=g) / H**0.5).to(torch.bfloat16) for _ in range(layers)]
+    x = torch.randn(n, H, device="cuda", generator=g).to(torch.bfloat16)
+    counts = route_counts("cuda")
+    outs = [route_hidden(x, gt, K, True, counts) for gt in gates]  # compile, allocate
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fused_moe(x, w13, w2, w, ids, out=out)
-    # new inputs copied into the captured buffers: the replay must follow them
+        outs = [route_hidden(x, gt, K, True, counts) for gt in gates]
+    for _ in range(20):
+        x.copy_(torch.randn(n, H, device="cuda", generator=g).to(torch.bfloat16))
+        graph.replay()
+        torch.cuda.synchronize()
+        for gt, got in zip(gates, outs):
+            want = route_hidden(x, gt, K, True, counts)
+            for a, b in zip(got, want):
+                assert torch.equal(a, b)
+    assert bool((counts == 0).all())
+
+
+@pytest.mark.parametrize("n", [1, 8, 16, 64, 512, 4096])
+def test_moe_align_paths_agree_on_gpu(n):
+    _, ids = _routing(n, seed=200 + n)
+    block_m = pick_config(n, K, E).block_m
+    want = moe_align_ref(ids.cpu(), E, block_m)
+    for impl in (_moe_align_triton, _moe_align_torch):
+        for a, b in zip(impl(ids, E, block_m), want):
+            assert torch.equal(a.cpu(), b), impl.__name__
+
+
+@pytest.mark.parametrize("n", [1, 4, 64, 256])
+def test_dispatcher_replays_in_a_cuda_graph(weights, n):
+    """Captured once, replayed after new inputs are copied into the captured buffers."""
+    w13, w2 = weights
+    x = _x(n, 60 + n)
+    w, ids = _routing(n, seed=300 + n)
+    fused_experts(x, w13, w2, w, ids)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused_experts(x, w13, w2, w, ids)
     x.copy_(torch.randn_like(x))
     w_new, ids_new = _routing(n, seed=400 + n)
     w.copy_(w_new)
@@ -99,4 +241,32 @@ def test_fused_moe_replays_in_a_cuda_graph(weights, n):
     out.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
-    torch.testing.assert_close(out, fused_moe(x, w13, w2, w, ids), rtol=0, atol=0)
+    torch.testing.assert_close(out, fused_experts(x, w13, w2, w, ids), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("n", [1, 64, 65, 300])
+def test_moe_layer_routes_and_computes_like_the_reference(weights, n):
+    """FusedMoE on the GPU (fused router up to 64 tokens, router linear + route kernel past it,
+    then the dispatcher) against the same math in torch."""
+    from engine.context import ForwardContext, set_context
+    from engine.layers.moe import FusedMoE
+    w13, w2 = weights
+    layer = FusedMoE(E, K, H, I, norm_topk_prob=True).cuda()
+    layer.w13.data, layer.w2.data = w13, w2
+    g = torch.Generator(device="cuda").manual_seed(600 + n)
+    gate = (torch.randn(E, H, device="cuda", generator=g) / H**0.5).to(torch.bfloat16)
+    x = torch.randn(n, H, device="cuda", generator=g).to(torch.bfloat16)
+    set_context(ForwardContext(slot_mapping=None, context_lens=None, block_tables=None, cu_seqlens_q=None,
+                               max_seqlen_q=1, is_decode=True, probes=None))
+    try:
+        out = layer(x, gate, 0)
+    finally:
+        set_context(None)
+    assert (layer.route_counts is not None) == (n <= 64)
+    # same experts but for near-ties of the bf16 logits (see the route_hidden test): compare
+    # against the reference on the layer's own choice, and check that choice is a valid top-k
+    probs_r, _, _ = route_ref(torch.nn.functional.linear(x.float(), gate.float()).to(torch.bfloat16), K, True)
+    _, w_l, ids_l = layer.route(x, gate)
+    kth = probs_r.sort(-1, descending=True).values[:, K - 1:K]
+    assert bool((probs_r.gather(1, ids_l.long()) >= kth * (1 - 2e-2)).all())
+    _assert_close_to_reference(out, x, w13, w2, w_l, ids_l)

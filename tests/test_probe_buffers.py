@@ -27,28 +27,24 @@ def test_graph_supports_one_watched_request_without_patterns():
     assert graph_supports(None, None)
     assert graph_supports(plan(), None)
     assert not graph_supports(plan(entries=2, rows=(1, 2), last=(1, 2)), None)
-    assert not graph_supports(plan(patterns={0: [(0, 4)]}), None)
+    assert not graph_supports(plan(patterns={0: [(0, 0, 4, 0)]}), None)
     assert not graph_supports(plan(top_k=GRAPH_LENS_TOP_K + 1), None)
     assert not graph_supports(plan(rows=(1, 2)), None)              # a prefill chunk: eager
 
 
-def test_host_results_do_not_alias_the_reused_transfer_buffer():
-    """A CUDA graph's buffers, pinned copy included, are reused by the next step; what host()
-    returns is kept in traces and step records, so it must be a copy (the expert load of every
-    step once read as the last step's)."""
+def test_step_results_do_not_alias_the_graphs_reused_buffers():
+    """A CUDA graph's buffers are overwritten by the next replay, which (overlap scheduling)
+    runs before the host reads the step before: each step's ProbeResult must own its data."""
     bufs = ProbeBuffers(plan(), num_rows=4, num_layers=2, hidden=8, device="cpu",
                         dtype=torch.float32, moe_layers=[], num_experts=0, top_k=0)
     bufs.sumsq.copy_(torch.rand(3, 4) + 1)
     bufs.on_final(_NoModel())
-    bufs.start_copy()
-    first = bufs.host()
-    np.testing.assert_allclose(first["norms"][:, 0], bufs.sumsq[:, 3].sqrt().numpy(), rtol=1e-6)
-    kept = first["norms"].copy()
+    first = bufs.finish(None, bufs.plan, [], 4)
+    want = bufs.sumsq[:, 3].sqrt().numpy()
     bufs.packed.mul_(-1)            # the next replay overwrites the same buffers in place
-    bufs.start_copy()
-    second = bufs.host()
-    np.testing.assert_array_equal(first["norms"], kept)
-    np.testing.assert_array_equal(second["norms"], -kept)
+    second = bufs.finish(None, bufs.plan, [], 4)
+    np.testing.assert_allclose(first.host()["norms"][:, 0], want, rtol=1e-6)
+    np.testing.assert_allclose(second.host()["norms"][:, 0], -want, rtol=1e-6)
 
 
 class _NoModel:
@@ -60,3 +56,23 @@ class _NoModel:
             @staticmethod
             def all_gather_dim(x, dim):
                 return x
+
+
+def test_attention_rows_follow_the_steps_plan_not_the_graphs_template():
+    """A CUDA graph's buffers were captured with a template plan (no entries): the rows each
+    step hands to the host are chosen by that step's plan (found on the H200: graph steps
+    returned no attention rows)."""
+    from engine.probes.result import queue_attention_rows
+    template = plan(attention=[0, 1], entries=0)
+    bufs = ProbeBuffers(template, num_rows=4, num_layers=2, hidden=8, device="cpu",
+                        dtype=torch.float32, moe_layers=[], num_experts=0, top_k=0)
+    bufs.attn_probs = torch.rand(2, 1, 3, 16)                  # [A, W, Hq, max_ctx]
+    step = plan(attention=[1], entries=1)
+    step.entries[0].spec = ProbeSpec(layers=(1,))
+    step.entries[0].block_table = [5, 6, 7]
+    rows = queue_attention_rows(bufs, step, block_size=4)
+    assert len(rows) == 1 and rows[0].layers == [1]
+    pos = step.entries[0].start_pos                            # 10: one token at 10
+    torch.testing.assert_close(rows[0].probs, bufs.attn_probs[[1], 0, :, :pos + 1])
+    assert rows[0].block_table == [5, 6, 7]
+    assert queue_attention_rows(bufs, template, block_size=4) == []

@@ -190,6 +190,51 @@ def test_prefill_pattern_matches_hf_full_attention(watched):
                                    rtol=RTOL, atol=1e-6)
 
 
+def test_prefill_pattern_is_recorded_across_chunks(dense_dir, hf_dense):
+    """A prompt prefilled in several chunks (8-token budget) still gets its whole pattern."""
+    with LLM(dense_dir, device="cpu", block_size=BLOCK, num_kv_blocks=64,
+             max_num_batched_tokens=8) as eng:
+        p = prompt(61, 21)
+        out = eng.generate([p], greedy(3), watch=ProbeSpec(prefill_pattern_layers=(0, 2)))[0]
+        tr = eng.trace(out.request_id)
+    ref = hf_run(hf_dense, processed(tr))
+    assert tr.prefill_computed is not None and tr.prefill_computed.all()
+    for layer in (0, 2):
+        np.testing.assert_allclose(tr.prefill_pattern[layer], ref["attn"][layer, :, :21, :21],
+                                   rtol=RTOL, atol=1e-6)
+
+
+def test_prefill_pattern_after_a_prefix_hit_marks_cached_rows(dense_dir, hf_dense):
+    with LLM(dense_dir, device="cpu", block_size=BLOCK, num_kv_blocks=64) as eng:
+        shared = prompt(62, 12)                     # 3 full blocks are cacheable
+        eng.generate([shared + prompt(63, 2)], greedy(1))
+        hit = eng.generate([shared + prompt(64, 5)], greedy(2),
+                           watch=ProbeSpec(prefill_pattern_layers=(1,)))[0]
+        tr = eng.trace(hit.request_id)
+    assert hit.metrics["prefix_cached_blocks"] == 3
+    cached, P = 3 * BLOCK, 17
+    np.testing.assert_array_equal(tr.prefill_computed, np.arange(P) >= cached)
+    pat = tr.prefill_pattern[1]
+    assert pat.shape[1:] == (P, P)
+    assert np.isnan(pat[:, :cached]).all()          # never computed here: said, not guessed
+    ref = hf_run(hf_dense, processed(tr))
+    np.testing.assert_allclose(pat[:, cached:], ref["attn"][1, :, cached:P, :P],
+                               rtol=RTOL, atol=1e-6)
+
+
+def test_prefill_pattern_keeps_the_prompts_shape_after_preemption(dense_dir, hf_dense):
+    with LLM(dense_dir, device="cpu", block_size=BLOCK, num_kv_blocks=12) as eng:
+        specs = [None, None, ProbeSpec(prefill_pattern_layers=(0,))]   # the youngest is evicted
+        outs = eng.generate([prompt(20, 10), prompt(21, 10), prompt(22, 10)], greedy(12),
+                            watch=specs)
+        assert outs[2].metrics["preemptions"] > 0
+        tr = eng.trace(outs[2].request_id)
+    ref = hf_run(hf_dense, processed(tr))
+    assert tr.prefill_pattern[0].shape == (4, 10, 10)
+    np.testing.assert_allclose(tr.prefill_pattern[0], ref["attn"][0, :, :10, :10],
+                               rtol=RTOL, atol=1e-6)
+
+
 def test_block_mass_sums_to_one_and_equals_block_slices(watched):
     _, trace, _ = watched
     for step in trace.attention:
@@ -503,7 +548,7 @@ def _forward_ops(llm, prompt_ids, watch=None, manager=True) -> dict[str, int]:
     manager=False plans nothing at all: the bare model's forward."""
     from torch.profiler import ProfilerActivity, profile
 
-    from engine.model_runner import build_step_inputs
+    from engine.step_inputs import build_step_inputs
     from engine.scheduler import ScheduledSeq
     with llm._lock:
         seq, _ = llm._make_sequence(prompt_ids, greedy(4), watch, None)
@@ -513,7 +558,7 @@ def _forward_ops(llm, prompt_ids, watch=None, manager=True) -> dict[str, int]:
         try:
             entry = [ScheduledSeq(seq, 1, len(seq) - 1)]
             plan = llm.probes.plan(entry) if manager else None
-            inp = build_step_inputs(entry, BLOCK, plan)
+            inp = build_step_inputs(0, entry, BLOCK, None, plan)
             with profile(activities=[ProfilerActivity.CPU]) as prof:
                 llm.runner.execute_step(inp)
         finally:

@@ -40,7 +40,7 @@ Figure = dict     # plotly figure JSON: {"data": [trace, ...], "layout": {...}}
 
 def heatmap(**kw) -> dict:
     if isinstance(kw.get("colorbar"), dict):      # see make_figure: no label measuring
-        kw["colorbar"] = {"ticklabeloverflow": "allow", **kw["colorbar"]}
+        kw["colorbar"] = _titled({"ticklabeloverflow": "allow", **kw["colorbar"]})
     return {"type": "heatmap", **kw}
 
 
@@ -69,8 +69,15 @@ def make_figure(traces: list, title: str, uirevision: str, height: int = 320,
                 showlegend=False)
     base.update(layout)
     for name in [k for k in base if k.startswith(("xaxis", "yaxis"))] + ["xaxis", "yaxis"]:
-        base[name] = {"ticklabeloverflow": "allow", **(base.get(name) or {})}
+        base[name] = _titled({"ticklabeloverflow": "allow", **(base.get(name) or {})})
     return {"data": list(traces), "layout": base}
+
+
+def _titled(d: dict) -> dict:
+    """plotly.js 3+ takes a title only as {"text": ...} (plotly.py used to convert a string)."""
+    if isinstance(d.get("title"), str):
+        d["title"] = {"text": d["title"]}
+    return d
 
 
 def legend_title(title: str, series: dict[str, str]) -> str:

@@ -80,7 +80,8 @@ class EngineHub:
         self.sessions: dict[str, Session] = {}
         self.hit_history: deque[tuple[float, float]] = deque(maxlen=2000)  # (time, hit rate)
         self.generation = 0            # +1 per model swap: tabs compare it to notice a swap
-        self.switching: str | None = None   # the choice being loaded, while a swap runs
+        # the choice being loaded while a swap runs (truthy: the API answers 503, tabs wait)
+        self.switching: str | None = None
         self.closing = False
         self._abort_reasons: OrderedDict[str, str] = OrderedDict()
         self._ids = itertools.count()
@@ -194,10 +195,14 @@ class EngineHub:
                 return
             self.switching = choice
             try:
+                why = f"the model was switched to {choice}"
                 for s in list(self.sessions.values()):
                     for rid in list(s.active):
-                        self.abort(rid, f"the model was switched to {choice}")
+                        self.abort(rid, why)
                     s.watched = None
+                snap = self.llm.inspect()   # API requests too: their streams end with "abort"
+                for rid in snap.running + snap.waiting:
+                    self.abort(rid, why)
                 # free the old engine first: two models need not fit in memory at once
                 old_path = self.llm.model_path
                 self.llm.shutdown()

@@ -48,8 +48,8 @@ def _nan_to_none(o):
 def plot_value(fig: dict | None) -> str | None:
     """A live plot's value: the figure dict (views/figures_common.py) as plotly JSON, a string
     (Gradio's page copies a string in one go, an object through its reactive proxies)."""
-    if fig is None:
-        return None
+    if fig is None or isinstance(fig, str):     # None, or a value already serialised
+        return fig
     try:
         return json.dumps(fig, default=_json_default, separators=(",", ":"), allow_nan=False)
     except ValueError:      # a NaN in a plain list: the slow, careful way

@@ -1,6 +1,5 @@
-"""Fused MoE experts: align by expert, grouped GEMM w13 + SiLU-and-mul, grouped GEMM w2 x weight, sum over k."""
-
-from dataclasses import dataclass
+"""Fused MoE experts, grouped path: align by expert, grouped GEMM w13 + SiLU-and-mul, grouped GEMM
+w2 x routing weight, sum over k. For prefill-sized batches; decode batches take moe_gemv.py."""
 
 import torch
 import torch.nn.functional as F
@@ -8,31 +7,12 @@ import triton
 import triton.language as tl
 
 from engine.kernels.moe_align import max_used_blocks, moe_align
-
-
-@dataclass(frozen=True)
-class MoEKernelConfig:
-    block_m: int  # rows (token, k pairs) per block; one expert per block
-    block_n13: int  # columns of the intermediate (I) per program in the w13 GEMM
-    block_n2: int  # columns of the hidden (H) per program in the w2 GEMM
-    block_k: int
-    group_m: int  # blocks that share an N-tile sweep, for L2 reuse of weights
-    num_warps: int
-    num_stages: int
+from engine.kernels.moe_configs import KernelTile, MoEKernelConfig, default_grouped
 
 
 def pick_config(num_tokens: int, top_k: int, num_experts: int) -> MoEKernelConfig:
-    """Config by average (token, k) pairs per expert: decode is a weight-streaming GEMV (small
-    tiles, many programs so every SM pulls weights); prefill is a real GEMM (big tiles).
-    Picked from a sweep on an H200 at Qwen3-30B-A3B shapes (bench/moe_kernels.py --sweep)."""
-    per_expert = num_tokens * top_k / num_experts
-    if per_expert <= 4:
-        return MoEKernelConfig(16, 32, 64, 128, 1, 4, 4)
-    if per_expert <= 16:
-        return MoEKernelConfig(32, 64, 128, 64, 8, 4, 4)
-    if per_expert <= 128:
-        return MoEKernelConfig(64, 64, 128, 64, 8, 4, 4)
-    return MoEKernelConfig(128, 128, 128, 64, 8, 8, 3)
+    """The untuned grouped config (tuned tables: engine/kernels/moe_configs.py)."""
+    return default_grouped(num_tokens, top_k, num_experts)
 
 
 @triton.jit
@@ -100,7 +80,7 @@ def _w2_weighted_kernel(
     inter_ptr,  # [N*k, I]
     w2_ptr,  # [E, H, I]
     y_ptr,  # [N*k, H] out: routing weight * (inter W2^T)
-    topk_weights_ptr,  # [N*k] contiguous
+    topk_weights_ptr,  # [N*k] contiguous, any float dtype
     sorted_ptr, expert_ids_ptr, ntpp_ptr,
     num_pairs, H, I, num_pid_m,
     stride_im, stride_we, stride_wn, stride_ym,
@@ -131,7 +111,8 @@ def _w2_weighted_kernel(
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
-    w = tl.load(topk_weights_ptr + flat, mask=row_ok, other=0.0).to(tl.float32)
+    # HF casts the routing weights to the hidden dtype: round here, so the caller needs no cast launch
+    w = tl.load(topk_weights_ptr + flat, mask=row_ok, other=0.0).to(y_ptr.dtype.element_ty).to(tl.float32)
     acc = acc * w[:, None]
     out_ptrs = y_ptr + flat[:, None] * stride_ym + offs_n[None, :]
     tl.store(out_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
@@ -153,7 +134,11 @@ def _tile(block: int, dim: int) -> int:
     return min(block, max(16, triton.next_power_of_2(dim)))
 
 
-def _check_shapes(x, w13, w2, topk_weights, topk_ids) -> None:
+def _precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def check_shapes(x, w13, w2, topk_weights, topk_ids) -> None:
     if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
         raise ValueError(f"expected x [N, H], w13 [E, 2I, H], w2 [E, H, I]; got {tuple(x.shape)}, "
                          f"{tuple(w13.shape)}, {tuple(w2.shape)}")
@@ -169,6 +154,58 @@ def _check_shapes(x, w13, w2, topk_weights, topk_ids) -> None:
         raise ValueError(f"weights ({w13.dtype}, {w2.dtype}) must match activations ({x.dtype})")
 
 
+
+def grouped_w13_silu(x: torch.Tensor, w13: torch.Tensor, aligned, num_pairs: int, top_k: int,
+                     block_m: int, tile: KernelTile) -> torch.Tensor:
+    """inter [N*k, I] = silu(x_t G_e^T) * (x_t U_e^T) per (token, k) pair, over moe_align's runs.
+    aligned = moe_align(topk_ids, E, block_m)."""
+    sorted_ids, expert_ids, ntpp = aligned
+    hidden = x.shape[1]
+    num_experts, inter_size = w13.shape[0], w13.shape[1] // 2
+    num_pid_m = max_used_blocks(num_pairs, num_experts, block_m)
+    inter = torch.empty(num_pairs, inter_size, dtype=x.dtype, device=x.device)  # [N*k, I]
+    bn, bk = _tile(tile.block_n, inter_size), _tile(tile.block_k, hidden)
+    _w13_silu_mul_kernel[(num_pid_m * triton.cdiv(inter_size, bn),)](
+        x, w13, inter, sorted_ids, expert_ids, ntpp,
+        num_pairs, hidden, inter_size, num_pid_m,
+        x.stride(0), w13.stride(0), w13.stride(1), inter.stride(0),
+        TOP_K=top_k, BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=tile.group_m,
+        EVEN_K=hidden % bk == 0, PRECISION=_precision(x.dtype),
+        num_warps=tile.num_warps, num_stages=tile.num_stages,
+    )
+    return inter
+
+
+def grouped_w2_weighted(inter: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, aligned,
+                        block_m: int, tile: KernelTile) -> torch.Tensor:
+    """y [N*k, H] = weight x (inter W2_e^T) per pair, over moe_align's runs."""
+    sorted_ids, expert_ids, ntpp = aligned
+    num_pairs, inter_size = inter.shape
+    num_experts, hidden = w2.shape[0], w2.shape[1]
+    num_pid_m = max_used_blocks(num_pairs, num_experts, block_m)
+    y = torch.empty(num_pairs, hidden, dtype=inter.dtype, device=inter.device)  # [N*k, H]
+    bn, bk = _tile(tile.block_n, hidden), _tile(tile.block_k, inter_size)
+    _w2_weighted_kernel[(num_pid_m * triton.cdiv(hidden, bn),)](
+        inter, w2, y, topk_weights.reshape(-1).contiguous(), sorted_ids, expert_ids, ntpp,
+        num_pairs, hidden, inter_size, num_pid_m,
+        inter.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
+        BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=tile.group_m,
+        EVEN_K=inter_size % bk == 0, PRECISION=_precision(inter.dtype),
+        num_warps=tile.num_warps, num_stages=tile.num_stages,
+    )
+    return y
+
+
+def moe_sum(y: torch.Tensor, out: torch.Tensor, top_k: int) -> torch.Tensor:
+    """out [N, H] = sum over k of y [N*k, H], in a fixed order."""
+    num_tokens, hidden = out.shape
+    block_h = min(1024, triton.next_power_of_2(hidden))
+    _moe_sum_kernel[(num_tokens, triton.cdiv(hidden, block_h))](
+        y, out, hidden, y.stride(0), out.stride(0), TOP_K=top_k, BLOCK_H=block_h, num_warps=4,
+    )
+    return out
+
+
 def fused_moe(
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -180,52 +217,25 @@ def fused_moe(
 ) -> torch.Tensor:
     """out[t] = sum_j topk_weights[t, j] * W2_e (silu(G_e x_t) * (U_e x_t)), e = topk_ids[t, j].
 
-    x [N, H]; w13 [E, 2I, H] (gate rows then up rows); w2 [E, H, I]; topk_* [N, k].
+    x [N, H]; w13 [E, 2I, H] (gate rows then up rows); w2 [E, H, I]; topk_* [N, k]. The weights
+    may be fp32 (the router's): they are rounded to x.dtype in the kernel, as HF casts them.
     No host sync and only statically sized buffers, so it can be captured in a CUDA graph.
     """
-    _check_shapes(x, w13, w2, topk_weights, topk_ids)
-    num_tokens, hidden = x.shape
-    num_experts, two_i, _ = w13.shape
-    inter_size = two_i // 2
+    check_shapes(x, w13, w2, topk_weights, topk_ids)
+    num_tokens = x.shape[0]
+    num_experts = w13.shape[0]
     top_k = topk_ids.shape[1]
     if out is None:
         out = torch.empty_like(x)
     if num_tokens == 0:
         return out
-    x = x.contiguous()
-    w13 = w13.contiguous()
-    w2 = w2.contiguous()
+    x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
     cfg = config or pick_config(num_tokens, top_k, num_experts)
     num_pairs = num_tokens * top_k
-    sorted_ids, expert_ids, ntpp = moe_align(topk_ids, num_experts, cfg.block_m)
-    num_pid_m = max_used_blocks(num_pairs, num_experts, cfg.block_m)
-    precision = "ieee" if x.dtype == torch.float32 else "tf32"
-
-    inter = torch.empty(num_pairs, inter_size, dtype=x.dtype, device=x.device)  # [N*k, I]
-    bn, bk = _tile(cfg.block_n13, inter_size), _tile(cfg.block_k, hidden)
-    _w13_silu_mul_kernel[(num_pid_m * triton.cdiv(inter_size, bn),)](
-        x, w13, inter, sorted_ids, expert_ids, ntpp,
-        num_pairs, hidden, inter_size, num_pid_m,
-        x.stride(0), w13.stride(0), w13.stride(1), inter.stride(0),
-        TOP_K=top_k, BLOCK_M=cfg.block_m, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m,
-        EVEN_K=hidden % bk == 0, PRECISION=precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
-
-    y = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)  # [N*k, H]
-    bn, bk = _tile(cfg.block_n2, hidden), _tile(cfg.block_k, inter_size)
-    _w2_weighted_kernel[(num_pid_m * triton.cdiv(hidden, bn),)](
-        inter, w2, y, topk_weights.contiguous(), sorted_ids, expert_ids, ntpp,
-        num_pairs, hidden, inter_size, num_pid_m,
-        inter.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
-        BLOCK_M=cfg.block_m, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m,
-        EVEN_K=inter_size % bk == 0, PRECISION=precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
-
-    block_h = min(1024, triton.next_power_of_2(hidden))
-    _moe_sum_kernel[(num_tokens, triton.cdiv(hidden, block_h))](
-        y, out, hidden, y.stride(0), out.stride(0), TOP_K=top_k, BLOCK_H=block_h, num_warps=4,
-    )
-    return out
+    aligned = moe_align(topk_ids, num_experts, cfg.block_m)
+    inter = grouped_w13_silu(x, w13, aligned, num_pairs, top_k, cfg.block_m, cfg.w13)
+    y = grouped_w2_weighted(inter, w2, topk_weights, aligned, cfg.block_m, cfg.w2)
+    return moe_sum(y, out, top_k)
 
 
 def fused_moe_ref(
@@ -241,7 +251,7 @@ def fused_moe_ref(
     [k, N] mask; weights cast to x.dtype and accumulated with index_add_ in x.dtype, as HF does.
     Loops only over experts that have tokens; one host sync for the per-expert counts.
     """
-    _check_shapes(x, w13, w2, topk_weights, topk_ids)
+    check_shapes(x, w13, w2, topk_weights, topk_ids)
     num_tokens = x.shape[0]
     num_experts = w13.shape[0]
     out = torch.zeros_like(x)  # [N, H]
@@ -261,3 +271,28 @@ def fused_moe_ref(
         h = h * weights_kn[pairs, None]
         out.index_add_(0, tokens, h.to(out.dtype))
     return out
+
+
+def w13_silu_ref(x: torch.Tensor, w13: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """Stage reference, fp32: inter [N*k, I] = silu(x_t G_e^T) * (x_t U_e^T) per flat (token, k) pair."""
+    flat = topk_ids.reshape(-1).long()
+    top_k = topk_ids.shape[1]
+    inter = torch.empty(flat.numel(), w13.shape[1] // 2, dtype=torch.float32, device=x.device)
+    for e in flat.unique().tolist():
+        pairs = (flat == e).nonzero().squeeze(1)
+        gate, up = F.linear(x[pairs // top_k].float(), w13[e].float()).chunk(2, dim=-1)
+        inter[pairs] = F.silu(gate) * up
+    return inter
+
+
+def w2_weighted_ref(inter: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                    topk_ids: torch.Tensor) -> torch.Tensor:
+    """Stage reference, fp32: y [N*k, H] = weight (rounded to inter.dtype, as HF) x inter W2_e^T per pair.
+    The sum over k of y's rows of a token is the MoE output."""
+    flat = topk_ids.reshape(-1).long()
+    weights = topk_weights.reshape(-1).to(inter.dtype).float()
+    y = torch.empty(flat.numel(), w2.shape[1], dtype=torch.float32, device=inter.device)
+    for e in flat.unique().tolist():
+        pairs = (flat == e).nonzero().squeeze(1)
+        y[pairs] = F.linear(inter[pairs].float(), w2[e].float()) * weights[pairs, None]
+    return y

@@ -1,13 +1,15 @@
 """Paged attention: store this step's K/V through slot_mapping, then attend over the paged
 cache through block tables. Decode steps use the split-KV decode kernel; anything with a
-multi-token chunk (prefill, chunked prefill, prefix hits, mixed batches) uses the varlen one."""
+multi-token chunk (prefill, chunked prefill, prefix hits, mixed batches) uses the varlen one.
+On the GPU, `forward_qkv` takes the fused projection output and applies q/k norm and RoPE and
+stores K/V in one launch (instead of four)."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
 from ..context import get_context
-from ..kernels import decode_attention, prefill_attention, store_kvcache
+from ..kernels import decode_attention, prefill_attention, qk_norm_rope_store, store_kvcache
 
 
 class Attention(nn.Module):
@@ -20,13 +22,32 @@ class Attention(nn.Module):
         self.k_cache = self.v_cache = torch.empty(0)   # bound by the model runner
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q [N, Hq, D], k/v [N, Hkv, D] -> [N, Hq, D]"""
+        """q [N, Hq, D], k/v [N, Hkv, D] -> [N, Hq, D]: store K/V, then attend."""
         ctx = get_context()
-        cuda = q.is_cuda
-        (store_kvcache.store_kvcache if cuda else store_kvcache.store_kvcache_cpu)(
+        (store_kvcache.store_kvcache if q.is_cuda else store_kvcache.store_kvcache_cpu)(
             k, v, self.k_cache, self.v_cache, ctx.slot_mapping)
+        return self.attend(q, ctx)
+
+    def forward_qkv(self, qkv: torch.Tensor, positions: torch.Tensor,
+                    cos_sin_cache: torch.Tensor, q_norm_weight: torch.Tensor | None,
+                    k_norm_weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+        """qkv [N, (Hq + 2 Hkv) D] straight from the projection -> [N, Hq, D]. One launch
+        applies the q/k norm (when given) and RoPE and stores K/V; the GPU path."""
+        ctx = get_context()
+        # a watched query's row is written by the same launch into the probe's buffer
+        rows = ctx.probes.q_row_out(self.layer_idx, self.num_heads, self.head_dim, qkv.dtype,
+                                    qkv.device) if ctx.probes is not None else None
+        q = qk_norm_rope_store.qk_norm_rope_store(
+            qkv, positions, cos_sin_cache, self.k_cache, self.v_cache, ctx.slot_mapping,
+            self.num_heads, self.num_kv_heads, q_norm_weight, k_norm_weight, eps,
+            probe_rows=rows[0] if rows else None, probe_q=rows[1] if rows else None)
+        return self.attend(q, ctx, q_written=rows is not None)
+
+    def attend(self, q: torch.Tensor, ctx, q_written: bool = False) -> torch.Tensor:
+        """q [N, Hq, D] over the paged cache, which already holds this step's K/V."""
+        cuda = q.is_cuda
         if ctx.probes is not None:
-            ctx.probes.on_attention(self.layer_idx, q, self.k_cache, ctx)
+            ctx.probes.on_attention(self.layer_idx, q, self.k_cache, ctx, q_written)
         if ctx.is_decode:
             fn = (decode_attention.paged_decode_attention if cuda
                   else decode_attention.paged_decode_attention_cpu)

@@ -17,8 +17,20 @@ def shape_of(w) -> list[int]:
     return list(w.shape) if isinstance(w, torch.Tensor) else list(w.get_shape())
 
 
-def narrow(w, dim: int, start: int, size: int) -> torch.Tensor:
-    """w[..., start:start+size, ...] along dim, for a tensor or a lazy safetensors slice."""
+def expect_size(w, dim: int, full: int) -> None:
+    """The whole (unsharded) checkpoint tensor must have size `full` along dim: narrowing a
+    larger one to a rank's piece would otherwise drop the rest silently."""
+    shape = shape_of(w)
+    if dim >= len(shape) or shape[dim] != full:
+        raise ValueError(f"checkpoint tensor of shape {tuple(shape)} should have size {full} "
+                         f"along dim {dim}")
+
+
+def narrow(w, dim: int, start: int, size: int, full: int | None = None) -> torch.Tensor:
+    """w[..., start:start+size, ...] along dim, for a tensor or a lazy safetensors slice
+    (checked to have size `full` along dim first, when given)."""
+    if full is not None:
+        expect_size(w, dim, full)
     if isinstance(w, torch.Tensor):
         return w.narrow(dim, start, size)
     index = [slice(None)] * len(w.get_shape())
@@ -53,7 +65,8 @@ class LinearBase(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
         if self.tp_dim is not None and self.tp_size > 1 and param.dim() > self.tp_dim:
             size = param.shape[self.tp_dim]
-            loaded = narrow(loaded, self.tp_dim, self.tp_rank * size, size)
+            loaded = narrow(loaded, self.tp_dim, self.tp_rank * size, size,
+                            full=size * self.tp_size)
         copy_checked(param, materialize(loaded))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -86,7 +99,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         tp = self.tp_size
         size = self.output_sizes[shard_id] // tp
         offset = sum(self.output_sizes[:shard_id]) // tp
-        loaded = narrow(loaded, 0, self.tp_rank * size, size)
+        loaded = narrow(loaded, 0, self.tp_rank * size, size, full=self.output_sizes[shard_id])
         copy_checked(param.data.narrow(0, offset, size), materialize(loaded))
 
 
@@ -98,6 +111,7 @@ class QKVParallelLinear(ColumnParallelLinear):
                  bias: bool = False):
         tp = get_tp_size()
         self.head_dim = head_dim
+        self.total_heads, self.total_kv_heads = num_heads, num_kv_heads
         self.num_heads = divide(num_heads, tp, "num_attention_heads")
         if num_kv_heads >= tp:
             self.num_kv_heads = divide(num_kv_heads, tp, "num_key_value_heads")
@@ -115,12 +129,12 @@ class QKVParallelLinear(ColumnParallelLinear):
         d = self.head_dim
         q, kv = self.num_heads * d, self.num_kv_heads * d
         if shard_id == "q":
-            offset, size, start = 0, q, self.tp_rank * q
+            offset, size, start, full = 0, q, self.tp_rank * q, self.total_heads * d
         elif shard_id == "k":
-            offset, size, start = q, kv, self.kv_head_start * d
+            offset, size, start, full = q, kv, self.kv_head_start * d, self.total_kv_heads * d
         else:
-            offset, size, start = q + kv, kv, self.kv_head_start * d
-        loaded = narrow(loaded, 0, start, size)
+            offset, size, start, full = q + kv, kv, self.kv_head_start * d, self.total_kv_heads * d
+        loaded = narrow(loaded, 0, start, size, full=full)
         copy_checked(param.data.narrow(0, offset, size), materialize(loaded))
 
 

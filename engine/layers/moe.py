@@ -3,6 +3,11 @@
 Expert weights are stacked as w13 [E, 2I, H] (gate rows, then up rows) and w2 [E, H, I]; with
 TP each rank holds every expert's slice of the intermediate dim, and the partial outputs are
 joined by one all-reduce. The router is replicated. Routing is reported to the probes.
+
+On the GPU `fused_experts` picks the expert kernels by batch size: decode-sized batches take the
+GEMV path (two launches, only the active experts' weights read, no alignment), larger ones the
+grouped GEMM path; the split and the launch configs come from the tuned tables of
+engine/kernels/configs/ (bench/tune_moe.py), with defaults where none was tuned.
 """
 from __future__ import annotations
 
@@ -11,9 +16,11 @@ from torch import nn
 
 from ..context import get_context
 from ..kernels import fused_moe as fm
-from ..kernels import moe_routing
+from ..kernels import moe_configs, moe_routing
+from ..kernels.moe_gemv import fused_moe_gemv
 from ..parallel_state import divide, get_tp_rank, get_tp_size
-from .linear import copy_checked, materialize, narrow
+from .gemm import linear
+from .linear import copy_checked, expect_size, materialize, narrow
 
 
 class FusedMoE(nn.Module):
@@ -23,7 +30,8 @@ class FusedMoE(nn.Module):
         tp = get_tp_size()
         self.num_experts, self.top_k, self.norm_topk_prob = num_experts, top_k, norm_topk_prob
         self.inter = divide(intermediate_size, tp, "moe_intermediate_size")
-        self.rank = get_tp_rank()
+        self.rank, self.tp_size = get_tp_rank(), tp
+        self.route_counts: torch.Tensor | None = None  # the fused router's semaphores (GPU)
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * self.inter, hidden_size),
                                 requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, self.inter),
@@ -38,32 +46,58 @@ class FusedMoE(nn.Module):
         """shard = (expert, piece): piece 0 gate, 1 up, 2 down; expert None = all experts
         at once from the fused 3-D layout (gate_up_proj [E, 2I, H] / down_proj [E, H, I])."""
         expert, piece = shard
-        i, r = self.inter, self.rank
+        i, r, full = self.inter, self.rank, self.inter * self.tp_size
         if expert is None:
             w = materialize(loaded)
             if piece == 2:
-                copy_checked(param, w.narrow(2, r * i, i))
+                copy_checked(param, narrow(w, 2, r * i, i, full=full))
             else:   # fused gate_up: gate rows [0, I_full), up rows [I_full, 2 I_full)
-                full = w.shape[1] // 2
+                expect_size(w, 1, 2 * full)
                 copy_checked(param.data[:, :i], w.narrow(1, r * i, i))
                 copy_checked(param.data[:, i:], w.narrow(1, full + r * i, i))
             return {k for k in param.shard_keys if (k[1] == 2) == (piece == 2)}
         if piece == 2:
-            copy_checked(param.data[expert], materialize(narrow(loaded, 1, r * i, i)))
+            copy_checked(param.data[expert], materialize(narrow(loaded, 1, r * i, i, full=full)))
         else:
             copy_checked(param.data[expert, piece * i:(piece + 1) * i],
-                         materialize(narrow(loaded, 0, r * i, i)))
+                         materialize(narrow(loaded, 0, r * i, i, full=full)))
 
-    def forward(self, x: torch.Tensor, router_logits: torch.Tensor, layer_idx: int,
+    def forward(self, x: torch.Tensor, gate_weight: torch.Tensor, layer_idx: int,
                 shared_gate: torch.Tensor | None = None) -> torch.Tensor:
-        """x [N, H], router_logits [N, E] -> partial (un-reduced) output [N, H]."""
+        """x [N, H], gate_weight [E, H] (the replicated router) -> partial (un-reduced) output [N, H]."""
         probes = get_context().probes
         out = probes.route_out(layer_idx, x.shape[0]) if probes is not None else None
-        probs, topk_w, topk_ids = moe_routing.route(router_logits, self.top_k, self.norm_topk_prob,
-                                                    out)
+        probs, topk_w, topk_ids = self.route(x, gate_weight, out)
         if probes is not None:
             probes.on_router(layer_idx, probs, topk_ids, topk_w, shared_gate)
+        if x.is_cuda:   # the kernels round the fp32 weights to x.dtype themselves: no cast launch
+            return fused_experts(x, self.w13, self.w2, topk_w, topk_ids)
         w = topk_w.to(x.dtype)      # HF casts the routing weights to the hidden dtype
-        if x.is_cuda:
-            return fm.fused_moe(x, self.w13, self.w2, w, topk_ids)
         return fm.fused_moe_ref(x, self.w13, self.w2, w, topk_ids)
+
+
+    def route(self, x: torch.Tensor, gate_weight: torch.Tensor, out=None):
+        """Router logits -> (probs [N, E] fp32, topk weights [N, k] fp32, topk ids [N, k] int32).
+        Decode batches on the GPU: one launch for the router GEMV and the routing; else the router
+        linear (skinny GEMM or cuBLAS), then the routing kernel (route_ref on the CPU: HF's ops)."""
+        n = x.shape[0]
+        if x.is_cuda and 0 < n <= moe_routing.FUSED_MAX_TOKENS and x.dim() == 2 and x.stride(1) == 1:
+            if self.route_counts is None and not torch.cuda.is_current_stream_capturing():
+                self.route_counts = moe_routing.route_counts(x.device)  # before any capture
+            if self.route_counts is not None:
+                return moe_routing.route_hidden(x, gate_weight, self.top_k, self.norm_topk_prob,
+                                                self.route_counts, out)
+        return moe_routing.route(linear(x, gate_weight), self.top_k, self.norm_topk_prob, out)
+
+
+def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor, config: moe_configs.MoEConfig | None = None) -> torch.Tensor:
+    """x [N, H], w13 [E, 2I, H], w2 [E, H, I], topk_* [N, k] -> [N, H], by the path the config
+    names: the tuned one for (E, I, H, dtype, device) at the nearest tuned N unless given.
+    The choice depends only on shapes, so a CUDA graph captures one path per batch bucket."""
+    if config is None:
+        config = moe_configs.pick_config(x.shape[0], topk_ids.shape[1], w13.shape[0], w2.shape[2],
+                                         x.shape[1], x.dtype, x.device)
+    if config.path == "gemv":
+        return fused_moe_gemv(x, w13, w2, topk_weights, topk_ids, config=config)
+    return fm.fused_moe(x, w13, w2, topk_weights, topk_ids, config=config)

@@ -26,8 +26,14 @@ def _probes():
     return get_context().probes
 
 
+def fused_qkv_path(qkv: torch.Tensor) -> bool:
+    """The GPU runs q/k norm + RoPE + K/V store as one Triton launch; the CPU keeps the torch
+    ops (the default experience: the same tokens as ever; Triton would only be interpreted)."""
+    return qkv.is_cuda
+
+
 class QwenAttention(nn.Module):
-    def __init__(self, config, layer_idx: int, max_positions: int):
+    def __init__(self, config, layer_idx: int, rotary_emb: RotaryEmbedding):
         super().__init__()
         d = head_dim_of(config)
         qwen3 = "Qwen3" in config.architectures[0]
@@ -42,12 +48,17 @@ class QwenAttention(nn.Module):
         if qwen3:
             self.q_norm = RMSNorm(d, config.rms_norm_eps)
             self.k_norm = RMSNorm(d, config.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(d, max_positions, rope_theta(config))
+        self.rotary_emb = rotary_emb  # one table per model, shared by every layer
         self.attn = Attention(layer_idx, self.num_heads, self.num_kv_heads, d, d ** -0.5)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         n, d = x.shape[0], self.head_dim
-        qkv = self.qkv_proj(x)
+        qkv = self.qkv_proj(x)                          # [N, (Hq + 2 Hkv) D]
+        if fused_qkv_path(qkv):
+            norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm \
+                else (None, None, 0.0)
+            o = self.attn.forward_qkv(qkv, positions, self.rotary_emb.cos_sin_cache, *norms)
+            return self.o_proj(o.reshape(n, self.num_heads * d))
         q, k, v = qkv.split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], -1)
         q = q.reshape(n, self.num_heads, d)             # [N, Hq, D]
         k = k.reshape(n, self.num_kv_heads, d)          # [N, Hkv, D]
@@ -71,11 +82,11 @@ class QwenMLP(nn.Module):
 
 
 class QwenDecoderLayer(nn.Module):
-    def __init__(self, config, layer_idx: int, max_positions: int, mlp: nn.Module):
+    def __init__(self, config, layer_idx: int, rotary_emb: RotaryEmbedding, mlp: nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = QwenAttention(config, layer_idx, max_positions)
+        self.self_attn = QwenAttention(config, layer_idx, rotary_emb)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = mlp
 
@@ -99,8 +110,11 @@ class QwenModel(nn.Module):
     def __init__(self, config, max_positions: int, make_mlp):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        # one cos/sin table for all layers: [max_positions, D] fp32 (one per layer was
+        # 28 x 20 MiB at Qwen3-0.6B shapes); modules() visits the shared module once
+        self.rotary_emb = RotaryEmbedding(head_dim_of(config), max_positions, rope_theta(config))
         self.layers = nn.ModuleList(
-            QwenDecoderLayer(config, i, max_positions, make_mlp(config, i))
+            QwenDecoderLayer(config, i, self.rotary_emb, make_mlp(config, i))
             for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 

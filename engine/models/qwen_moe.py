@@ -36,11 +36,10 @@ class QwenSparseMoeBlock(nn.Module):
             self.shared_expert_gate = ReplicatedLinear(config.hidden_size, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        router_logits = self.gate(x)                                   # [N, E]
         gate = None
         if self.shared_expert is not None:
             gate = torch.sigmoid(self.shared_expert_gate(x))           # [N, 1]
-        out = self.experts(x, router_logits, self.layer_idx, gate)
+        out = self.experts(x, self.gate.weight, self.layer_idx, gate)  # routes with the gate's weight
         if self.shared_expert is not None:
             out = out + gate * self.shared_expert(x)                   # partial sums per rank
         return self.tp.all_reduce(out)

@@ -5,9 +5,7 @@ buffer the host reads. Also the CUDA-graph variants: static buffers captured per
 """
 from __future__ import annotations
 
-import math
 
-import numpy as np
 import torch
 
 from ..context import get_context
@@ -50,7 +48,8 @@ class ProbeBuffers:
         self.q_rows = None                                  # [A, W, Hq, D], at first on_attention
         self.attn_ctx = None                                # the step's ForwardContext
         self.attn_probs = None                              # [A, W, Hq, max_ctx] after on_final
-        self.patterns: dict[tuple[int, int], torch.Tensor] = {}   # (layer, row_start) -> [Hq, n, n]
+        # (layer, row_start) -> [Hq, m, start_pos + m]: one prefill chunk's rows of the pattern
+        self.patterns: dict[tuple[int, int], torch.Tensor] = {}
         self.moe_index = {layer: i for i, layer in enumerate(moe_layers)}
         self.num_experts = num_experts
         m = len(moe_layers)
@@ -72,19 +71,20 @@ class ProbeBuffers:
                             if self.record_load and not self.stacked else None)
         self.lens_out = None
         self.graph_rows = False     # a CUDA graph's padded batch: rows with context 0 are padding
-        self.packed = None          # flat fp32: what the host reads every step
-        self.layout: dict[str, tuple[int, tuple]] = {}
-        self.pinned = None
+        self.packed = None          # flat fp32 of the small results (norms, routing, lens top-k)
+        self.layout: dict[str, tuple[int, tuple]] = {}    # name -> (offset, shape) in packed
 
     def load_plan(self, plan: ProbePlan) -> None:
         """Point a CUDA graph's static buffers at this step's watched rows (one copy)."""
         # the template records one row; a plan that needs none points it at row 0, and the
         # host then ignores what was recorded there
-        st = self._staging_np
+        # fresh pinned memory each step: the copy of the step before may not have run yet
+        staging = torch.empty(3, dtype=torch.int64, pin_memory=True)
+        st = staging.numpy()
         st[0] = plan.rows[0] if len(plan.rows) == 1 else 0
         st[1] = plan.last_rows[0] if len(plan.last_rows) == 1 else 0
         st[2] = plan.last_batch[0] if len(plan.last_batch) == 1 else 0
-        self.index.copy_(self._staging, non_blocking=True)
+        self.index.copy_(staging, non_blocking=True)
 
     @classmethod
     def for_step(cls, runner, inp) -> "ProbeBuffers":
@@ -104,26 +104,45 @@ class ProbeBuffers:
         if self.lens_resid is not None:
             torch.index_select(residual, 0, self.last_rows, out=self.lens_resid[index])
 
-    def on_attention(self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, ctx) -> None:
-        """q [N, Hq, D]; K of this step is already in the cache."""
+    def q_row_out(self, layer: int, num_heads: int, head_dim: int, dtype, device):
+        """(watched rows [W], out [W, Hq, D]) for a kernel that writes the watched queries'
+        rows itself as it produces q (no copy launch per layer), or None for this layer."""
+        slot = self.attn_slot.get(layer)
+        if slot is None:
+            return None
+        if self.q_rows is None:
+            self.q_rows = torch.empty(len(self.attn_layers), len(self.last_rows), num_heads,
+                                      head_dim, dtype=dtype, device=device)
+        return self.last_rows, self.q_rows[slot]
+
+    def on_attention(self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, ctx,
+                     q_written: bool = False) -> None:
+        """q [N, Hq, D]; K of this step is already in the cache. `q_written`: the watched q
+        rows are already in q_rows (the fused q/k-norm + RoPE + store kernel wrote them)."""
         slot = self.attn_slot.get(layer)
         if slot is not None:
             if self.q_rows is None:
                 self.q_rows = torch.empty(len(self.attn_layers), len(self.last_rows),
                                           *q.shape[1:], dtype=q.dtype, device=q.device)
+            if self.attn_ctx is None:
                 self.attn_ctx = ctx
                 self.page_size = k_cache.shape[1]
-            torch.index_select(q, 0, self.last_rows, out=self.q_rows[slot])
-        for start, n in self.plan.pattern_layers.get(layer, ()):
-            qs = q[start:start + n].float()                 # [n, Hq, D]
-            b = [e.batch_index for e in self.plan.entries if e.row_start == start][0]
+            if not q_written:
+                torch.index_select(q, 0, self.last_rows, out=self.q_rows[slot])
+        for row_start, start_pos, m, b in self.plan.pattern_layers.get(layer, ()):
+            # one prefill chunk of a watched prompt: its m queries over keys [0, start_pos + m),
+            # read back from the paged cache (earlier chunks and prefix-cache hits included)
+            n_keys = start_pos + m
+            qs = q[row_start:row_start + m].float()                         # [m, Hq, D]
             bs = k_cache.shape[1]
-            ids = ctx.block_tables[b, :(n + bs - 1) // bs].long()
-            k = k_cache[ids].reshape(-1, *k_cache.shape[2:])[:n].float()   # [n, Hkv, D]
+            ids = ctx.block_tables[b, :(n_keys + bs - 1) // bs].long()
+            k = k_cache[ids].reshape(-1, *k_cache.shape[2:])[:n_keys].float()   # [n_keys, Hkv, D]
             k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
             s = torch.einsum("qhd,khd->hqk", qs, k) * q.shape[-1] ** -0.5
-            causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
-            self.patterns[layer, start] = torch.softmax(s.masked_fill(~causal, float("-inf")), -1)
+            qpos = torch.arange(start_pos, n_keys, device=q.device)[:, None]
+            causal = torch.arange(n_keys, device=q.device)[None, :] <= qpos     # [m, n_keys]
+            self.patterns[layer, row_start] = torch.softmax(
+                s.masked_fill(~causal, float("-inf")), -1)                     # [Hq, m, n_keys]
 
     def route_out(self, layer: int, num_rows: int):
         """(probs, weights, ids) slices the router writes into, or None."""
@@ -228,31 +247,31 @@ class ProbeBuffers:
             outs.append(out)
         self.attn_probs = tp.all_gather_dim(torch.stack(outs, 1), 2)   # [A, W, Hq, max_ctx]
 
-    # ---- host side ---------------------------------------------------------------------------
-    def start_copy(self) -> None:
-        """Issue the step's one device->host copy without blocking, right after the forward: it
-        overlaps sampling, and the host reads it after the step's one sync. (Attention rows do
-        not cross here: see ProbeManager, they stay on the device until the trace is read.)"""
-        if self.packed is None:
-            return
-        if self.packed.is_cuda:
-            if self.pinned is None or self.pinned.numel() != self.packed.numel():
-                self.pinned = torch.empty(self.packed.numel(), pin_memory=True)
-            self.pinned.copy_(self.packed, non_blocking=True)
-        else:
-            self.pinned = self.packed
-
-    def host(self) -> dict[str, np.ndarray]:
-        """The packed results as numpy arrays (start_copy must have run; the step synced)."""
-        if self.packed is None:
-            return {}
-        if self.pinned is None:
-            self.start_copy()
-        # a copy: a CUDA graph's pinned buffer is overwritten by the next step, and what we
-        # return is kept (step traces hold the expert load)
-        flat = self.pinned.numpy().copy()
-        return {name: flat[off:off + math.prod(shape)].reshape(shape)
-                for name, (off, shape) in self.layout.items()}
+    # ---- after sampling (rank 0) ----------------------------------------------------------------
+    def finish(self, sampled: torch.Tensor | None, plan: ProbePlan, sample_index: list[int],
+               block_size: int):
+        """Queue everything the host will read about this step, right after sampling: the lens'
+        rank of the sampled token, one flat buffer of every small result crossing in one
+        non-blocking copy into fresh pinned memory, and device copies of the watched attention
+        rows. Nothing here waits for the device, and nothing the result holds is a buffer the
+        next step (or graph replay) overwrites: the host reads it one step later."""
+        from .result import ProbeResult, queue_attention_rows
+        named: list[tuple[str, torch.Tensor]] = []
+        if self.packed is not None:
+            named.append(("packed", self.packed))
+        lo = self.lens_out
+        if lo is not None and sampled is not None and len(sample_index):
+            t = sampled.index_select(0, torch.tensor(sample_index, device=sampled.device))  # [W]
+            probs = lo["probs"]                                             # [L, W, V]
+            p = probs.gather(-1, t[None, :, None].expand(probs.shape[0], -1, 1))[..., 0]
+            named.append(("lens_sampled_prob", p))                          # [L, W]
+            named.append(("lens_sampled_rank", (probs > p[..., None]).sum(-1)))
+        for (layer, start), t in self.patterns.items():
+            named.append((f"pat{layer}_{start}", t))
+        # the step's plan, not self.plan: a CUDA graph's buffers keep the template they were
+        # captured with, and only the step's plan says which requests asked for which layers
+        attention = queue_attention_rows(self, plan, block_size)
+        return ProbeResult.start(named, self.layout, attention, self.has_shared_gate)
 
 
 # ---- CUDA-graph variants -----------------------------------------------------------------------
@@ -286,8 +305,6 @@ def graph_probe_buffers(runner, batch: int, variant: tuple[bool, bool]) -> Probe
                         getattr(cfg, "num_experts", 0) or 0,
                         getattr(cfg, "num_experts_per_tok", 0) or 0)
     bufs.graph_rows = True
-    bufs._staging = torch.zeros(3, dtype=torch.int64).pin_memory()
-    bufs._staging_np = bufs._staging.numpy()
     return bufs
 
 

@@ -1,35 +1,41 @@
 """Introspection probes, the host side: the engine's own computation, recorded cheaply.
 
-ProbeManager (rank 0) decides each step which flat rows are watched (a ProbePlan, plan.py)
-and folds what the forward recorded into RequestTraces afterwards. The device side — buffers the
-forward writes into, the graph variants — is buffers.py. Nothing here runs when no
-request is watched: the plan is None, the context's `probes` is None, every hook is skipped.
+ProbeManager (rank 0) decides each step which flat rows are watched (a ProbePlan, plan.py) and,
+when the step is postprocessed, folds what the forward recorded (a ProbeResult, result.py) into
+RequestTraces. The device side — buffers the forward writes into, the graph variants — is
+buffers.py. Nothing here runs when no request is watched: the plan is None, the context's
+`probes` is None, every hook is skipped.
+
+It is handed plain facts (layer count, block size, MoE layers, a token decoder), not the engine.
 """
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import Callable
 
 import numpy as np
-import torch
 
-from .buffers import ProbeBuffers
 from .plan import ProbePlan, WatchedEntry
+from .result import ProbeResult
 from .trace import AttentionStep, LensStep, RequestTrace
 
 
 class ProbeManager:
-    """Rank 0's side: plans what to record, and folds the recorded buffers into traces."""
+    """Rank 0's side: plans what to record, and folds the recorded results into traces."""
 
-    def __init__(self, llm, max_traces: int = 64):
-        self.llm = llm
+    def __init__(self, num_layers: int, block_size: int, moe_layers: list[int],
+                 decode: Callable[[list[int]], str] | None, max_traces: int = 64,
+                 record_expert_load: bool = False):
+        self.num_layers = num_layers
+        self.block_size = block_size
+        self.moe_layers = list(moe_layers)
+        self.decode = decode
         self.traces: OrderedDict[str, RequestTrace] = OrderedDict()
         self.max_traces = max_traces
         self._evicted: set[str] = set()         # ids whose traces were dropped (bounded below)
-        self.record_expert_load = False      # global aggregate (the UI turns it on)
-        self._specs: dict[str, object] = {}
-        self._active: set[str] = set()         # watched requests not yet finished
-        self._moe_layers: list[int] | None = None
-        self.num_layers = llm.hf_config.num_hidden_layers
+        # a global aggregate over every request, watched or not: a public engine option
+        self.record_expert_load = record_expert_load
+        self._active: set[str] = set()          # watched requests not yet finished
         # attention rows (layers x heads x context, fp32: ~0.5 MB a token at 0.6B shapes and
         # 300 tokens) stay on the device, one copy launch per step, and cross to the host when
         # the trace is read; past this many bytes pending, they are moved during the step
@@ -37,19 +43,12 @@ class ProbeManager:
         self._pending: dict[str, list[AttentionStep]] = {}
         self._pending_bytes = 0
 
-    @property
-    def moe_layers(self) -> list[int]:
-        if self._moe_layers is None:
-            self._moe_layers = list(getattr(self.llm.runner, "moe_layers", []))
-        return self._moe_layers
-
     def register(self, seq) -> None:
         if seq.watch is None or not seq.watch.any:
             return
-        tr = RequestTrace(seq.request_id, self.llm.hf_config.num_hidden_layers,
+        tr = RequestTrace(seq.request_id, self.num_layers,
                           prompt_token_ids=list(seq.prompt_token_ids), moe_layers=self.moe_layers)
         self.traces[seq.request_id] = tr
-        self._specs[seq.request_id] = seq.watch
         self._active.add(seq.request_id)
         while len(self.traces) > self.max_traces:
             old, _ = self.traces.popitem(last=False)
@@ -58,14 +57,9 @@ class ProbeManager:
                 self._evicted.clear()
             for st in self._pending.pop(old, []):
                 self._pending_bytes -= st.probs.numel() * 4
-            self._specs.pop(old, None)
 
-    def _text(self, tok: int) -> str:
-        tk = self.llm.tokenizer
-        return tk.decode([tok]) if tk is not None else str(tok)
-
+    # ---- before the step: what to record ---------------------------------------------------------
     def plan(self, scheduled) -> ProbePlan | None:
-        self.llm.runner._expert_load = None     # this step's load only; none when not recorded
         if not self._active and not (self.record_expert_load and self.moe_layers):
             return None                         # off means off: no per-step walk of the batch
         entries, row, sampling_rows = [], 0, []
@@ -73,7 +67,7 @@ class ProbeManager:
             if s.samples:
                 sampling_rows.append(row + s.num_tokens - 1)
             spec = s.seq.watch
-            if spec is not None and spec.any and s.seq.request_id in self.traces:
+            if spec is not None and spec.any and s.seq.request_id in self._active:
                 entries.append(WatchedEntry(s.seq.request_id, b, row, s.num_tokens, s.start,
                                             s.samples, spec, list(s.seq.block_table)))
             row += s.num_tokens
@@ -86,11 +80,17 @@ class ProbeManager:
         L = self.num_layers
         att = sorted({l for e in last if e.spec.attention
                       for l in (e.spec.layers if e.spec.layers is not None else range(L))})
-        patterns = {}
+        patterns: dict[int, list] = {}
         for e in entries:
-            if e.start_pos == 0 and e.samples and e.num_tokens <= e.spec.prefill_pattern_cap:
+            prompt_len = len(self.traces[e.request_id].prompt_token_ids)
+            # every chunk of the prompt (never the recompute of generated tokens after a
+            # preemption), for prompts up to the cap
+            if e.spec.prefill_pattern_layers and e.start_pos < prompt_len <= \
+                    e.spec.prefill_pattern_cap:
+                m = min(e.num_tokens, prompt_len - e.start_pos)
                 for l in e.spec.prefill_pattern_layers:
-                    patterns.setdefault(l, []).append((e.row_start, e.num_tokens))
+                    patterns.setdefault(l, []).append((e.row_start, e.start_pos, m,
+                                                       e.batch_index))
         return ProbePlan(
             entries=entries, rows=rows,
             last_rows=[e.row_start + e.num_tokens - 1 for e in last],
@@ -101,54 +101,30 @@ class ProbeManager:
             attention_layers=att, routing=moe and any(e.spec.routing for e in entries),
             expert_load=moe, pattern_layers=patterns, sampling_rows=sampling_rows)
 
-    def after_sample(self, plan: ProbePlan, bufs: ProbeBuffers, tokens: torch.Tensor | None) -> None:
-        """Rank and probability of the finally sampled token under each layer's lens."""
-        if bufs is None or bufs.lens_out is None or tokens is None or not len(plan.last_rows):
-            return
-        sample_index = self._sample_index(plan)
-        lo = bufs.lens_out
-        t = tokens[torch.tensor(sample_index, device=tokens.device)]      # [W]
-        p = lo["probs"].gather(-1, t[None, :, None].expand(lo["probs"].shape[0], -1, 1))[..., 0]
-        lo["sampled_prob"] = p                                          # [L, W]
-        lo["sampled_rank"] = (lo["probs"] > p[..., None]).sum(-1)
+    @staticmethod
+    def sample_index(plan: ProbePlan) -> list[int]:
+        """Index among the step's sampled rows of each watched sampling entry (lens, attention)."""
+        where = {r: i for i, r in enumerate(plan.sampling_rows)}
+        return [where[r] for r in plan.last_rows]
 
-    def _sample_index(self, plan: ProbePlan) -> list[int]:
-        """Index among the step's sampled rows of each watched sampling entry."""
-        return [plan.sampling_rows.index(r) for r in plan.last_rows]
-
-    def collect(self, plan: ProbePlan, bufs: ProbeBuffers, scheduled, tokens: list[int]) -> None:
-        if bufs is None:
-            return
-        # the packed results (norms, routing, expert load, lens top-k) crossed in the step's
-        # one non-blocking copy; only lens ranks and prefill patterns, which exist for watched
-        # requests that ask for them, take a second one
-        host = dict(bufs.host())
-        named = []
-        if plan.lens and len(plan.last_rows) and bufs.lens_out is not None:
-            for k in ("sampled_prob", "sampled_rank"):
-                if k in bufs.lens_out:
-                    named.append(("lens_" + k, bufs.lens_out[k]))
-        for (l, start), t in bufs.patterns.items():
-            named.append((f"pat{l}_{start}", t))
-        if named:
-            flat = torch.cat([t.reshape(-1).float() for _, t in named]).cpu().numpy()
-            off = 0
-            for name, t in named:
-                host[name] = flat[off:off + t.numel()].reshape(t.shape)
-                off += t.numel()
-        if not host and bufs.attn_probs is None:
-            return
-        if "expert_load" in host:
-            self.llm.runner._expert_load = host["expert_load"]
-        self._fold(plan, host, bufs, scheduled, tokens)
-
-    def _fold(self, plan, host, bufs, scheduled, tokens) -> None:
+    # ---- after the step: fold what was recorded --------------------------------------------------
+    def fold(self, plan: ProbePlan, result: ProbeResult | None, seqs: list, tokens: list[int]):
+        """Fold one postprocessed step into the traces. `seqs[i]` is the sequence of batch row
+        i, `tokens` the step's sampled ids in sampling-row order. Returns the step's expert
+        load [moe_layers, E] (or None)."""
+        if result is None:
+            return None
+        host = result.host()
+        sample_index = self.sample_index(plan)
+        att = {q.entry_index: q for q in result.attention}
         r0, w = 0, 0
-        sample_index = self._sample_index(plan)
-        for e in plan.entries:
+        for i, e in enumerate(plan.entries):
             tr = self.traces.get(e.request_id)
-            seq = scheduled[e.batch_index].seq
             nrows = e.num_tokens if (e.spec.norms or e.spec.routing) else 0
+            if tr is None:                      # evicted while in flight
+                r0 += nrows
+                w += e.samples and (e.spec.logit_lens or e.spec.attention)
+                continue
             for j in range(nrows):
                 pos = e.start_pos + j
                 if "norms" in host and e.spec.norms:
@@ -157,7 +133,7 @@ class ProbeManager:
                     _put(tr.router_probs, pos, host["router_probs"][:, r0 + j].copy())
                     _put(tr.router_topk_ids, pos, host["router_ids"][:, r0 + j].astype(np.int64))
                     _put(tr.router_topk_weights, pos, host["router_w"][:, r0 + j].copy())
-                    if bufs.has_shared_gate:
+                    if result.has_shared_gate:
                         _put(tr.shared_expert_gate, pos, host["shared_gate"][:, r0 + j].copy())
             r0 += nrows
             if e.samples and (e.spec.logit_lens or e.spec.attention):
@@ -170,25 +146,38 @@ class ProbeManager:
                         host["lens_top_p"][:, w, :k].copy(),
                         host["lens_sampled_rank"][:, w].astype(np.int64),
                         host["lens_sampled_prob"][:, w].copy(), host["lens_entropy"][:, w].copy()))
-                if e.spec.attention and plan.attention_layers and bufs.attn_probs is not None:
-                    layers = [l for l in plan.attention_layers
-                              if e.spec.layers is None or l in e.spec.layers]
-                    slots = [bufs.attn_slot[l] for l in layers]
-                    a = bufs.attn_probs                        # [A, W, Hq, max_ctx], device
-                    if slots == list(range(a.shape[0])):
-                        rows = a[:, w, :, :pos + 1].clone()    # [layers, Hq, pos + 1]
-                    else:
-                        rows = a[slots, w, :, :pos + 1]        # advanced indexing: a copy
-                    bs = self.llm.block_size
-                    self._defer_attention(tr, AttentionStep(pos, layers, rows,
-                                                            e.block_table[:pos // bs + 1], bs))
+                q = att.get(i)
+                if q is not None:
+                    self._defer_attention(tr, AttentionStep(q.position, q.layers, q.probs,
+                                                            q.block_table, self.block_size))
                 w += 1
-            for l in plan.pattern_layers:
-                if f"pat{l}_{e.row_start}" in host:
-                    tr.prefill_pattern[l] = host[f"pat{l}_{e.row_start}"].copy()
-            if tr is not None:      # new output ids only; texts are decoded when read
-                out_ids = seq.token_ids[seq.num_prompt_tokens + len(tr.output_token_ids):]
-                tr.output_token_ids.extend(out_ids)
+            self._fold_patterns(plan, host, e, tr)
+            seq = seqs[e.batch_index]
+            resolved = seq.num_resolved_tokens
+            tr.output_token_ids.extend(       # new output ids only; texts are decoded when read
+                seq.token_ids[seq.num_prompt_tokens + len(tr.output_token_ids):resolved])
+        return host.get("expert_load")
+
+    def _fold_patterns(self, plan: ProbePlan, host: dict, e: WatchedEntry,
+                       tr: RequestTrace) -> None:
+        """Rows of the prompt's full attention pattern computed by this chunk; positions served
+        by the prefix cache are never computed and stay marked as such."""
+        P = len(tr.prompt_token_ids)
+        for layer, chunks in plan.pattern_layers.items():
+            key = f"pat{layer}_{e.row_start}"
+            if key not in host:
+                continue
+            _, start, m, _ = next(c for c in chunks if c[0] == e.row_start)
+            rows = host[key]                                    # [Hq, m, start + m]
+            pat = tr.prefill_pattern.get(layer)
+            if pat is None:
+                pat = np.full((rows.shape[0], P, P), np.nan, dtype=np.float32)
+                tr.prefill_pattern[layer] = pat
+            if tr.prefill_computed is None:
+                tr.prefill_computed = np.zeros(P, dtype=bool)
+            pat[:, start:start + m, :start + m] = rows
+            pat[:, start:start + m, start + m:] = 0.0           # causal: no weight on the future
+            tr.prefill_computed[start:start + m] = True
 
     def finish_request(self, seq) -> None:
         self._active.discard(seq.request_id)
@@ -225,11 +214,18 @@ class ProbeManager:
                                f"{self.max_traces} traces are kept (LLM(max_traces=...))")
             raise KeyError(f"no trace for {request_id!r}: it was never watched (pass watch="
                            "ProbeSpec() to stream/generate to record one)")
-        if tr is not None:
-            self._materialize(request_id)
-            ids = tr.prompt_token_ids + tr.output_token_ids
-            tr.token_texts.extend(self._text(t) for t in ids[len(tr.token_texts):])
+        self._materialize(request_id)
+        ids = tr.prompt_token_ids + tr.output_token_ids
+        dec = self.decode or (lambda t: str(t[0]))
+        tr.token_texts.extend(dec([t]) for t in ids[len(tr.token_texts):])
         return tr
+
+    def release_device(self) -> None:
+        """Engine shutdown: pending attention rows move to the host (traces stay readable),
+        so no trace keeps device memory alive."""
+        for rid in list(self._pending):
+            self._materialize(rid)
+        self._active.clear()
 
 
 def _put(lst: list, pos: int, value) -> None:

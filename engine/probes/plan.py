@@ -32,6 +32,7 @@ class ProbePlan:
     attention_layers: list[int]
     routing: bool
     expert_load: bool
-    # layer -> [(row_start, n)]: one full prompt pattern per watched prefill that asks for it
+    # layer -> [(row_start, start_pos, m, batch_index)]: the m prompt queries of one watched
+    # prefill chunk whose rows of the full prompt pattern are recorded this step
     pattern_layers: dict = field(default_factory=dict)
     sampling_rows: list = field(default_factory=list)     # flat rows sampled this step, in order

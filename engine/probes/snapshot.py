@@ -39,16 +39,20 @@ class StepTrace:
     entries: list[StepEntry]
     num_prefill_tokens: int
     num_decode_tokens: int
-    t_schedule: float           # seconds
-    t_prepare: float
-    t_forward: float
-    t_sample: float
+    t_schedule: float           # host seconds choosing the batch
+    t_prepare: float            # host seconds building its inputs
+    t_forward: float            # device seconds of forward + sampling (host launch time on a CPU)
+    t_sample: float             # host seconds postprocessing (tokens, stop rules, text, probes)
     graph_bucket: int | None    # CUDA-graph batch size replayed, None when eager
     num_running: int
     num_waiting: int
     kv_usage: float             # fraction of blocks in use after the step
     expert_load: np.ndarray | None = None   # [num_moe_layers, num_experts] tokens routed this step
     collectives: int = 0        # all-reduce / gather calls issued by the forward (TP)
+    t_launch: float = 0.0       # host seconds staging inputs and launching the forward + sampling
+    t_wait: float = 0.0         # host seconds blocked waiting for the device (overlap: ~0)
+    collective_time: float | None = None    # measured seconds in collectives (TP), if timed
+    overlapped: bool = False    # scheduled while the previous step ran (overlap scheduling)
 
 
 @dataclass
@@ -102,6 +106,10 @@ class EngineSnapshot:
     num_layers: int = 0
     num_heads: int = 0
     num_kv_heads: int = 0
+    # TP: the latest measured time in collectives per decode step (seconds) and its step id
+    collective_time: float | None = None
+    collective_time_step: int | None = None
+    async_scheduling: bool = False
 
     @property
     def prefix_hit_rate(self) -> float:

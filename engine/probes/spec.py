@@ -1,7 +1,28 @@
-"""ProbeSpec: which probes to run for one watched request."""
+"""ProbeSpec: which probes to run for one watched request.
+
+Types are checked at construction; `resolve` checks the spec against the model (layer indices,
+the lens top-k against the vocabulary) when the request is submitted, so a spec that does not
+fit fails that caller with a ValueError instead of failing the engine step.
+"""
 from __future__ import annotations
 
+import dataclasses
+import numbers
 from dataclasses import dataclass
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def _layer_tuple(name: str, v, allow_none: bool) -> tuple[int, ...] | None:
+    if v is None and allow_none:
+        return None
+    if not isinstance(v, (list, tuple)) or not all(_is_int(l) for l in v):
+        what = "None or a list of layer indices" if allow_none else "a list of layer indices"
+        raise ValueError(f"ProbeSpec.{name} must be {what} (integers; negative counts from "
+                         f"the last layer), got {v!r}")
+    return tuple(int(l) for l in v)
 
 
 @dataclass(frozen=True)
@@ -16,11 +37,42 @@ class ProbeSpec:
     prefill_pattern_cap: int = 512                  # ... only for prompts up to this many tokens
 
     def __post_init__(self):
-        if self.lens_top_k < 1:
-            raise ValueError(f"ProbeSpec.lens_top_k must be >= 1, got {self.lens_top_k}")
-        if self.prefill_pattern_cap < 1:
-            raise ValueError("ProbeSpec.prefill_pattern_cap must be >= 1")
+        for name in ("norms", "logit_lens", "attention", "routing"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"ProbeSpec.{name} must be True or False, "
+                                 f"got {getattr(self, name)!r}")
+        for name in ("lens_top_k", "prefill_pattern_cap"):
+            v = getattr(self, name)
+            if not _is_int(v) or v < 1:
+                raise ValueError(f"ProbeSpec.{name} must be an integer >= 1, got {v!r}")
+            object.__setattr__(self, name, int(v))
+        # lists become tuples: the spec stays hashable and cannot change under the engine
+        object.__setattr__(self, "layers", _layer_tuple("layers", self.layers, True))
+        object.__setattr__(self, "prefill_pattern_layers", _layer_tuple(
+            "prefill_pattern_layers", self.prefill_pattern_layers, False))
 
     @property
     def any(self) -> bool:
         return self.norms or self.logit_lens or self.attention or self.routing
+
+    def resolve(self, num_layers: int, vocab_size: int) -> "ProbeSpec":
+        """This spec for a model with num_layers layers and vocab_size tokens: negative layer
+        indices counted from the end (Python style), duplicates dropped; a ValueError naming
+        the field for a layer outside [-num_layers, num_layers) or lens_top_k > vocab_size."""
+        def fix(name: str, layers: tuple[int, ...]) -> tuple[int, ...]:
+            out: list[int] = []
+            for l in layers:
+                if not -num_layers <= l < num_layers:
+                    raise ValueError(
+                        f"ProbeSpec.{name}: layer {l} is out of range for this model's "
+                        f"{num_layers} layers; valid indices are [-{num_layers}, {num_layers})")
+                l %= num_layers
+                if l not in out:
+                    out.append(l)
+            return tuple(out)
+        if self.lens_top_k > vocab_size:
+            raise ValueError(f"ProbeSpec.lens_top_k={self.lens_top_k} exceeds the model's "
+                             f"vocabulary of {vocab_size} tokens; use at most {vocab_size}")
+        return dataclasses.replace(
+            self, layers=None if self.layers is None else fix("layers", self.layers),
+            prefill_pattern_layers=fix("prefill_pattern_layers", self.prefill_pattern_layers))

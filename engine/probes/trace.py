@@ -56,7 +56,10 @@ class RequestTrace:
     lens: list[LensStep] = field(default_factory=list)
     attention: list[AttentionStep] = field(default_factory=list)
     # full attention pattern of the prompt for chosen layers (capped, see ProbeSpec)
-    prefill_pattern: dict[int, np.ndarray] = field(default_factory=dict)  # layer -> [H, q, k]
+    # rows are filled chunk by chunk; rows of queries served by the prefix cache were never
+    # computed in this request: they are NaN and `prefill_computed` says so
+    prefill_pattern: dict[int, np.ndarray] = field(default_factory=dict)  # layer -> [H, P, P]
+    prefill_computed: np.ndarray | None = None      # [P] bool: query rows computed here
     # MoE routing per processed token: rows align with resid_norms
     router_probs: list[np.ndarray] = field(default_factory=list)        # each [moe_layers, E]
     router_topk_ids: list[np.ndarray] = field(default_factory=list)     # each [moe_layers, k]
@@ -93,6 +96,8 @@ class RequestTrace:
                 out[f"blocks.{layer}.attn.hook_pattern.step{i}"] = st.probs[j]
         for layer, pat in self.prefill_pattern.items():
             out[f"blocks.{layer}.attn.hook_pattern.prefill"] = pat
+        if self.prefill_computed is not None:
+            out["prefill_pattern.computed"] = self.prefill_computed
         r = self.routing()
         if r is not None:
             probs, ids, w = r
@@ -151,6 +156,8 @@ class RequestTrace:
         for k, v in arr.items():
             if k.endswith("hook_pattern.prefill"):
                 t.prefill_pattern[int(k.split(".")[1])] = v
+        if "prefill_pattern.computed" in arr:
+            t.prefill_computed = arr["prefill_pattern.computed"]
         if t.moe_layers and f"blocks.{t.moe_layers[0]}.mlp.hook_router_scores" in arr:
             probs = np.stack([arr[f"blocks.{l}.mlp.hook_router_scores"] for l in t.moe_layers], 1)
             ids = np.stack([arr[f"blocks.{l}.mlp.hook_router_topk_ids"] for l in t.moe_layers], 1)

@@ -1,0 +1,56 @@
+"""The API key: `--api-key` or $GLASSBOX_API_KEY makes /v1/* require `Authorization: Bearer KEY`;
+serving on a non-loopback address (or a share link) without one prints a warning."""
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import os
+
+from fastapi import Request
+
+from .errors import APIError
+
+API_KEY_ENV = "GLASSBOX_API_KEY"
+
+
+def resolve_api_key(flag: str | None) -> str | None:
+    """The flag if given, else the environment variable; an empty string means no key."""
+    key = flag if flag is not None else os.environ.get(API_KEY_ENV)
+    return key or None
+
+
+def is_loopback(host: str | None) -> bool:
+    if host in (None, "", "localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:          # a host name other than localhost: assume it is reachable
+        return False
+
+
+def exposure_warning(host: str | None, api_key: str | None, share: bool = False) -> str | None:
+    """The warning to print when the API is reachable from other machines without a key."""
+    if api_key or (is_loopback(host) and not share):
+        return None
+    where = "a public share link" if share else f"{host}, reachable from other machines"
+    return (f"WARNING: the OpenAI-compatible API (/v1/*) is served on {where} without an API "
+            f"key: anyone who can reach it can run the model. Pass --api-key KEY or set "
+            f"{API_KEY_ENV}, or bind to 127.0.0.1.")
+
+
+def bearer_check(api_key: str | None):
+    """A FastAPI dependency that refuses requests without the key (a no-op without a key)."""
+    expected = api_key.encode() if api_key else None
+
+    async def check(request: Request) -> None:
+        if expected is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not token:
+            raise APIError(401, "missing API key: send the header 'Authorization: Bearer KEY' "
+                                "(the key the server was started with, --api-key or "
+                                f"{API_KEY_ENV})", code="invalid_api_key")
+        if not hmac.compare_digest(token.strip().encode(), expected):
+            raise APIError(401, "incorrect API key provided", code="invalid_api_key")
+    return check

@@ -1,0 +1,94 @@
+"""Request bodies of the OpenAI-compatible routes, as pydantic models.
+
+Field names are OpenAI's, plus vLLM's sampling extensions (`top_k`, `min_p`, `min_tokens`,
+`ignore_eos`, `stop_token_ids`) and Glassbox's own `glassbox` object. Unknown fields are refused
+(as OpenAI does) rather than silently ignored; fields that are understood but not supported
+(tools, penalties, n > 1, ...) are refused by `api.sampling` with a message that says so.
+"""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class ProbeOptions(BaseModel):
+    """Which probes a watched request runs (engine.ProbeSpec's fields; all on by default)."""
+    model_config = ConfigDict(extra="forbid")
+    norms: bool = True
+    logit_lens: bool = True
+    attention: bool = True
+    routing: bool = True
+    layers: list[int] | None = None
+
+
+class GlassboxOptions(BaseModel):
+    """`"glassbox": {"watch": true}` records a trace of the request for the Layers tab."""
+    model_config = ConfigDict(extra="forbid")
+    watch: bool | ProbeOptions = False
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")     # name, tool_call_id, ...: harmless
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+
+
+class SamplingRequest(BaseModel):
+    """The fields chat and completions share."""
+    model_config = ConfigDict(extra="forbid")
+    model: str
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0)       # None: OpenAI's default, 1.0
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)              # vLLM: -1 or 0 = off
+    min_p: float | None = Field(None, ge=0, le=1)
+    min_tokens: int = Field(0, ge=0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    n: int = Field(1, ge=1)
+    # understood, refused unless neutral (api.sampling says why)
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    # understood, no effect on the output
+    user: str | None = None
+    metadata: dict[str, Any] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    glassbox: GlassboxOptions | None = None
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = Field(None, ge=1)

@@ -1,0 +1,52 @@
+"""The API without the playground: a bare FastAPI app, and uvicorn in a background thread
+(benchmarks and scripts; the playground mounts the same router on Gradio's own server)."""
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+from .routes import EngineHolder, build_router
+
+
+def create_app(engines, api_key: str | None = None):
+    """FastAPI app serving only /v1/*. `engines`: an object with `.llm`, or an LLM itself."""
+    from fastapi import FastAPI
+    if not hasattr(engines, "llm"):
+        engines = EngineHolder(engines)
+    app = FastAPI(title="Glassbox OpenAI-compatible API", docs_url=None, redoc_url=None)
+    app.include_router(build_router(engines, api_key))
+    return app
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class BackgroundServer:
+    """uvicorn serving `app` from a daemon thread; `stop()` shuts it down."""
+
+    def __init__(self, app, host: str = "127.0.0.1", port: int | None = None,
+                 log_level: str = "warning"):
+        import uvicorn
+        self.host, self.port = host, port or free_port(host)
+        config = uvicorn.Config(app, host=self.host, port=self.port, log_level=log_level,
+                                access_log=False, timeout_keep_alive=30)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True, name="api-server")
+        self.thread.start()
+        deadline = time.time() + 30
+        while not self.server.started:
+            if not self.thread.is_alive() or time.time() > deadline:
+                raise RuntimeError(f"the API server did not start on {self.host}:{self.port}")
+            time.sleep(0.02)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)

@@ -1,0 +1,51 @@
+"""How many bytes of weights a config needs per GPU, before anything is allocated: a model that
+cannot fit is refused with the memory it needs and the tensor-parallel size that would fit,
+instead of an out-of-memory error half way through loading."""
+from __future__ import annotations
+
+
+def param_count(cfg) -> int:
+    """Parameters of a Qwen2/2.5/3 dense or MoE config (the engine's own layout)."""
+    h, L, V = cfg.hidden_size, cfg.num_hidden_layers, cfg.vocab_size
+    hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
+    d = getattr(cfg, "head_dim", None) or h // hq
+    qwen3 = "Qwen3" in (cfg.architectures or [""])[0]
+    bias = getattr(cfg, "attention_bias", False) if qwen3 else True
+    attn = h * (hq + 2 * hkv) * d + hq * d * h + ((hq + 2 * hkv) * d if bias else 0)
+    attn += 2 * d if qwen3 else 0                               # q_norm, k_norm
+    norms = 2 * h
+    from .models.qwen_moe import is_moe_layer
+    total = V * h + h                                           # embedding, final norm
+    if not getattr(cfg, "tie_word_embeddings", False):
+        total += V * h                                          # LM head
+    for i in range(L):
+        if getattr(cfg, "num_experts", 0) and is_moe_layer(cfg, i):
+            E, inter = cfg.num_experts, cfg.moe_intermediate_size
+            mlp = E * 3 * h * inter + h * E                     # experts + router
+            shared = getattr(cfg, "shared_expert_intermediate_size", 0) or 0
+            if shared:
+                mlp += 3 * h * shared + h                       # shared expert + its gate
+        else:
+            mlp = 3 * h * cfg.intermediate_size
+        total += attn + norms + mlp
+    return total
+
+
+def check_fits(cfg, tp_size: int, dtype_bytes: int, gpu_bytes: int, utilization: float,
+               dtype_name: str) -> None:
+    """Raise ValueError when one GPU cannot hold its share of the weights."""
+    total = param_count(cfg) * dtype_bytes
+    per_gpu = total / tp_size
+    usable = gpu_bytes * utilization
+    if per_gpu <= usable:
+        return
+    gb = 1e9
+    fits = next((t for t in (2, 4, 8, 16) if t > tp_size and total / t <= usable * 0.9
+                 and cfg.num_attention_heads % t == 0), None)
+    advice = (f"use tensor parallelism: --tp {fits} (tensor_parallel_size={fits}) holds "
+              f"{total / fits / gb:.1f} GB per GPU" if fits else
+              "it does not fit this machine's GPUs at any tensor-parallel size")
+    raise ValueError(
+        f"the weights need {total / gb:.1f} GB in {dtype_name} ({per_gpu / gb:.1f} GB per GPU "
+        f"at tensor_parallel_size={tp_size}), but one GPU has {gpu_bytes / gb:.1f} GB "
+        f"({usable / gb:.1f} GB at gpu_memory_utilization={utilization}); {advice}")

@@ -1,0 +1,156 @@
+"""Chat messages -> prompt token ids, with message text kept as text.
+
+The chat template is rendered as usual, but only the special tokens the *template* placed become
+control tokens: `<|im_start|>` typed inside a message is encoded as the plain characters, so a
+user cannot close their turn and open a system one (role injection). Chat servers do the same.
+A chat whose messages hold no special-token text encodes exactly as
+`tokenizer.encode(apply_chat_template(...))` always did.
+"""
+from __future__ import annotations
+
+import re
+import secrets
+import threading
+import weakref
+
+
+def check_messages(messages) -> None:
+    """A ValueError naming the message and field for anything but [{role: str, content: str}]."""
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise ValueError(f"messages[{i}] must be a dict with 'role' and 'content', "
+                             f"got {type(m).__name__}")
+        if "role" not in m or "content" not in m:
+            raise ValueError(f"messages[{i}] needs 'role' and 'content' keys, got {sorted(m)}")
+        if not isinstance(m["role"], str):
+            raise ValueError(f"messages[{i}].role must be a string, got {m['role']!r}")
+        if not isinstance(m["content"], str):
+            raise ValueError(f"messages[{i}].content must be a string, "
+                             f"got {type(m['content']).__name__}")
+
+
+def render_chat(tokenizer, messages: list[dict]) -> str:
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def encode_chat(tokenizer, messages: list[dict]) -> tuple[list[int], str]:
+    """(prompt token ids, rendered text) of a conversation, ready for the assistant's reply."""
+    check_messages(messages)
+    messages = [dict(m) for m in messages]
+    text = render_chat(tokenizer, messages)
+    specials = _special_tokens(tokenizer)
+    if not specials:
+        return tokenizer.encode(text, add_special_tokens=False), text
+    spans = _content_spans(tokenizer, messages, text, specials)
+    pattern = re.compile("|".join(re.escape(t) for t in sorted(specials, key=len, reverse=True)))
+    ids: list[int] = []
+    pending = ""        # template text since the last template special
+    pos = 0
+    for start, end in _gaps(spans, len(text)):
+        # spans are message text: never searched for specials; gaps are template text
+        for m in pattern.finditer(text, start, end):
+            tok = specials[m.group()]
+            pending += text[pos:m.start()]
+            if tok.lstrip:          # the token absorbs whitespace on its left, as encode does
+                pending = pending.rstrip()
+            ids += _encode_plain(tokenizer, pending)
+            ids.append(tok.id)
+            pending, pos = "", m.end()
+            if tok.rstrip:
+                while pos < len(text) and text[pos].isspace():
+                    pos += 1
+    ids += _encode_plain(tokenizer, pending + text[pos:])
+    return ids, text
+
+
+class _Special:
+    __slots__ = ("id", "lstrip", "rstrip")
+
+    def __init__(self, id_: int, lstrip: bool, rstrip: bool):
+        self.id, self.lstrip, self.rstrip = id_, lstrip, rstrip
+
+
+def _special_tokens(tokenizer) -> dict[str, _Special]:
+    """Special token text -> its id (and whitespace handling)."""
+    out = {}
+    for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items():
+        if t.special and t.content:
+            out[t.content] = _Special(i, bool(t.lstrip), bool(t.rstrip))
+    for t in getattr(tokenizer, "all_special_tokens", []):
+        if t and t not in out:
+            i = tokenizer.convert_tokens_to_ids(t)
+            if isinstance(i, int):
+                out[t] = _Special(i, False, False)
+    return out
+
+
+def _gaps(spans: list[tuple[int, int]], n: int):
+    """The (start, end) ranges of [0, n) outside the sorted, disjoint spans."""
+    pos = 0
+    for s, e in spans:
+        if s > pos:
+            yield pos, s
+        pos = max(pos, e)
+    if pos < n:
+        yield pos, n
+
+
+def _content_spans(tokenizer, messages: list[dict], text: str,
+                   specials: dict) -> list[tuple[int, int]]:
+    """Where each message's content sits in the rendered text, found by rendering again with a
+    unique marker in place of the content. A template that rewrites a message's content (e.g.
+    strips a reasoning block) gives no span for it; such content may not hold special tokens."""
+    tag = secrets.token_hex(8)
+    marks = re.compile(f"\ue000{tag}(\\d+)\ue001")
+
+    def attempt(which: set[int]):
+        marked = render_chat(tokenizer, [
+            dict(m, content=f"\ue000{tag}{i}\ue001") if i in which else m
+            for i, m in enumerate(messages)])
+        parts = marks.split(marked)        # [literal, index, literal, index, ..., literal]
+        rebuilt, spans, seen = parts[0], [], set()
+        for k in range(1, len(parts), 2):
+            i = int(parts[k])
+            content = messages[i]["content"]
+            spans.append((len(rebuilt), len(rebuilt) + len(content)))
+            seen.add(i)
+            rebuilt += content + parts[k + 1]
+        return spans if rebuilt == text and seen == which else None
+
+    everyone = set(range(len(messages)))
+    verbatim, spans = everyone, attempt(everyone)
+    if spans is None:           # one message at a time: which ones does the template keep?
+        verbatim = {i for i in everyone if attempt({i}) is not None}
+        spans = attempt(verbatim)
+        if spans is None:
+            verbatim, spans = set(), []
+    for i in sorted(everyone - verbatim):
+        hit = next((t for t in specials if t in messages[i]["content"]), None)
+        if hit is not None:
+            raise ValueError(f"messages[{i}].content contains the special token {hit!r}, and this "
+                             "chat template rewrites that message, so it cannot be kept as plain "
+                             "text; remove the special token from the message")
+    return sorted(s for s in spans if s[0] < s[1])
+
+
+# special tokens are never recognised in message text: a private copy of the fast tokenizer's
+# backend with encode_special_tokens on (the tokenizer's own split_special_tokens flips a flag
+# shared by every thread that encodes, so a concurrent plain encode could see it)
+_PLAIN: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_PLAIN_LOCK = threading.Lock()
+
+
+def _encode_plain(tokenizer, text: str) -> list[int]:
+    if not text:
+        return []
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:         # a slow tokenizer: its own flag (none of Qwen's are slow)
+        return tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
+    with _PLAIN_LOCK:
+        plain = _PLAIN.get(tokenizer)
+        if plain is None:
+            from tokenizers import Tokenizer
+            plain = Tokenizer.from_str(backend.to_str())
+            plain.encode_special_tokens = True
+            _PLAIN[tokenizer] = plain
+    return plain.encode(text, add_special_tokens=False).ids

@@ -1,0 +1,70 @@
+"""StepOutput: what one launched step returns — a value, not side channels on the runner.
+
+`execute_step` returns at once with the step's work queued on the device: the sampled ids stay
+there (the next step reads its pending input ids from them), and their host copies are already
+on their way (non-blocking, into pinned memory). `wait()` blocks until the step is done; after
+it the host fields can be read. On the CPU everything is done when execute_step returns.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class StepOutput:
+    step_id: int
+    sampled_ids: torch.Tensor | None        # [S] int64 on the device (None: no row sampled)
+    # host copies, filled by the device -> host copy; read only after wait()
+    sampled_host: torch.Tensor | None = None     # [S] int64 (pinned on a GPU)
+    logprobs_host: tuple | None = None      # (chosen [S] fp32, top ids [S, k], top lps [S, k])
+    probes: object | None = None            # probes.result.ProbeResult, or None
+    graph_bucket: int | None = None         # CUDA-graph batch size replayed, None when eager
+    collectives: int = 0                    # collectives issued by the forward (TP)
+    collective_timer: object | None = None  # parallel_state.CollectiveTimer of this step
+    t_launch: float = 0.0                   # host seconds to stage inputs and launch
+    done: object | None = None              # torch.cuda.Event recorded after the last copy
+    gpu_start: object | None = None         # timing events around the forward + sampling
+    gpu_end: object | None = None
+    extra: dict = field(default_factory=dict)
+
+    def ready(self) -> bool:
+        return self.done is None or self.done.query()
+
+    def wait(self, poll=None, interval_s: float = 0.5) -> float:
+        """Block until the step's device work and copies are done; seconds waited. `poll` is
+        called every `interval_s` while waiting (TP: notice a dead worker instead of hanging
+        in a collective that will never complete)."""
+        if self.done is None:
+            return 0.0
+        t0 = time.perf_counter()
+        if poll is None:
+            self.done.synchronize()
+        else:
+            last = t0
+            while not self.done.query():
+                now = time.perf_counter()
+                if now - last >= interval_s:
+                    poll()
+                    last = now
+                # yield at first (a step usually ends within a few ms), then back off
+                time.sleep(0 if now - t0 < 2e-3 else 50e-6)
+        return time.perf_counter() - t0
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.sampled_host.tolist() if self.sampled_host is not None else []
+
+    @property
+    def gpu_time(self) -> float | None:
+        """Device seconds from the forward's start to the end of sampling (after wait())."""
+        if self.gpu_start is None:
+            return None
+        return self.gpu_start.elapsed_time(self.gpu_end) / 1e3
+
+    @property
+    def collective_time(self) -> float | None:
+        """Measured seconds spent in collectives this step (None when not measured)."""
+        return self.collective_timer.total() if self.collective_timer is not None else None
