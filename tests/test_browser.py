@@ -102,11 +102,24 @@ def wait_js(page, expr, arg=None, what=""):
 
 
 def plot_rendered(page, elem_id, title_part):
-    """The gr.Plot with this elem_id drew a plotly figure whose title contains `title_part`."""
-    wait_js(page, "([sel, t]) => [...document.querySelectorAll(sel)]"
-                  ".some(e => e.textContent.includes(t))",
-            [f"#{elem_id} .js-plotly-plot .gtitle", title_part],
-            f"plot #{elem_id} titled {title_part!r}")
+    """The live plot (plotly) or canvas chart with this elem_id drew a figure whose title
+    contains `title_part`."""
+    wait_js(page, "([id, t]) => { const e = document.getElementById(id); if (!e) return false;"
+                  " const c = e.querySelector('.gb-chart');"
+                  " if (c) return (c.dataset.title || '').includes(t);"
+                  " return [...e.querySelectorAll('.js-plotly-plot .gtitle')]"
+                  ".some(g => g.textContent.includes(t)); }",
+            [elem_id, title_part], f"plot #{elem_id} titled {title_part!r}")
+
+
+def kv_map(page) -> dict:
+    """What the KV map drew last (views/kv_map.js writes it on its root's dataset)."""
+    return page.evaluate("() => ({...(document.querySelector('#kv-grid .kv-map') || {})"
+                         ".dataset})")
+
+
+def map_owners(page) -> set[str]:
+    return {r for r in kv_map(page).get("owners", "").split(",") if r.startswith("chat-")}
 
 
 def screenshot(page, name):
@@ -154,11 +167,25 @@ def test_tour_chat_streams_and_every_tab_renders(running, browser):
     plot_rendered(page, "kv-block-plot", "of block 0")
     set_number(page, "kv-burst-tokens", 384)
     page.click("#kv-burst")
-    page.wait_for_selector("#kv-grid .kv-grid .kv-cell.kv-shared")
+    wait_js(page, "() => +(document.querySelector('#kv-grid .kv-map') || {dataset: {}})"
+                  ".dataset.shared > 0", what="a shared block in the map")
     wait_js(page, "() => document.querySelectorAll('#kv-tables .kv-trow').length >= 2",
             what="two block tables")
-    assert page.locator("#kv-grid .kv-grid .kv-cell").count() == running.llm.num_kv_blocks
-    page.locator("#kv-grid .kv-grid .kv-cell.kv-shared").first.hover()
+    assert int(kv_map(page)["cells"]) == running.llm.num_kv_blocks     # a small cache: whole
+    # hover a shared block: its card names the block and, from the server, its owners
+    shared = next(b.block_id for b in running.hub.snapshot(max_age=0).blocks
+                  if b.ref_count > 1)
+    page.locator("#kv-grid canvas").scroll_into_view_if_needed()
+    xy = page.evaluate("(id) => document.querySelector('#kv-grid .kv-map').kvCellCenter(id)",
+                       shared)
+    page.mouse.move(xy["x"], xy["y"])
+    try:
+        wait_js(page, "(id) => { const t = document.querySelector('#kv-grid .kv-tip')"
+                      ".textContent; return t.includes('block ' + id) && t.includes('owners:'); }",
+                shared, "the hover card of a shared block, with its owners from the server")
+    except AssertionError as e:
+        raise AssertionError(f"{e}; the card reads "
+                             f"{page.inner_text('#kv-grid .kv-tip')!r}") from None
     screenshot(page, "kv_cache")
 
     show_tab(page, "layers")
@@ -189,14 +216,12 @@ def test_two_browser_sessions_share_the_block_map_and_stop_frees_blocks(running,
         send(page, "Write a very long list of colours, one per line.", 900)
     show_tab(a, "kv")
 
-    def owners(where="#kv-tables .kv-trow", attr="data-request"):
-        found = a.evaluate(
-            "([sel, attr]) => [...document.querySelectorAll(sel)]"
-            ".flatMap(e => (e.getAttribute(attr) || '').split(','))", [where, attr])
+    def owners():
+        found = a.evaluate("() => [...document.querySelectorAll('#kv-tables .kv-trow')]"
+                           ".flatMap(e => (e.getAttribute('data-request') || '').split(','))")
         return {r for r in found if r.startswith("chat-")}
     chats = wait_until(lambda: len(owners()) >= 2 and owners(), timeout=60)
-    grid_owners = owners("#kv-grid .kv-cell[data-owners]", "data-owners")
-    assert chats <= grid_owners
+    wait_until(lambda: chats <= map_owners(a), timeout=30)      # the map draws both
     snap = running.hub.snapshot(max_age=0)
     assert any({e.request_id for e in s.entries} >= chats for s in snap.steps[-20:])
 
@@ -204,7 +229,7 @@ def test_two_browser_sessions_share_the_block_map_and_stop_frees_blocks(running,
         show_tab(page, "chat")
         page.click("#chat-stop")
     show_tab(a, "kv")
-    wait_until(lambda: not owners(), timeout=30)           # the grid shows them freed ...
+    wait_until(lambda: not owners() and not map_owners(a), timeout=30)   # shown freed ...
     snap = running.hub.snapshot(max_age=0)
     assert not chats & set(snap.block_tables)              # ... and so does the engine
     a.context.close()
@@ -334,3 +359,91 @@ def test_live_tabs_update_at_least_twice_a_second_while_a_reply_streams(running,
           + "\n".join(lines))
     slow = {t: r["per_s"] for t, r in results.items() if r["per_s"] < MIN_UPDATES_PER_S}
     assert not slow, f"tabs below {MIN_UPDATES_PER_S} updates/s: {slow}\n" + "\n".join(lines)
+
+
+# ---- the chat as a newcomer meets it ---------------------------------------------------------
+
+HOSTILE = '<img src=x onerror="window.__xss=1"> <script>window.__xss=2</script> __init__ **b**'
+
+
+def user_text(page) -> str:
+    msgs = page.locator("[data-testid=user]")
+    return msgs.last.inner_text() if msgs.count() else ""
+
+
+def test_markup_in_a_message_shows_as_typed_and_runs_nothing(running, browser):
+    page = open_app(browser, running.url)
+    fetched = []
+    page.on("request", lambda r: fetched.append(r.url))
+    send(page, HOSTILE, 3)
+    wait_until(lambda: "onerror" in user_text(page), timeout=60)
+    shown = user_text(page)
+    for part in ('<img src=x onerror="window.__xss=1">', "<script>", "__init__", "**b**"):
+        assert part in shown, f"{part!r} not shown as typed in {shown!r}"
+    wait_js(page, "() => !document.querySelector('#chat-send').disabled", what="reply to end")
+    assert page.evaluate("() => window.__xss") is None
+    assert not [u for u in fetched if u.rstrip("/").endswith("/x")], "the <img> was fetched"
+    page.context.close()
+
+
+def test_send_waits_while_a_reply_streams_and_clear_stops_it(running, browser):
+    page = open_app(browser, running.url)
+    send(page, "Write a very long list of colours, one per line.", 900)
+    wait_until(lambda: len(bot_text(page)) > 5, timeout=60)
+    key = next(k for k, s in running.hub.sessions.items() if s.active)
+    rid = next(iter(running.hub.sessions[key].active))
+    # Send is visibly disabled; a second message stays in the box instead of being lost
+    assert page.locator("#chat-send").is_disabled()
+    page.fill("#chat-input textarea", "second message")
+    page.locator("#chat-input textarea").press("Enter")
+    time.sleep(1.0)
+    assert page.input_value("#chat-input textarea") == "second message"
+    assert page.locator("[data-testid=user]").count() == 1
+    # Clear stops the reply in the engine and empties the chat
+    page.click("#chat-clear")
+    wait_until(lambda: rid not in running.hub.snapshot(max_age=0).block_tables, timeout=30)
+    wait_until(lambda: page.locator("[data-testid=bot]").count() == 0, timeout=30)
+    wait_js(page, "() => !document.querySelector('#chat-send').disabled", what="Send enabled")
+    page.context.close()
+
+
+def test_example_prompts_are_one_click_and_answered_as_trained(running, browser):
+    """The demo's trained tasks are one click away, greedy by default, and each message goes
+    alone (the demos were trained on single turns): the second example's reply in the same
+    chat is the engine's greedy reply to that message alone."""
+    if not running.hub.is_demo():
+        pytest.skip("no bundled demo checkpoint")
+    from engine import SamplingParams
+    from views.chat import DEMO_EXAMPLES, DEMO_SYSTEM
+    page = open_app(browser, running.url)
+    assert float(page.input_value("#chat-temperature input[type=number]")) == 0.0
+    assert not page.locator("#chat-history input").is_checked()
+    for i in (0, 1):
+        page.click(f"#chat-example-{i}")
+        wait_until(lambda: page.locator("[data-testid=bot]").count() == i + 1, timeout=60)
+        wait_js(page, "() => !document.querySelector('#chat-send').disabled",
+                what=f"example {i}'s reply to end")
+        want = running.llm.generate(
+            [[{"role": "system", "content": DEMO_SYSTEM},
+              {"role": "user", "content": DEMO_EXAMPLES[i]}]],
+            SamplingParams(temperature=0, max_tokens=128))[0].text
+        assert bot_text(page).strip() == want.strip()
+    page.context.close()
+
+
+def test_clicking_a_head_in_the_heatmap_selects_it(running, browser):
+    page = open_app(browser, running.url)
+    send(page, "Write a very long list of colours, one per line.", 300)
+    wait_until(lambda: len(bot_text(page)) > 5, timeout=60)
+    show_tab(page, "layers")
+    plot_rendered(page, "layers-heads", "attention of token")
+    page.click("#layers-follow input")          # hold the token still while clicking
+    target = running.llm.hf_config.num_attention_heads - 1
+    xy = page.evaluate("(r) => document.querySelector('#layers-heads .gb-chart')"
+                       ".cellCenter(r, 0)", target)
+    page.mouse.click(xy["x"], xy["y"])
+    wait_js(page, "(h) => document.querySelector('#layers-head input').value == String(h)",
+            target, f"head {target} selected by the click")
+    plot_rendered(page, "layers-row", f"head {target}")
+    abort_everything(running)
+    page.context.close()

@@ -14,6 +14,7 @@ from views.canvas_chart import canvas_chart, chart_value, empty_chart
 
 LOAD_STEPS = 32      # expert load is summed over this many recent steps: one step is too noisy
 AUTO = "auto"
+SLIDER_CHUNK = 64     # tokens the slider's range grows by at a time
 NO_REQUEST = ("Nothing traced yet. Send a message in the **Chat** tab: its reply is traced "
               "here token by token (norms, logit lens, attention, routing), and so is any API "
               "request that asks for a trace.")
@@ -116,8 +117,14 @@ def build(hub: EngineHub) -> LiveTab:
 
         # the scrubbed token: the newest processed one while following
         new_tok = t - 1 if follow_on or tok is None else min(max(int(tok), 0), t - 1)
-        if new_tok != tok or keys.get("t") != t:
-            out[token] = gr.Slider(minimum=0, maximum=max(t - 1, 1), value=new_tok)
+        # the slider's range grows a chunk at a time: a props update (a new gr.Slider) costs
+        # the browser ~45 ms, a plain value a few; a scrub past the newest token is clamped
+        if t - 1 > keys.get("slider_max", -1) or keys.get("slider_rid") != rid:
+            keys["slider_max"], keys["slider_rid"] = max(-(-t // SLIDER_CHUNK) * SLIDER_CHUNK,
+                                                         1), rid
+            out[token] = gr.Slider(minimum=0, maximum=keys["slider_max"], value=new_tok)
+        elif new_tok != tok:
+            out[token] = new_tok
         tok = new_tok
         num_layers = tr.num_layers
         layer_id = int(layer_id) if layer_id is not None and 0 <= int(layer_id) < num_layers \
