@@ -439,11 +439,16 @@ def test_clicking_a_head_in_the_heatmap_selects_it(running, browser):
     plot_rendered(page, "layers-heads", "attention of token")
     page.click("#layers-follow input")          # hold the token still while clicking
     target = running.llm.hf_config.num_attention_heads - 1
+    page.locator("#layers-heads canvas").scroll_into_view_if_needed()
+    time.sleep(0.5)
     xy = page.evaluate("(r) => document.querySelector('#layers-heads .gb-chart')"
                        ".cellCenter(r, 0)", target)
     page.mouse.click(xy["x"], xy["y"])
-    wait_js(page, "(h) => document.querySelector('#layers-head input').value == String(h)",
-            target, f"head {target} selected by the click")
-    plot_rendered(page, "layers-row", f"head {target}")
+    try:
+        plot_rendered(page, "layers-row", f"head {target},")
+    except AssertionError as e:
+        raise AssertionError(f"{e}; head box {page.input_value('#layers-head input')!r}, row "
+                             f"{page.get_attribute('#layers-row .gb-chart', 'data-title')!r}")
+    assert page.input_value("#layers-head input") == str(target)
     abort_everything(running)
     page.context.close()

@@ -170,9 +170,23 @@ def test_anatomy_on_the_dense_demo_then_the_moe_demo(browser):
         what_if_tp(page, 4)
         assert "KV heads replicated" in page.inner_text("#anatomy-tp-table")   # 2 KV heads
         check_live_and_block(page, running.hub)
+        # another visitor is mid-reply when the engine is switched under both pages
+        other, _ = open_page(browser, running.url)
+        send(other, "Write a very long list of colours, one per line.", 400)
+        wait_until(lambda: other.locator("[data-testid=bot]").count() > 0, timeout=60)
         # switch the engine under the open page: the tab redraws for the MoE demo
         moe = next(k for k in running.hub.choices if "moe" in k.lower())
         running.hub.switch(moe)
+        # every page now names the model it talks to, and the cut reply says why it stopped
+        for pg in (page, other):
+            wait_js(pg, "() => document.querySelector('#model-line').textContent"
+                        ".includes('moe')", what="the model line naming the MoE demo")
+            wait_js(pg, "(v) => document.querySelector('#model-switch input').value == v", moe,
+                    what="the selector showing the MoE demo")
+        wait_js(other, "() => [...document.querySelectorAll('[data-testid=bot]')].some("
+                       "e => e.textContent.includes('the model was switched'))",
+                what="the cut reply saying the model was switched")
+        other.context.close()
         wait_js(page, "() => document.querySelector('#anatomy-layer').textContent"
                       ".includes('MoE block')", what="the MoE block after the switch")
         check_anatomy_renders(page, running.hub, moe=True, tp=1)
