@@ -119,3 +119,42 @@ def test_model_switch_swaps_the_engine_between_bundled_demos():
             hub.switch("no such model")
     finally:
         hub.llm.shutdown()
+
+
+def test_switching_after_a_burst_frees_the_old_engine():
+    """The app's Fire-burst then model switch, repeated: each old engine is collected (weakref),
+    its burst threads end, and neither RSS nor the thread count grows cycle over cycle."""
+    require_engine()
+    import gc
+    import weakref
+
+    import app
+    choices = app.demo_choices()
+    if len(choices) < 2:
+        pytest.skip("needs both assets/demo-qwen3 and assets/demo-qwen3-moe")
+    from engine import LLM
+    from views.kv_cache import fire_burst
+    from views.live import EngineHub
+
+    def rss_mb():
+        with open("/proc/self/status") as f:
+            return next(int(l.split()[1]) for l in f if l.startswith("VmRSS")) / 1024
+    names = list(choices)
+    kwargs = dict(device="cpu", dtype="float32", num_kv_blocks=64)
+    hub = EngineHub(LLM(choices[names[0]], **kwargs), llm_kwargs=kwargs, choices=choices)
+    threads0, rss = threading.active_count(), []
+    try:
+        for cycle in range(4):
+            fire_burst(hub, 4, max_tokens=400)
+            wait_until(lambda: len(hub.llm.inspect().running) >= 2, timeout=30)
+            old = weakref.ref(hub.llm)
+            hub.switch(names[(cycle + 1) % 2])
+            wait_until(lambda: not [t for t in threading.enumerate()
+                                    if t.name.startswith("glassbox-burst")], timeout=30)
+            gc.collect()
+            assert old() is None, "something still holds the switched-out engine"
+            rss.append(rss_mb())
+    finally:
+        hub.shutdown()
+    assert threading.active_count() <= threads0 + 2
+    assert rss[-1] - rss[1] < 80, f"RSS grew cycle over cycle: {rss} MB"
