@@ -1,68 +1,220 @@
-"""Figure builders on synthetic snapshots and traces: shapes, labels, colours, fixed ranges."""
+"""Figure builders on synthetic snapshots and traces, drawn from a fresh random seed each run
+(printed; GLASSBOX_TEST_SEED=n replays one): the KV block map's payload (read the way
+views/kv_map.js draws it), plotly figure dicts (shapes, labels, colours, fixed ranges,
+uirevision), and the Layers tab's canvas chart specs (the fields views/canvas_chart.js reads)."""
 import re
+from collections import Counter
 
 import numpy as np
 import pytest
 
 from ui_helpers import make_snapshot, make_trace  # noqa: I001  (puts the repo on sys.path)
+from figure_helpers import (check_chart_spec, check_plotly_figure, decode, drawn_ids, live_ids,
+                            map_cells, random_cache, seeded_rng, strict_json)
 
+from engine.probes.snapshot import StepEntry
+from engine.probes.trace import RequestTrace
 from views import figures as F
-from views import figures_kv, figures_layers
-from views.figures_common import EVICTABLE_COLOUR, FREE_COLOUR
-
-
-def decode(ids):
-    return " ".join(f"t{i}" for i in ids)
+from views.canvas_chart import chart_value, empty_chart
+from views.figures_common import (EVICTABLE_COLOUR, FREE_COLOUR, PALETTE, PHASE_COLOURS,
+                                  short_text)
+from views.figures_kv import MAP_MIN_CELLS, MAP_ROW, MAX_MAP_CELLS
+from views.figures_layers import MAX_LENS_STEPS
+from views.kv_cache import map_value
+from views.live_plot import plot_value
 
 
 @pytest.fixture
-def rng():
-    return np.random.default_rng(1234)
+def rng(request):
+    return seeded_rng(request)
 
 
-# ---- KV cache -------------------------------------------------------------------------------
+def trace(rng, **kw):
+    """make_trace with a random prompt and reply length (at least 3 tokens of each)."""
+    kw.setdefault("num_prompt", int(rng.integers(3, 14)))
+    kw.setdefault("num_out", int(rng.integers(3, 14)))
+    return make_trace(rng, **kw)
 
-def test_kv_grid_has_one_cell_per_block_with_state_classes(rng):
+
+# ---- KV cache: the block map ----------------------------------------------------------------
+
+def test_kv_map_has_one_cell_per_block_with_its_state(rng):
+    snap = make_snapshot(rng)        # blocks 0-1 shared, 2-3 owned, 4 evictable, the rest free
+    cells = map_cells(F.kv_map_data(snap))
+    assert list(cells) == list(range(snap.num_blocks))
+    assert cells[0].state == cells[1].state == "shared"
+    assert cells[2].state == cells[3].state == "owned"
+    assert cells[4].state == "evictable"
+    assert all(cells[i].state == "free" for i in range(5, snap.num_blocks))
+
+    n = int(rng.integers(40, MAP_MIN_CELLS + 1))          # a small cache is drawn whole
+    snap = random_cache(rng, n, busy=int(rng.integers(8, n // 2)),
+                        evictable=int(rng.integers(1, n // 4)),
+                        block_size=int(rng.choice([4, 8, 16])))
+    version = int(rng.integers(1, 1 << 30))
+    payload = F.kv_map_data(snap, version)
+    cells = map_cells(payload)
+    assert list(cells) == list(range(n)) and payload["shown"] == n
+    assert {i: c.state for i, c in cells.items()} == \
+        {b.block_id: F.block_state(b) for b in snap.blocks}
+    # free blocks are implied, never listed; the legend counts every block once
+    assert sorted(payload["ids"]) == sorted(b.block_id for b in snap.blocks
+                                            if F.block_state(b) != "free")
+    assert payload["counts"] == {**dict.fromkeys(["free", "evictable", "owned", "shared"], 0),
+                                 **Counter(F.block_state(b) for b in snap.blocks)}
+    assert (payload["version"], payload["num_blocks"], payload["block_size"]) == \
+        (version, n, snap.block_size)
+
+
+def test_kv_map_counts_blocks_the_engine_did_not_list_as_free(rng):
+    snap = random_cache(rng, 200, busy=30, evictable=10)
+    free = [b.block_id for b in snap.blocks if F.block_state(b) == "free"]
+    unlisted = set(rng.choice(free, int(rng.integers(1, len(free))), replace=False).tolist())
+    snap.blocks = [b for b in snap.blocks if b.block_id not in unlisted]
+    snap.num_blocks = 200 + int(rng.integers(1, 50))       # never-touched blocks past the list
+    payload = F.kv_map_data(snap)
+    assert payload["counts"]["free"] == len(free) + snap.num_blocks - 200
+    assert sum(payload["counts"].values()) == snap.num_blocks
+    cells = map_cells(payload)
+    assert list(cells) == list(range(snap.num_blocks))
+    assert all(cells[i].state == "free" for i in unlisted | set(range(200, snap.num_blocks)))
+
+
+def test_kv_map_draws_the_region_in_use_and_every_block_past_it_is_free(rng):
+    n = int(rng.integers(1000, 4097))
+    top = int(rng.integers(MAP_MIN_CELLS + 40, n - 100))     # highest busy block
+    ids = np.concatenate([[top], rng.choice(top, int(rng.integers(20, 120)), replace=False)])
+    snap = random_cache(rng, n, busy=len(ids) - 5, evictable=5, ids=ids)
+    payload = F.kv_map_data(snap)
+    shown = payload["shown"]
+    assert shown % MAP_ROW == 0 and top < shown <= top + MAP_ROW     # a whole row past it
+    assert all(i < shown for i in payload["ids"])
+    cells = map_cells(payload)
+    assert list(cells) == list(range(shown))
+    assert {i: c.state for i, c in cells.items()} == \
+        {b.block_id: F.block_state(b) for b in snap.blocks[:shown]}
+    assert all(F.block_state(b) == "free" for b in snap.blocks[shown:])
+    # a big cache with little in use still draws MAP_MIN_CELLS blocks, not a sliver
+    small = random_cache(rng, n, busy=3, ids=rng.choice(40, 3, replace=False))
+    assert F.kv_map_data(small)["shown"] == MAP_MIN_CELLS
+
+
+def test_kv_map_colours_owner_fill_and_evictable_grey(rng):
     snap = make_snapshot(rng)
-    html = F.kv_grid_html(snap, decode)
-    grid = html.split('class="kv-grid"', 1)[1]
-    cells = re.findall(r'class="kv-cell kv-(\w+)" data-block="(\d+)"', grid)
-    assert [int(b) for _, b in cells] == list(range(snap.num_blocks))
-    states = {int(b): s for s, b in cells}
-    assert states[0] == states[1] == "shared"
-    assert states[2] == states[3] == "owned"
-    assert states[4] == "evictable"
-    assert all(states[i] == "free" for i in range(5, snap.num_blocks))
+    cells = map_cells(F.kv_map_data(snap))
+    c0, c1 = F.request_colour("req-0"), F.request_colour("req-1")
+    assert c0 != c1
+    assert cells[0].colour == c0 and cells[0].fill == snap.block_size   # full block
+    assert cells[2].colour == c0 and cells[2].fill == 3                  # 3 of 4 slots written
+    assert cells[3].colour == c1 and cells[3].fill == 1
+    assert cells[4].colour == EVICTABLE_COLOUR and cells[5].colour == FREE_COLOUR
+
+    snap = random_cache(rng, 256, busy=int(rng.integers(30, 150)), evictable=20,
+                        num_requests=int(rng.integers(3, 16)))
+    k = int(rng.integers(1, len(snap.running)))
+    snap.waiting, snap.running = snap.running[:k], snap.running[k:]   # preempted ones wait
+    payload = F.kv_map_data(snap)
+    cells = map_cells(payload)
+    for b in snap.blocks:
+        c = cells[b.block_id]
+        if b.ref_count:
+            assert c.colour == F.request_colour(b.owners[0]), b      # coloured by its owner
+            assert (c.owners, c.ref, c.fill) == (b.owners, b.ref_count, b.num_filled)
+        else:
+            assert c.colour == (EVICTABLE_COLOUR if b.evictable else FREE_COLOUR)
+    assert payload["colours"] == [F.request_colour(r) for r in payload["owners"]]
+    assert payload["running"] == [r in snap.running for r in payload["owners"]]
+    # sequential ids get distinct colours: same colour only 16 apart (the palette's length)
+    for a, ca in zip(payload["owners"], payload["colours"]):
+        for b, cb in zip(payload["owners"], payload["colours"]):
+            assert (ca == cb) == (int(a[4:]) % len(PALETTE) == int(b[4:]) % len(PALETTE))
 
 
-def test_kv_grid_colours_owner_shade_fill_and_evictable_grey(rng):
-    snap = make_snapshot(rng)
-    html = F.kv_grid_html(snap, decode)
-    cell = {int(m.group(1)): m.group(0) for m in
-            re.finditer(r'<div class="kv-cell[^"]*" data-block="(\d+)"[^>]*>', html)}
-    c0 = F.request_colour("req-0")
-    assert f"{c0} 100%" in cell[0]                 # full block: colour fills 100%
-    assert f"{c0} 75%" in cell[2]                  # 3 of 4 slots written
-    assert f"{F.request_colour('req-1')} 25%" in cell[3]
-    assert EVICTABLE_COLOUR in cell[4]
-    assert EVICTABLE_COLOUR not in cell[5] and FREE_COLOUR in cell[5]
-    assert F.request_colour("req-0") != F.request_colour("req-1")
+def test_kv_map_hover_card_shows_id_state_refcount_owners_and_decoded_text(rng):
+    snap = random_cache(rng, 128, busy=40, evictable=10, shared_frac=0.5)
+    shared = next(snap.blocks[i] for i in rng.permutation(128) if snap.blocks[i].ref_count > 1)
+    tip = F.block_detail(snap, shared.block_id, decode)
+    assert f"block {shared.block_id} · shared · ref {shared.ref_count}" in tip
+    assert f"owners: {', '.join(shared.owners)}" in tip and decode(shared.token_ids) in tip
+    assert f"filled {shared.num_filled}/{snap.block_size}" in tip
+    assert f"hash {shared.prefix_hash & 0xffffffff:08x}" in tip
+    # the payload names the same owners for the canvas' own short card
+    assert map_cells(F.kv_map_data(snap))[shared.block_id].owners == shared.owners
+    cached = next(b for b in snap.blocks if b.evictable)
+    tip = F.block_detail(snap, cached.block_id, decode)
+    assert "evictable · ref 0" in tip and "owners: —" in tip and decode(cached.token_ids) in tip
+    free = next(b for b in snap.blocks if F.block_state(b) == "free")
+    assert F.block_detail(snap, free.block_id, decode).startswith(f"block {free.block_id} · free")
+    assert F.block_detail(snap, 10**6, decode) == f"block {10**6} · free"
 
 
-def test_kv_grid_tooltip_shows_id_refcount_owners_and_decoded_text(rng):
-    snap = make_snapshot(rng)
-    html = F.kv_grid_html(snap, decode)
-    tip = re.search(r'data-block="1"[^>]*data-tip="([^"]*)"', html).group(1)
-    text = decode(snap.blocks[1].token_ids)
-    assert "block 1" in tip and "ref 2" in tip and "req-0, req-1" in tip and text in tip
+def test_kv_map_of_a_10000_block_cache_draws_every_block_of_a_running_request(rng):
+    # issue requirement "Never hide a live block": live blocks anywhere in a 10,000-block cache
+    # (the last one included), among thousands of cached-free ones, are all drawn
+    n = 10_000
+    busy, evictable = int(rng.integers(100, 600)), int(rng.integers(2000, 6000))
+    rest = rng.permutation(n - 1)[:busy + evictable - 1]
+    snap = random_cache(rng, n, busy=busy, evictable=evictable, ids=np.r_[n - 1, rest])
+    payload = F.kv_map_data(snap)
+    cells = map_cells(payload)
+    owned_by_running = {b for r in snap.running for b in snap.block_tables[r]}
+    assert n - 1 in owned_by_running and len(owned_by_running) == busy
+    assert owned_by_running <= set(cells)
+    for b in (snap.blocks[i] for i in owned_by_running):
+        c = cells[b.block_id]
+        assert (c.state, c.owners, c.colour) == (F.block_state(b), b.owners,
+                                                 F.request_colour(b.owners[0]))
+    assert payload["counts"]["owned"] + payload["counts"]["shared"] == busy
+    assert sum(payload["counts"].values()) == n
 
 
-def test_kv_grid_caps_huge_caches_but_keeps_used_blocks(rng):
-    snap = make_snapshot(rng, num_blocks=10_000)
-    html = F.kv_grid_html(snap, decode)
-    assert html.count('class="kv-cell kv-') - 4 == figures_kv.MAX_GRID_CELLS  # 4 in legend
-    assert 'data-block="4"' in html and "showing 4096 of 10000" in html
+def test_kv_map_past_its_cell_cap_keeps_every_live_block_and_drops_only_cached_ones(rng):
+    n = 40_000
+    busy = int(rng.integers(500, MAX_MAP_CELLS // 2))
+    evictable = MAX_MAP_CELLS + int(rng.integers(100, 5000))
+    snap = random_cache(rng, n, busy=busy, evictable=evictable, shared_frac=0.01)
+    payload = F.kv_map_data(snap)
+    drawn = drawn_ids(payload)
+    assert payload["shown"] is None and len(drawn) == MAX_MAP_CELLS
+    assert drawn == sorted(drawn)                     # the canvas draws them in id order
+    assert live_ids(snap) <= set(drawn)
+    assert payload["counts"]["evictable"] == evictable       # the legend still counts them all
+    # live blocks alone past the cap: all of them, no cached one
+    busy = MAX_MAP_CELLS + int(rng.integers(1, 2000))
+    snap = random_cache(rng, n, busy=busy, evictable=int(rng.integers(100, 3000)),
+                        shared_frac=0.002)
+    cells = map_cells(F.kv_map_data(snap))
+    assert set(cells) == live_ids(snap)
+    assert all(c.state in ("owned", "shared") for c in cells.values())
 
+
+def test_kv_map_payload_of_a_full_4096_block_cache_is_small(rng):
+    # The map's value goes to the browser on every tick the cache changes and the page parses
+    # it on its main thread. The old per-cell HTML grid (kv_grid_html: a div with a style and
+    # a tooltip per block) was ~1-1.5 MB for a full 4,096-block cache, which is what made the
+    # KV tab stall on two cores. The compact payload lists only non-free blocks in parallel
+    # arrays (~20 bytes each, owners' text fetched on hover), so even a cache where every
+    # block is in use, many shared by up to 8 of 64 requests, stays near 90 kB: 150 kB leaves
+    # room for longer request ids, and is still a tenth of the HTML.
+    snap = random_cache(rng, 4096, busy=4096 - 800, evictable=800, num_requests=64,
+                        shared_frac=0.3, max_owners=8)
+    value = map_value(snap, version=int(rng.integers(1 << 30)))
+    assert strict_json(value)["ids"] == [b.block_id for b in snap.blocks]
+    assert len(value) < 150_000, len(value)
+
+
+def test_kv_map_of_a_huge_cache_keeps_every_shared_blocks_owners(rng):
+    """Past the cell cap the map keeps every live block and the owner lists of exactly the
+    shared blocks it kept (no timing here: the quadratic filter this once had is gone)."""
+    snap = random_cache(rng, 30_000, busy=6000, evictable=MAX_MAP_CELLS, shared_frac=0.5)
+    payload = F.kv_map_data(snap)
+    assert live_ids(snap) <= set(drawn_ids(payload))
+    kept = set(payload["ids"])
+    shared = {b.block_id for b in snap.blocks if len(b.owners) > 1 and b.block_id in kept}
+    assert {int(k) for k in payload["more_owners"]} == shared
+
+
+# ---- KV cache: tables, usage, layout, drilldown -----------------------------------------------
 
 def test_block_tables_list_physical_ids_and_mark_shared(rng):
     snap = make_snapshot(rng)
@@ -72,17 +224,28 @@ def test_block_tables_list_physical_ids_and_mark_shared(rng):
     row0 = html.split('data-request="req-0"')[1].split('data-request="req-1"')[0]
     assert re.findall(r'>(\d+)</span>', row0) == ["0", "1", "2"]
     assert row0.count("kv-tshared") == 2
+    snap = random_cache(rng, 200, busy=60, shared_frac=0.4, num_requests=6)
+    html = F.block_tables_html(snap)
+    ref = {b.block_id: b.ref_count for b in snap.blocks}
+    for rid, table in snap.block_tables.items():
+        row = html.split(f'data-request="{rid}"')[1].split('data-request=')[0]
+        assert re.findall(r'>(\d+)</span>', row) == [str(b) for b in table]
+        assert row.count("kv-tshared") == sum(ref[b] > 1 for b in table)
+        assert f"border-color:{F.request_colour(rid)}" in row
 
 
 def test_kv_usage_figure_has_fixed_axes_and_uirevision(rng):
-    snap = make_snapshot(rng)
-    now = snap.steps[-1].wall_time + 1
-    fig = F.kv_usage_figure(snap, [(now - 5, 0.25), (now - 1, 0.5)], now)
-    usage, hits = fig.data
-    assert len(usage.x) == len(snap.steps) and list(usage.y) == [s.kv_usage for s in snap.steps]
-    assert list(hits.y) == [0.25, 0.5]
-    assert tuple(fig.layout.yaxis.range) == (0, 1.02) and tuple(fig.layout.xaxis.range) == (-60, 0)
-    assert fig.layout.uirevision == "kv-usage"
+    snap = make_snapshot(rng, num_steps=int(rng.integers(3, 30)))
+    now = snap.steps[-1].wall_time + float(rng.uniform(0.1, 5))
+    hits = sorted((now - float(rng.uniform(0, 59)), float(rng.uniform(0, 1))) for _ in range(6))
+    fig = F.kv_usage_figure(snap, [(now - 61 - float(rng.uniform(0, 9)), 0.9)] + hits, now)
+    usage, hit = fig["data"]
+    assert usage["x"] == pytest.approx([s.wall_time - now for s in snap.steps])
+    assert usage["y"] == [s.kv_usage for s in snap.steps]
+    assert hit["y"] == [r for _, r in hits]          # older than the window: left out
+    lay = fig["layout"]
+    assert lay["yaxis"]["range"] == [0, 1.02] and lay["xaxis"]["range"] == [-60, 0]
+    assert lay["uirevision"] == "kv-usage"
 
 
 def test_kv_layout_markdown_names_shape_and_bytes(rng):
@@ -94,164 +257,365 @@ def test_kv_layout_markdown_names_shape_and_bytes(rng):
 
 
 def test_kv_block_figure_shape_and_symmetric_range(rng):
-    data = rng.normal(size=(4, 8)).astype(np.float32)
-    fig = F.kv_block_figure(data, 3, 1, 0, "k", ["a", "b\n"])
-    hm = fig.data[0]
-    assert np.asarray(hm.z).shape == (4, 8)
-    assert hm.zmin == -hm.zmax == -float(np.abs(data).max())
-    assert list(hm.y)[:2] == ["0: a", "1: b⏎"] and list(hm.y)[3] == "3: (empty)"
+    bs, dim = int(rng.integers(4, 33)), int(rng.integers(8, 129))
+    data = (rng.normal(size=(bs, dim)) * rng.uniform(0.1, 10)).astype(np.float32)
+    peak = np.unravel_index(np.abs(data).argmax(), data.shape)
+    for sign in (1, -1):            # the largest magnitude positive, then negative
+        data[peak] = sign * abs(data[peak])
+        hm = F.kv_block_figure(data, 3, 1, 0, "k")["data"][0]
+        assert hm["zmin"] == -hm["zmax"] == -float(np.abs(data).max()) and hm["zmid"] == 0
+    fig = F.kv_block_figure(data, 3, 1, 0, "k", ["a", "b\n", "<b>x</b>"])
+    hm = fig["data"][0]
+    assert np.array_equal(np.asarray(hm["z"]), data)
+    assert hm["y"][:3] == ["0: a", "1: b⏎", "2: &lt;b&gt;x&lt;/b&gt;"]    # markup shown as text
+    assert hm["y"][bs - 1] == f"{bs - 1}: (empty)" and len(hm["y"]) == bs
+    assert fig["layout"]["uirevision"]
 
 
-# ---- Layers ---------------------------------------------------------------------------------
+# ---- Layers (canvas chart specs) --------------------------------------------------------------
 
-def test_norms_figure_is_layer_by_token_with_prompt_colour_range(rng):
-    tr = make_trace(rng)
-    fig = F.norms_figure(tr, token=7)
-    hm = fig.data[0]
-    assert np.asarray(hm.z).shape == (tr.num_layers + 1, 10)
-    assert list(hm.y) == ["embed", "L0", "L1", "L2"]
-    prompt = tr.norms()[:6]
-    assert hm.zmin == pytest.approx(prompt.min())
-    assert hm.zmax == pytest.approx(np.percentile(prompt, 99))
-    assert fig.layout.uirevision == "norms-req-0"
-    assert len(fig.layout.shapes) == 2         # prompt boundary and chosen token
+def test_norms_chart_is_layer_by_token_with_prompt_colour_range(rng):
+    tr = trace(rng)
+    t, n_prompt = len(tr.resid_norms), len(tr.prompt_token_ids)
+    token = int(rng.integers(0, t))
+    spec = F.norms_figure(tr, token=token)
+    check_chart_spec(spec)
+    assert spec["kind"] == "heatmap"
+    assert np.array_equal(np.asarray(spec["z"]), tr.norms().T)          # [layers + 1, tokens]
+    assert spec["y_labels"] == ["embed", "L0", "L1", "L2"]
+    prompt = tr.norms()[:n_prompt]
+    assert spec["zmin"] == pytest.approx(prompt.min())
+    assert spec["zmax"] == pytest.approx(np.percentile(prompt, 99))
+    assert spec["vlines"] == [{"at": n_prompt, "colour": "#ffffff"}]    # prompt | reply
+    assert [(m["from"], m["to"]) for m in spec["col_outlines"]] == [(token, token + 1)]
+    assert spec["x_labels"] == [f"{i}:tok{i}" for i in range(t)]
+    # the x axis ends on a step (16, then multiples of 32), not on the newest token: it stays
+    # put while tokens stream in
+    assert spec["x_end"] == (16 if t <= 16 else 32)
+    assert F.norms_figure(tr, token=t)["col_outlines"] == []
 
 
-def test_norms_figure_marks_prefix_cached_tokens_and_ignores_their_nan_rows(rng):
-    tr = make_trace(rng)
-    for i in range(3):             # the engine writes NaN rows for prefix-cache hits
+def test_norms_chart_marks_prefix_cached_tokens_and_ignores_their_nan_rows(rng):
+    tr = trace(rng, num_prompt=int(rng.integers(5, 14)))
+    k = int(rng.integers(1, len(tr.prompt_token_ids) - 1))
+    for i in range(k):             # the engine writes NaN rows for prefix-cache hits
         tr.resid_norms[i] = np.full(tr.num_layers + 1, np.nan, np.float32)
-    fig = F.norms_figure(tr)
-    hm = fig.data[0]
-    live = tr.norms()[3:6]
-    assert hm.zmin == pytest.approx(live.min()) and np.isfinite(hm.zmax)
-    spans = [(s.x0, s.x1) for s in fig.layout.shapes if s.type == "rect"]
-    assert spans == [(-0.5, 2.5)]
-    assert "prefix cache" in fig.layout.annotations[0].text
+    spec = F.norms_figure(tr)
+    check_chart_spec(spec)
+    live = tr.norms()[k:len(tr.prompt_token_ids)]
+    assert spec["zmin"] == pytest.approx(live.min()) and np.isfinite(spec["zmax"])
+    assert spec["zmax"] == pytest.approx(np.percentile(live, 99))
+    assert [(s["from"], s["to"]) for s in spec["spans"]] == [(0, k)]
+    assert "prefix cache" in spec["spans"][0]["label"]
+    z = strict_json(chart_value(spec))["z"]          # NaN reaches the canvas as null
+    assert all(row[i] is None for row in z for i in range(k))
+    assert all(row[i] is not None for row in z for i in range(k, len(tr.resid_norms)))
 
 
-def test_norms_figure_without_tokens_says_so():
-    from engine.probes.trace import RequestTrace
-    fig = F.norms_figure(RequestTrace("r", 2))
-    assert "No tokens" in fig.layout.annotations[0].text
+def test_norms_chart_without_tokens_says_so():
+    spec = F.norms_figure(RequestTrace("r", 2))
+    check_chart_spec(spec)
+    assert "No tokens" in spec["message"]
 
 
-def test_logit_lens_figure_layer_by_step_with_top_token_text(rng):
-    tr = make_trace(rng, num_out=5)
-    fig = F.logit_lens_figure(tr, decode, token=tr.lens[1].position)
-    hm = fig.data[0]
-    assert np.asarray(hm.z).shape == (tr.num_layers, len(tr.lens))
-    assert hm.zmin == 0 and hm.zmax == 1
-    assert hm.text[0][0] == figures_layers.short_text(decode([int(tr.lens[0].top_ids[0, 0])]), 8)
-    assert len(fig.layout.shapes) == 1
+def test_logit_lens_chart_layer_by_step_with_top_token_text(rng):
+    tr = trace(rng)
+    pick = int(rng.integers(0, len(tr.lens)))
+    spec = F.logit_lens_figure(tr, decode, token=tr.lens[pick].position)
+    check_chart_spec(spec)
+    z = np.asarray(spec["z"])
+    assert z.shape == (tr.num_layers, len(tr.lens))
+    assert np.array_equal(z, np.stack([s.top_probs[:, 0] for s in tr.lens], axis=1))
+    assert spec["zmin"] == 0 and spec["zmax"] == 1
+    assert spec["cell_text"] == [[short_text(decode([int(s.top_ids[l, 0])]), 8) for s in tr.lens]
+                                 for l in range(tr.num_layers)]
+    assert spec["x_values"] == [s.position for s in tr.lens]       # a click scrubs to these
+    assert [(m["from"], m["to"]) for m in spec["col_outlines"]] == [(pick, pick + 1)]
+    s, l = tr.lens[pick], int(rng.integers(tr.num_layers))
+    hover = spec["cell_hover"][l][pick]
+    assert repr(decode([int(s.top_ids[l, 0])])) in hover
+    assert f"sampled {decode([s.sampled_token])!r}: rank {int(s.sampled_rank[l])}" in hover
+    assert "No generated tokens" in F.logit_lens_figure(RequestTrace("r", 2), decode)["message"]
 
 
-def test_attention_heads_figure_one_row_per_head_over_context(rng):
-    tr = make_trace(rng)
+def test_logit_lens_window_follows_the_scrubbed_token_of_a_long_reply(rng):
+    tr = trace(rng, num_out=int(rng.integers(40, 80)))
+    pick = int(rng.integers(0, len(tr.lens) - MAX_LENS_STEPS))     # older than the newest 24
+    spec = F.logit_lens_figure(tr, decode, token=tr.lens[pick].position)
+    check_chart_spec(spec)
+    xs = spec["x_values"]
+    assert len(xs) == MAX_LENS_STEPS and xs == list(range(xs[0], xs[0] + len(xs)))
+    assert tr.lens[pick].position in xs
+    j = xs.index(tr.lens[pick].position)
+    assert j == min(pick, MAX_LENS_STEPS // 2)                 # centred where it can be
+    assert [(m["from"], m["to"]) for m in spec["col_outlines"]] == [(j, j + 1)]
+    assert F.logit_lens_figure(tr, decode)["x_values"][-1] == tr.lens[-1].position   # newest
+
+
+def test_attention_heads_chart_one_row_per_head_over_context(rng):
+    tr = trace(rng)
     step = F.attention_step_for(tr, None)
-    fig = F.attention_heads_figure(step, 1, tr.token_texts, head=2, request_id="req-0")
-    hm = fig.data[0]
-    assert np.asarray(hm.z).shape == (4, step.position + 1)
-    assert np.allclose(np.asarray(hm.z) ** 2, step.probs[1], atol=1e-6)
-    assert hm.zmin == 0 and hm.zmax == 1 and len(fig.layout.shapes) == 1
+    step.layers = sorted(int(x) for x in rng.choice(range(10, 40), len(step.layers),
+                                                    replace=False))
+    for j, layer in enumerate(step.layers):       # captured layers by id, not by index
+        z = np.asarray(F.attention_heads_figure(step, layer, tr.token_texts)["z"])
+        assert z.shape == (4, step.position + 1)
+        assert np.allclose(z ** 2, step.probs[j], atol=1e-6)      # sqrt scale, p in hover
+    head = int(rng.integers(4))
+    spec = F.attention_heads_figure(step, step.layers[-1], tr.token_texts, head=head,
+                                    request_id="req-0")
+    check_chart_spec(spec)
+    assert spec["value_fmt"] == "p" and spec["zmin"] == 0 and spec["zmax"] == 1
+    assert [(m["from"], m["to"]) for m in spec["row_outlines"]] == [(head, head + 1)]
+    assert spec["y_labels"] == [f"h{i}" for i in range(4)]
+    missing = int(rng.integers(0, 10))
+    assert "not captured" in F.attention_heads_figure(step, missing, tr.token_texts)["message"]
 
 
 def test_attention_step_for_picks_the_row_of_the_scrubbed_token(rng):
-    tr = make_trace(rng)
-    assert F.attention_step_for(tr, 7).position == 7
-    assert F.attention_step_for(tr, 2).position == tr.attention[0].position
+    tr = trace(rng)
+    pick = tr.attention[int(rng.integers(len(tr.attention)))]
+    assert F.attention_step_for(tr, pick.position) is pick
     assert F.attention_step_for(tr, None) is tr.attention[-1]
+    # an early prompt token: no row captured, and none made up from another token's
+    early = int(rng.integers(0, tr.attention[0].position))
+    assert F.attention_step_for(tr, early) is None
+    # ... unless the whole prompt's pattern was recorded: that row of it
+    p = len(tr.prompt_token_ids)
+    pats = {l: rng.dirichlet(np.ones(p), (4, p)).astype(np.float32) for l in (0, 2)}
+    tr.prefill_pattern = pats
+    tr.prefill_computed = np.ones(p, bool)
+    st = F.attention_step_for(tr, early)
+    assert st.position == early and st.layers == [0, 2]
+    assert np.array_equal(st.probs, np.stack([pats[l][:, early, :early + 1] for l in (0, 2)]))
+    assert st.block_table == tr.attention[0].block_table[:early // st.block_size + 1]
 
 
-def test_attention_row_figure_labels_tokens_and_block_mass_sums_to_one(rng):
-    tr = make_trace(rng)
-    step = tr.attention[-1]
-    fig = F.attention_row_figure(step, 0, 3, tr.token_texts)
-    row, mass = fig.data
-    assert list(row.x)[0] == "0:tok0" and len(row.x) == step.position + 1
-    assert list(mass.x) == [f"blk {b}" for b in step.block_table]
-    assert float(np.sum(mass.y)) == pytest.approx(1.0, abs=1e-5)
+def test_attention_step_for_a_prefix_cached_prompt_token_is_none(rng):
+    tr = trace(rng, num_prompt=int(rng.integers(6, 14)))
+    p = len(tr.prompt_token_ids)
+    k = int(rng.integers(1, p - 1))                  # tokens 0..k-1 came from the prefix cache
+    pat = rng.dirichlet(np.ones(p), (4, p)).astype(np.float32)
+    pat[:, :k] = np.nan                              # as ProbeManager._fold_patterns leaves them
+    tr.prefill_pattern = {0: pat}
+    tr.prefill_computed = np.arange(p) >= k
+    cached = int(rng.integers(0, k))
+    assert F.attention_step_for(tr, k) is not None
+    assert F.attention_step_for(tr, cached) is None
+
+
+def test_attention_row_chart_labels_tokens_and_block_mass_sums_to_one(rng):
+    tr = trace(rng)
+    step = tr.attention[int(rng.integers(len(tr.attention)))]
+    for layer in range(tr.num_layers):
+        for head in range(4):
+            row, mass = F.attention_row_figure(step, layer, head, tr.token_texts)["panels"]
+            assert np.array_equal(row["values"], step.probs[layer, head])
+            assert np.allclose(mass["values"], step.block_mass()[layer, head])
+    layer, head = int(rng.integers(tr.num_layers)), int(rng.integers(4))
+    spec = F.attention_row_figure(step, layer, head, tr.token_texts)
+    check_chart_spec(spec)
+    row, mass = spec["panels"]
+    assert row["labels"][0] == "0:tok0" and len(row["values"]) == step.position + 1
+    assert row["hover"][-1] == f"key {step.position} “tok{step.position}”"
+    assert mass["labels"] == [f"blk {b}" for b in step.block_table]
+    assert float(np.sum(mass["values"])) == pytest.approx(1.0, abs=1e-5)
+    for p in (row, mass):     # the y axis tops out on the first fixed step above the peak
+        assert p["ymax"] == min(y for y in (0.05, 0.1, 0.25, 0.5, 1.0) if y >= max(p["values"]))
 
 
 def test_attention_row_survives_a_block_table_shorter_than_the_context(rng):
-    tr = make_trace(rng)
+    tr = trace(rng, num_prompt=int(rng.integers(6, 14)))
     step = tr.attention[-1]
     step.block_table = step.block_table[:1]
-    fig = F.attention_row_figure(step, 0, 0, tr.token_texts)
-    mass = fig.data[1]
-    assert list(mass.x)[0] == "blk 10" and len(mass.x) == -(-(step.position + 1) // 4)
-    assert float(np.sum(mass.y)) == pytest.approx(1.0, abs=1e-5)
+    spec = F.attention_row_figure(step, 0, 0, tr.token_texts)
+    check_chart_spec(spec)
+    mass = spec["panels"][1]
+    assert mass["labels"][0] == "blk 10" and len(mass["values"]) == -(-(step.position + 1) // 4)
+    assert float(np.sum(mass["values"])) == pytest.approx(1.0, abs=1e-5)
 
 
-def test_routing_figure_marks_topk_experts(rng):
-    tr = make_trace(rng, moe_experts=8)
-    fig = F.routing_figure(tr, 3, 8)
-    hm, marks = fig.data
-    assert np.asarray(hm.z).shape == (3, 8)
-    assert list(marks.x) == list(tr.router_topk_ids[3].reshape(-1))
-    assert tuple(fig.layout.xaxis.range) == (-0.5, 7.5)
+def test_routing_chart_marks_topk_experts(rng):
+    e = int(rng.choice([8, 16, 64]))
+    tr = trace(rng, moe_experts=e)
+    token = int(rng.integers(len(tr.router_probs)))
+    spec = F.routing_figure(tr, token, e)
+    check_chart_spec(spec)
+    z = np.asarray(spec["z"])
+    assert z.shape == (3, e) and np.allclose(z ** 2, tr.router_probs[token], atol=1e-6)
+    assert spec["markers"] == [[i, int(x)] for i in range(3) for x in tr.router_topk_ids[token][i]]
+    assert spec["x_end"] == e and spec["y_labels"] == ["L0", "L1", "L2"]
+    assert f"token {token} “tok{token}”" in spec["title"]
+
+
+def test_routing_chart_of_a_prefix_cached_token_circles_no_expert(rng):
+    tr = trace(rng, moe_experts=8)
+    k = int(rng.integers(1, len(tr.prompt_token_ids)))
+    for i in range(k):             # ProbeManager's _put: NaN probabilities, -1 expert ids
+        tr.router_probs[i] = np.full_like(tr.router_probs[i], np.nan)
+        tr.router_topk_ids[i] = np.full_like(tr.router_topk_ids[i], -1)
+        tr.router_topk_weights[i] = np.full_like(tr.router_topk_weights[i], np.nan)
+    spec = F.routing_figure(tr, int(rng.integers(k)), 8)
+    assert all(0 <= c < 8 for _, c in spec.get("markers", []))
 
 
 def test_routing_and_expert_load_say_when_model_is_dense(rng):
-    tr = make_trace(rng)
-    assert "dense" in F.routing_figure(tr, 0, 0).layout.annotations[0].text
-    assert "dense" in F.expert_load_figure(None).layout.annotations[0].text
+    tr = trace(rng)
+    assert "dense" in F.routing_figure(tr, 0, 0)["message"]
+    assert "dense" in F.expert_load_figure(None)["message"]
+    assert "dense" in F.expert_load_figure(np.zeros((0, 8)))["message"]
 
 
 def test_expert_load_is_relative_to_even_split(rng):
-    load = np.array([[4, 0, 0, 0], [1, 1, 1, 1]])
-    fig = F.expert_load_figure(load, [1, 3])
-    z = np.asarray(fig.data[0].z)
-    assert z.tolist() == [[4, 0, 0, 0], [1, 1, 1, 1]]
-    assert list(fig.data[0].y) == ["L1", "L3"] and fig.data[0].zmax == 4
+    m, e = int(rng.integers(1, 6)), int(rng.choice([4, 8, 60]))
+    load = rng.integers(1, 50, (m, e))
+    load[rng.integers(m), rng.integers(e)] = 0
+    layers = sorted(int(x) for x in rng.choice(48, m, replace=False))
+    spec = F.expert_load_figure(load, layers, num_steps=int(rng.integers(2, 40)))
+    check_chart_spec(spec)
+    even = load.sum(1, keepdims=True) / e
+    assert np.allclose(spec["z"], load / even)
+    assert spec["y_labels"] == [f"L{l}" for l in layers]
+    assert spec["zmin"] == 0 and spec["zmax"] == 4           # fixed: 1 = an even share
+    assert spec["cell_hover"] == [[f"{v} tokens" for v in row] for row in load.tolist()]
+    assert "last" in spec["title"] and "latest step" in F.expert_load_figure(load)["title"]
+    idle = load.copy()
+    idle[0] = 0                                       # a layer no token reached: 0, not NaN
+    assert np.asarray(F.expert_load_figure(idle)["z"])[0].tolist() == [0.0] * e
 
 
 # ---- Engine ---------------------------------------------------------------------------------
 
 def test_batch_timeline_rows_are_requests_and_cells_mark_prefill(rng):
-    snap = make_snapshot(rng)
+    snap = make_snapshot(rng, num_steps=int(rng.integers(3, 100)))
+    rids = [f"req-{i}" for i in rng.permutation(40)[:int(rng.integers(2, 8))]]
+    for s in snap.steps:           # a random batch each step: who ran, prefill or decode
+        batch = [r for r in rids if rng.random() < 0.6] or rids[:1]
+        s.entries = [StepEntry(r, "prefill" if rng.random() < 0.3 else "decode",
+                               int(rng.integers(1, 9)), int(rng.integers(0, 99))) for r in batch]
+        s.num_prefill_tokens = sum(e.num_tokens for e in s.entries if e.kind == "prefill")
+        s.num_decode_tokens = sum(e.num_tokens for e in s.entries if e.kind == "decode")
     fig = F.batch_timeline_figure(snap.steps)
-    prefill, decode_bar, hm = fig.data
-    assert list(prefill.y) == [s.num_prefill_tokens for s in snap.steps]
-    z = np.asarray(hm.z, dtype=float)
-    assert list(hm.y) == ["req-0", "req-1"] and z.shape == (2, len(snap.steps))
-    assert z[0, 0] == 2 and np.all(z[0, 1:] == 1) and np.all(z[1] == 1)
+    prefill, decode_area, hm = fig["data"]
+    steps = snap.steps[-64:]
+    assert prefill["y"] == [s.num_prefill_tokens for s in steps]
+    assert decode_area["y"] == [s.num_decode_tokens for s in steps]
+    assert prefill["stackgroup"] == decode_area["stackgroup"]
+    seen = list(dict.fromkeys(e.request_id for s in steps for e in s.entries))
+    assert hm["y"] == seen and hm["x"] == [s.step_id for s in steps]     # rows in order seen
+    z = np.asarray(hm["z"], dtype=float)
+    for j, s in enumerate(steps):
+        kinds = {e.request_id: e.kind for e in s.entries}
+        want = [2 if kinds.get(r) == "prefill" else 1 if r in kinds else np.nan for r in seen]
+        np.testing.assert_array_equal(z[:, j], want)                     # 2 = prefill
+        for e in s.entries:
+            assert hm["customdata"][seen.index(e.request_id)][j] == \
+                f"{e.kind} {e.num_tokens} tok @ {e.start_pos}"
     last = snap.steps[-1].step_id
-    assert tuple(fig.layout.xaxis.range) == (last - 63.5, last + 0.5)
+    assert fig["layout"]["xaxis"]["range"] == [last - 63.5, last + 0.5]
+    out = strict_json(plot_value(fig))["data"][2]["z"]                  # gaps sent as null
+    assert [[v is None for v in row] for row in out] == np.isnan(z).tolist()
 
 
 def test_step_time_figure_stacks_four_phases_in_ms(rng):
-    snap = make_snapshot(rng)
+    snap = make_snapshot(rng, num_steps=int(rng.integers(3, 100)))
+    for s in snap.steps:
+        s.t_schedule, s.t_prepare, s.t_sample = (float(x) for x in rng.uniform(1e-5, 2e-3, 3))
     fig = F.step_time_figure(snap.steps)
-    assert [d.name for d in fig.data] == ["schedule", "prepare", "forward", "sample"]
-    assert fig.data[2].y[0] == pytest.approx(1e3 * snap.steps[0].t_forward)
-    assert fig.layout.barmode == "stack"
+    steps = snap.steps[-64:]
+    assert [d["name"] for d in fig["data"]] == list(PHASE_COLOURS)
+    for d in fig["data"]:
+        assert d["y"] == pytest.approx([1e3 * getattr(s, f"t_{d['name']}") for s in steps])
+        assert d["stackgroup"] == "ms"
+    total = 1e3 * np.median([s.t_schedule + s.t_prepare + s.t_forward + s.t_sample
+                             for s in steps])
+    assert f"median {total:.1f} ms over the last {len(steps)} steps" in \
+        fig["layout"]["title"]["text"]
 
 
 def test_cuda_graph_figure_splits_graph_and_eager_steps(rng):
-    snap = make_snapshot(rng)
+    snap = make_snapshot(rng, num_steps=int(rng.integers(10, 60)))
+    eager = set(rng.choice(len(snap.steps), int(rng.integers(1, 6)), replace=False).tolist())
+    for i, s in enumerate(snap.steps):
+        s.graph_bucket = None if i in eager else int(rng.choice([1, 2, 4, 8]))
     fig = F.cuda_graph_figure(snap.steps)
-    graph, eager, _ = fig.data
-    assert len(graph.x) == len(snap.steps) - 1 and list(eager.x) == [snap.steps[0].step_id]
-    assert "90%" in fig.layout.title.text
+    graph, eager_t, batch = fig["data"]
+    x = [s.step_id for s in snap.steps]
+    assert graph["x"] == eager_t["x"] == batch["x"] == x
+    assert graph["y"] == [s.graph_bucket for s in snap.steps]           # None: a gap
+    assert eager_t["y"] == [s.num_prefill_tokens + s.num_decode_tokens if i in eager else None
+                            for i, s in enumerate(snap.steps)]
+    assert not graph["connectgaps"] and not eager_t["connectgaps"]
+    assert eager_t["mode"] == "lines+markers"        # a lone eager step still shows
+    share = (len(snap.steps) - len(eager)) / len(snap.steps)
+    assert f"{share:.0%} of recent steps replayed a graph" in fig["layout"]["title"]["text"]
 
 
 def test_tp_map_places_each_head_on_its_rank(rng):
-    snap = make_snapshot(rng, tp=2)
+    tp = int(rng.choice([2, 4]))
+    snap = make_snapshot(rng, tp=tp, moe=bool(rng.integers(2)))
     fig = F.tp_map_figure(snap.tp_layout, snap.num_heads, snap.num_kv_heads)
-    q = [d for d in fig.data if d.type == "scatter" and d.xaxis == "x"]
-    assert [list(d.x) for d in q] == [[0, 1], [2, 3]]
-    assert [d.y[0] for d in q] == ["rank 0", "rank 1"]
-    bars = [d for d in fig.data if d.type == "bar"]
-    assert [tuple(b.base) for b in bars] == [(0,), (32,)]
+    q = [d for d in fig["data"] if d["type"] == "scatter" and d["xaxis"] == "x"]
+    kv = [d for d in fig["data"] if d["type"] == "scatter" and d["xaxis"] == "x2"]
+    assert [d["x"] for d in q] == [r.q_heads for r in snap.tp_layout]
+    assert [d["x"] for d in kv] == [r.kv_heads for r in snap.tp_layout]
+    assert [set(d["y"]) for d in q if d["y"]] == [{f"rank {r.rank}"} for r in snap.tp_layout
+                                                  if r.q_heads]
+    bars = [d for d in fig["data"] if d["type"] == "bar"]
+    slices = [r.expert_slice or r.mlp_slice for r in snap.tp_layout]
+    assert [(b["base"][0], b["x"][0]) for b in bars] == [(a, b - a) for a, b in slices]
+    assert [b["marker"]["color"] for b in bars] == [PALETTE[r.rank] for r in snap.tp_layout]
+    assert fig["layout"]["xaxis"]["range"] == [-0.5, snap.num_heads - 0.5]
 
 
-def test_every_figure_sets_uirevision(rng):
-    snap, tr = make_snapshot(rng, moe=True), make_trace(rng, moe_experts=8)
-    figs = [F.kv_usage_figure(snap, [], 1000.0), F.norms_figure(tr), F.logit_lens_figure(tr, decode),
-            F.attention_heads_figure(tr.attention[-1], 0, tr.token_texts),
-            F.attention_row_figure(tr.attention[-1], 0, 0, tr.token_texts),
-            F.routing_figure(tr, 0, 8), F.expert_load_figure(snap.steps[-1].expert_load),
+# ---- every figure and chart --------------------------------------------------------------------
+
+def test_every_plotly_figure_sets_uirevision_text_titles_and_strict_json(rng):
+    snap = make_snapshot(rng, moe=True)
+    data = rng.normal(size=(4, 8)).astype(np.float32)
+    data[1, 2] = np.nan
+    figs = [F.kv_usage_figure(snap, [], 1000.0), F.kv_block_figure(data, 1, 0, 0, "v"),
             F.batch_timeline_figure(snap.steps), F.step_time_figure(snap.steps),
-            F.cuda_graph_figure(snap.steps), F.tp_map_figure(snap.tp_layout, 4, 2)]
-    assert all(f.layout.uirevision for f in figs)
+            F.cuda_graph_figure(snap.steps), F.tp_map_figure(snap.tp_layout, 4, 2),
+            F.empty_figure("nothing yet", "t"), F.batch_timeline_figure([])]
+    for fig in figs:
+        check_plotly_figure(fig)
+        assert fig["layout"]["showlegend"] is False        # legends re-measure on every redraw
+        for name, axis in fig["layout"].items():
+            if name.startswith(("xaxis", "yaxis")):
+                assert axis["ticklabeloverflow"] == "allow", name
+        strict_json(plot_value(fig))                       # NaN sent as null
+
+
+def test_every_layers_chart_is_a_well_formed_spec(rng):
+    tr = trace(rng, moe_experts=8)
+    step = tr.attention[-1]
+    specs = [F.norms_figure(tr), F.logit_lens_figure(tr, decode),
+             F.attention_heads_figure(step, 0, tr.token_texts),
+             F.attention_row_figure(step, 0, 0, tr.token_texts), F.routing_figure(tr, 0, 8),
+             F.expert_load_figure(rng.integers(0, 9, (3, 8))), empty_chart("why", "title")]
+    for spec in specs:
+        check_chart_spec(spec)
+        assert strict_json(chart_value(spec))
+
+
+def test_chart_value_serialises_a_spec_with_nan_as_null(rng):
+    z = rng.normal(size=(3, 5)).astype(np.float32)
+    holes = rng.random(z.shape) < 0.4
+    holes[0, :2] = True, False                       # at least one hole, one number
+    z[holes] = np.nan
+    values = [float(v) for v in rng.random(4)]
+    values[int(rng.integers(4))] = float("nan")
+    spec = {"kind": "heatmap", "z": z, "zmin": np.float32(z[~holes].min()),
+            "zmax": np.float64("nan"), "n": np.int64(7), "panels": [{"values": values}],
+            "inf": float("inf")}
+    out = strict_json(chart_value(spec))
+    assert [[v is None for v in row] for row in out["z"]] == holes.tolist()
+    assert np.allclose([v for row in out["z"] for v in row if v is not None], z[~holes])
+    assert out["zmin"] == pytest.approx(float(z[~holes].min())) and out["zmax"] is None
+    assert out["n"] == 7 and out["inf"] is None
+    assert out["panels"][0]["values"] == [None if np.isnan(v) else v for v in values]
+    assert chart_value(None) is None
+    text = chart_value(F.norms_figure(trace(rng)))
+    assert chart_value(text) is text                 # a value already serialised passes through
+    assert "NaN" not in text and strict_json(text)["kind"] == "heatmap"

@@ -240,7 +240,9 @@ def build(hub: EngineHub) -> gr.Timer:
             live = FA.live_token(tr, t, hub.decode) if tr is not None else None
             out[status] = (NO_TRACE if tr is None else
                            f"Watching `{rid}` ({'finished' if tr.finished else 'streaming…'}): "
-                           f"token {t} of {n} · its live numbers are in green below")
+                           f"token {t} of {n} · " + ("its live numbers are in green below"
+                                                     if live is not None else "it came from the "
+                                                     "prefix cache: not computed in this request"))
             out[token] = gr.Slider(minimum=0, maximum=max(n - 1, 1), value=t)
             out[path] = FP.token_path_html(a, live)
             out[inside] = FP.layer_html(a, live)

@@ -176,7 +176,9 @@ function drawBars(ctx, s, width, height) {
     ctx.strokeStyle = '#adb5bd'; ctx.beginPath(); ctx.moveTo(px, py + ph); ctx.lineTo(px + pw, py + ph); ctx.stroke();
     for (const f of [0, 0.5, 1]) text(ctx, (top * f).toFixed(top >= 1 ? 1 : 2), px - 6, py + ph * (1 - f), 'right');
     if (labelled) {
+      const every = Math.max(1, Math.ceil(14 / bw));     // rotated labels >= 14 px apart
       p.labels.forEach((l, i) => {
+        if (i % every) return;
         ctx.save(); ctx.translate(px + (i + 0.5) * bw, py + ph + 6); ctx.rotate(-Math.PI / 3);
         text(ctx, l, 0, 0, 'right'); ctx.restore();
       });

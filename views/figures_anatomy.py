@@ -225,10 +225,13 @@ class LiveToken:
 
 
 def live_token(trace, t: int, decode: Callable[[Sequence[int]], str]) -> LiveToken | None:
-    """The numbers the probes recorded for token t of a trace (None when t is out of range)."""
+    """The numbers the probes recorded for token t of a trace (None when t is out of range or
+    the token came from the prefix cache)."""
     ids = list(trace.prompt_token_ids) + list(trace.output_token_ids)
     if not 0 <= t < min(len(ids), len(trace.resid_norms)):
         return None
+    if not np.isfinite(np.asarray(trace.resid_norms[t], dtype=float)).any():
+        return None         # served by the prefix cache: nothing was computed for it here
     text = trace.token_texts[t] if t < len(trace.token_texts) else decode([ids[t]])
     live = LiveToken(trace.request_id, t, ids[t], text, np.asarray(trace.resid_norms[t]))
     step = next((s for s in trace.lens if s.position == t), None)

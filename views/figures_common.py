@@ -63,7 +63,8 @@ def make_figure(traces: list, title: str, uirevision: str, height: int = 320,
     each tick label's box on every redraw, which was the largest single cost of a live update.
     No legends: plotly re-measures them on every redraw too; a figure names its series in its
     title (legend_title) instead."""
-    base = dict(title=dict(text=title, x=0.01, y=0.98, yanchor="top", font=dict(size=14)),
+    base = dict(title=dict(text=title, x=0.01, y=1, yanchor="top", pad=dict(t=8),
+                           font=dict(size=14)),
                 font=FONT, height=height, margin=dict(l=60, r=20, t=40, b=40),
                 uirevision=uirevision, plot_bgcolor="white", paper_bgcolor="white",
                 showlegend=False)

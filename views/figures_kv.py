@@ -79,7 +79,8 @@ def kv_map_data(snap: EngineSnapshot, version: int = 0) -> dict:
         keep = sorted(live + [i for i, s in enumerate(state)
                               if s < STATE_CODE["owned"]][: max(0, MAX_MAP_CELLS - len(live))])
         ids, state, fill, ref, own = ([a[i] for i in keep] for a in (ids, state, fill, ref, own))
-        more = {k: v for k, v in more.items() if int(k) in set(ids)}
+        kept = set(ids)
+        more = {k: v for k, v in more.items() if int(k) in kept}
     shown = _map_region(snap.num_blocks, highest)
     running = set(snap.running)
     names = list(owners)

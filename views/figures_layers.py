@@ -142,7 +142,9 @@ def attention_at(trace: RequestTrace, token: int) -> AttentionStep | None:
     layers = sorted(trace.prefill_pattern)
     if layers:
         pats = [trace.prefill_pattern[l] for l in layers]              # each [H, q, k]
-        if 0 <= token < pats[0].shape[1]:
+        computed = trace.prefill_computed
+        cached = computed is not None and token < len(computed) and not computed[token]
+        if 0 <= token < pats[0].shape[1] and not cached:     # a prefix hit: never computed
             probs = np.stack([p[:, token, :token + 1] for p in pats])   # [layers, H, token+1]
             table, bs = ((trace.attention[0].block_table, trace.attention[0].block_size)
                          if trace.attention else ([], 1))
@@ -229,6 +231,9 @@ def routing_figure(trace: RequestTrace, token: int, num_experts: int) -> Chart:
     probs, ids, _ = r                           # [T, M, E], [T, M, k], [T, M, k]
     token = min(max(token, 0), len(probs) - 1)
     m, e = probs.shape[1], probs.shape[2]
+    if not np.isfinite(probs[token]).any():     # served by the prefix cache: never routed here
+        return empty_chart(f"Token {token} came from the prefix cache: it was not routed in "
+                           "this request", "MoE routing")
     y = [f"L{l}" for l in trace.moe_layers] if len(trace.moe_layers) == m else \
         [f"moe{i}" for i in range(m)]
     return {
@@ -238,7 +243,7 @@ def routing_figure(trace: RequestTrace, token: int, num_experts: int) -> Chart:
         "zmin": 0.0, "zmax": 1.0, "colorscale": PURPLES, "value_fmt": "p",
         "y_labels": y, "x_start": 0, "x_end": max(e, num_experts), "x_name": "expert",
         "value_name": "router p", "x_title": "expert",
-        "markers": [[i, int(x)] for i in range(m) for x in ids[token, i]],
+        "markers": [[i, int(x)] for i in range(m) for x in ids[token, i] if x >= 0],
         "colorbar": {"title": "router p",
                      "ticks": [[float(np.sqrt(p)), f"{p:g}"] for p in PROB_TICKS]}}
 
