@@ -188,12 +188,12 @@ def attention_heads_figure(step: AttentionStep, layer: int, token_texts: Sequenc
 def attention_row_figure(step: AttentionStep, layer: int, head: int,
                          token_texts: Sequence[str], request_id: str = "") -> Chart:
     """The chosen head's row over the keys, and its mass per physical KV block."""
+    head = min(max(head, 0), step.probs.shape[1] - 1)      # the title names the head shown
     title = f"Layer {layer}, head {head}, query token {step.position}: attention per key and " \
             f"per KV block"
     if layer not in step.layers:
         return empty_chart(f"Layer {layer} was not captured", title)
     j = step.layers.index(layer)
-    head = min(max(head, 0), step.probs.shape[1] - 1)
     row = step.probs[j, head]                                          # [ctx]
     blocks = [str(b) for b in step.block_table]
     if len(blocks) * step.block_size >= len(row):
