@@ -144,7 +144,7 @@ def build_app(llm, *, banner: str | None = None, choices: dict[str, str] | None 
                             outputs=timers, api_visibility="private", queue=False)
             if live is not None and live.refresh is not None:
                 ev.then(live.refresh, live.inputs, live.outputs, api_visibility="private",
-                        show_progress="hidden")
+                        show_progress="hidden", show_progress_on=live.outputs[:1])
 
         sync_outputs = [model_line, switch, chat_parts.max_tokens, chat_parts.examples, seen]
 
@@ -172,7 +172,7 @@ def build_app(llm, *, banner: str | None = None, choices: dict[str, str] | None 
         switch.input(on_switch, [switch, seen], sync_outputs, api_visibility="private",
                      concurrency_limit=1)
         gr.Timer(SYNC_S).tick(sync, seen, sync_outputs, api_visibility="private", queue=False,
-                              show_progress="hidden")
+                              show_progress="hidden", show_progress_on=[model_line])
         demo.load(sync, seen, sync_outputs, api_visibility="private", queue=False)
         demo.unload(hub.on_unload)
     demo.queue(default_concurrency_limit=64)

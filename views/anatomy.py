@@ -257,7 +257,7 @@ def build(hub: EngineHub) -> gr.Timer:
     outputs = set(statics) | {status, token, path, inside, regions, block_info, last}
     controls = [last, token, follow, block]
     timer.tick(refresh, controls, outputs, api_visibility="private", trigger_mode="once",
-               show_progress="hidden")
+               show_progress="hidden", show_progress_on=[status])   # see views/layers.py
     token.input(lambda: False, None, follow, api_visibility="private", queue=False).then(
         refresh, controls, outputs, api_visibility="private", show_progress="hidden",
         trigger_mode="always_last")

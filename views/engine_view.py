@@ -74,5 +74,5 @@ def build(hub: EngineHub) -> LiveTab:
         return out
 
     timer.tick(tick, last, outputs, api_visibility="private", trigger_mode="once",
-               show_progress="hidden", queue=False)
+               show_progress="hidden", show_progress_on=[stats], queue=False)  # views/layers.py
     return LiveTab(timer, tick, [last], outputs)

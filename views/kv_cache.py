@@ -163,7 +163,7 @@ def build(hub: EngineHub) -> LiveTab:
     # queue=False: two status messages per tick instead of four (each one costs the page a
     # pass over every output component's props)
     timer.tick(tick, last, outputs, api_visibility="private", trigger_mode="once",
-               show_progress="hidden", queue=False)
+               show_progress="hidden", show_progress_on=[stats], queue=False)  # views/layers.py
 
     def on_burst(n, max_tokens):
         try:
@@ -208,4 +208,4 @@ def build(hub: EngineHub) -> LiveTab:
         return on_show(evt._data.get("block"), layer_id, head_id, kv)
 
     grid.click(on_map_click, [layer, head, which], [block, drill], api_visibility="private")
-    return LiveTab(timer, tick, [last], list(outputs))
+    return LiveTab(timer, tick, [last], [stats] + [o for o in outputs if o is not stats])
