@@ -63,7 +63,10 @@ def make_figure(traces: list, title: str, uirevision: str, height: int = 320,
     each tick label's box on every redraw, which was the largest single cost of a live update.
     No legends: plotly re-measures them on every redraw too; a figure names its series in its
     title (legend_title) instead."""
-    base = dict(title=dict(text=title, x=0.01, y=1, yanchor="top", pad=dict(t=8),
+    # plotly.js anchors a multi-line title by its first line: each further line (a legend
+    # line from legend_title) would push the title above the top edge; pad it down by them
+    pad = 8 + 17 * title.count("<br>")
+    base = dict(title=dict(text=title, x=0.01, y=1, yanchor="top", pad=dict(t=pad),
                            font=dict(size=14)),
                 font=FONT, height=height, margin=dict(l=60, r=20, t=40, b=40),
                 uirevision=uirevision, plot_bgcolor="white", paper_bgcolor="white",
