@@ -149,6 +149,9 @@ class LLM:
                        cfg.gpu_memory_utilization, str(cfg.torch_dtype).replace("torch.", ""))
         from .runtime import build_runner
         self.runner = build_runner(cfg, self.hf_config, self.model_path, self.max_model_len)
+        # a fact of the checkpoint, kept past shutdown() (which frees the weights): the app's
+        # model line still describes the old engine while a switch loads the next one
+        self._num_params = self.runner.num_params
         num_blocks = num_kv_blocks or self.runner.profile_num_blocks(
             cfg.max_num_batched_tokens, cfg.max_num_seqs)
         self.runner.allocate_kv_cache(num_blocks)
@@ -193,7 +196,7 @@ class LLM:
 
     @property
     def num_params(self) -> int:
-        return self.runner.num_params
+        return self._num_params
 
     @property
     def dtype(self):

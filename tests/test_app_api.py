@@ -158,3 +158,20 @@ def test_switching_after_a_burst_frees_the_old_engine():
         hub.shutdown()
     assert threading.active_count() <= threads0 + 2
     assert rss[-1] - rss[1] < 80, f"RSS grew cycle over cycle: {rss} MB"
+
+
+def test_the_model_line_reads_during_a_switch():
+    """While a switch loads the next model, every page's sync reads the model line of the old,
+    already shut-down engine (a 500 in the browser once): it must still describe it."""
+    require_engine()
+    import app
+    from engine import LLM
+    from views.live import EngineHub
+    kwargs = dict(device="cpu", dtype="float32", num_kv_blocks=32)
+    llm = LLM(str(app.DEMO_DENSE) if (app.DEMO_DENSE / "config.json").exists()
+              else app.resolve_model(None)[0], **kwargs)
+    hub = EngineHub(llm, llm_kwargs=kwargs)
+    line = hub.model_line()
+    llm.shutdown()                          # what switch() does before loading the next one
+    hub.switching = "the next model"
+    assert hub.model_line().endswith(line) and "loading" in hub.model_line()

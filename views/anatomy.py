@@ -211,6 +211,8 @@ def build(hub: EngineHub) -> gr.Timer:
                util, tp_bytes, tp_map, tp_table]
 
     def refresh(last_keys: dict, tok, follow_on, block_id, request: gr.Request):
+        if hub.switching:           # the old engine is shut down, the next one not yet up
+            return {}
         llm = hub.llm
         a = anatomy_of(llm)
         out = {}
