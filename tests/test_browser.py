@@ -53,6 +53,11 @@ def running():
 
 @pytest.fixture(scope="module")
 def browser(running):
+    yield from headless_chromium()
+
+
+def headless_chromium():
+    """A headless Chromium for the module's tests (a generator for a fixture to yield from)."""
     from playwright.sync_api import sync_playwright
     with sync_playwright() as p:
         b = p.chromium.launch(executable_path=find_chromium(p), args=CHROMIUM_ARGS)
@@ -60,9 +65,14 @@ def browser(running):
         b.close()
 
 
-def open_app(browser, url):
+def new_page(browser):
     page = browser.new_context(viewport={"width": 1400, "height": 1000}).new_page()
     page.set_default_timeout(60_000)
+    return page
+
+
+def open_app(browser, url):
+    page = new_page(browser)
     page.goto(url)
     page.wait_for_selector("#chat-input textarea")
     return page

@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from test_browser import (CHROMIUM_ARGS, MAX_SHOT_BYTES, SHOTS, find_chromium, plot_rendered,
+from test_browser import (MAX_SHOT_BYTES, SHOTS, headless_chromium, new_page, plot_rendered,
                           send, show_tab, skip_or_fail, wait_js)
 from ui_helpers import free_port, require_engine, wait_until
 
@@ -44,20 +44,16 @@ def browser():
     require_engine()
     import app
     try:
-        from playwright.sync_api import sync_playwright
+        import playwright.sync_api  # noqa: F401
     except ImportError:
         skip_or_fail("playwright is not installed (pip install playwright)")
     if not (app.DEMO_DENSE / "config.json").exists() or not (app.DEMO_MOE / "config.json").exists():
         pytest.skip("the demo checkpoints are missing")
-    with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=find_chromium(p), args=CHROMIUM_ARGS)
-        yield b
-        b.close()
+    yield from headless_chromium()
 
 
 def open_page(browser, url):
-    page = browser.new_context(viewport={"width": 1400, "height": 1000}).new_page()
-    page.set_default_timeout(60_000)
+    page = new_page(browser)
     errors = []
     page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
     page.on("pageerror", lambda e: errors.append(str(e)))
