@@ -110,6 +110,70 @@ def held_out_prompts(task: str, n: int, seed: int = 0) -> list[tuple[Messages, s
     return [task_example(task, rng, held_out=True) for _ in range(n)]
 
 
+# ---- multi-turn conversations ---------------------------------------------------------------
+# The playground sends the conversation so far, so the demos train on conversations of 1-3
+# turns: earlier turns are other training-split tasks with their right answers (or, now and
+# then, a short prose turn), and the model must answer the last one. Loss falls on every
+# assistant turn.
+
+TURN_MIX = {1: 0.5, 2: 0.3, 3: 0.2}
+PROSE_TURN_P = 0.15          # chance that an earlier turn is a prose chat turn
+PROSE_TURN_WORDS = 30        # its answer is cut to this many words
+
+
+def _earlier_turn(rng: random.Random, sections) -> tuple[str, str]:
+    if sections and rng.random() < PROSE_TURN_P:
+        msgs, answer = prose_chat_example(sections, rng, max_words=PROSE_TURN_WORDS)
+        return msgs[-1]["content"], answer
+    while True:
+        key, user, answer = _task_input(rng.choice(TASKS), rng)
+        if not is_held_out(_task_of(user), key):
+            return user, answer
+
+
+def _task_of(user: str) -> str:
+    """Which task a prompt body belongs to (for the held-out check of earlier turns)."""
+    for task, templates in (("add", ADD_TEMPLATES), ("copy", COPY_TEMPLATES),
+                            ("reverse", REVERSE_TEMPLATES), ("count", COUNT_TEMPLATES),
+                            ("sort", SORT_TEMPLATES)):
+        for t in templates:
+            head = t.split("{")[0]
+            if head and user.startswith(head):
+                return task
+    return "add"  # "{a}+{b}=?" has no fixed head; every other template does
+
+
+def conversation(task: str, rng: random.Random, turns: int, held_out: bool = False,
+                 sections=None) -> tuple[Messages, str]:
+    """(messages, answer): turns-1 earlier user/assistant pairs from the training split, then a
+    final `task` turn from the training split (or, held_out=True, the held-out one)."""
+    if turns < 1:
+        raise ValueError(f"turns must be >= 1, got {turns}")
+    final, answer = task_example(task, rng, held_out=held_out)
+    msgs: Messages = [m for m in final if m["role"] == "system"]
+    for _ in range(turns - 1):
+        user, reply = _earlier_turn(rng, sections)
+        msgs += [{"role": "user", "content": user}, {"role": "assistant", "content": reply}]
+    msgs.append(final[-1])
+    return msgs, answer
+
+
+def training_conversation(task: str, rng: random.Random, sections=None
+                          ) -> tuple[Messages, str]:
+    turns = rng.choices(list(TURN_MIX), list(TURN_MIX.values()))[0]
+    return conversation(task, rng, turns, held_out=False, sections=sections)
+
+
+def held_out_conversations(task: str, n: int, turns: int, seed: int = 0
+                           ) -> list[tuple[Messages, str]]:
+    """n conversations of `turns` turns whose last turn is held out (earlier turns are tasks
+    only, so no prose file is needed to rebuild them)."""
+    if turns == 1:
+        return held_out_prompts(task, n, seed)
+    rng = random.Random(f"held-out:{task}:{seed}:turns{turns}")
+    return [conversation(task, rng, turns, held_out=True) for _ in range(n)]
+
+
 def check_answer(task: str, text: str, expected: str) -> bool:
     """True when a generated reply (special tokens stripped) is the expected answer."""
     if task not in TASKS:

@@ -31,6 +31,7 @@ import demo_data as dd  # noqa: E402
 VOCAB_SIZE = 4096
 MAX_POSITIONS = 512
 PROSE_LEN = 256  # tokens per prose training row
+TASK_BUCKETS = 4  # length buckets of the task pool
 TASK_MIX = {"add": 0.3, "copy": 0.15, "reverse": 0.2, "count": 0.15, "sort": 0.2}
 # Qwen's pre-tokenizer pattern: \p{N} alone makes every digit its own token, so arithmetic
 # is learnable digit by digit.
@@ -80,31 +81,64 @@ def save_tokenizer(tok, out: Path) -> None:
 
 def _pad_rows(rows: list[list[int]], labels: list[list[int]], length: int
               ) -> tuple[torch.Tensor, torch.Tensor]:
-    ids = torch.full((len(rows), length), EOT_ID, dtype=torch.long)
-    lab = torch.full((len(rows), length), -100, dtype=torch.long)
+    import numpy as np
+    ids = np.full((len(rows), length), EOT_ID, dtype=np.int64)
+    lab = np.full((len(rows), length), -100, dtype=np.int64)
     for i, (r, l) in enumerate(zip(rows, labels)):
-        r, l = r[:length], l[:length]
-        ids[i, : len(r)] = torch.tensor(r)
-        lab[i, : len(l)] = torch.tensor(l)
-    return ids, lab  # [N, length] each; label -100 = no loss
+        n = min(len(r), length)
+        ids[i, :n] = r[:n]
+        lab[i, :n] = l[:n]
+    return torch.from_numpy(ids), torch.from_numpy(lab)  # [N, length] each; label -100 = no loss
 
 
-def encode_chats(tok, examples: list[tuple[dd.Messages, str]], length: int | None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Tokenizes (messages, answer) turns; loss only on the answer and its <|im_end|>."""
-    prompts = [dd.render_chat(m, add_generation_prompt=True) for m, _ in examples]
-    answers = [a + dd.IM_END for _, a in examples]
-    p_ids = [e.ids for e in tok.encode_batch(prompts, add_special_tokens=False)]
-    f_ids = [e.ids for e in tok.encode_batch([p + a for p, a in zip(prompts, answers)],
-                                             add_special_tokens=False)]
-    labels = []
-    for p, f in zip(p_ids, f_ids):
-        # The prompt ends in "assistant\n", a pre-token boundary, so it is a prefix of the full
-        # tokenization and generation sees exactly the tokens training saw.
-        assert f[: len(p)] == p, "prompt tokens are not a prefix of prompt+answer tokens"
-        labels.append([-100] * len(p) + f[len(p):])
-    length = length or max(len(f) for f in f_ids)
-    return _pad_rows(f_ids, labels, length)
+def _pieces(msgs: dd.Messages, answer: str) -> list[tuple[str, bool]]:
+    """The rendered conversation as (text, is_labelled) pieces: every assistant turn's text and
+    its <|im_end|> is labelled, the template and the other turns are not."""
+    out = []
+    for m in msgs:
+        if m["role"] == "assistant":
+            out += [(f"{dd.IM_START}assistant\n", False), (m["content"] + dd.IM_END, True),
+                    ("\n", False)]
+        else:
+            out.append((f"{dd.IM_START}{m['role']}\n{m['content']}{dd.IM_END}\n", False))
+    return out + [(f"{dd.IM_START}assistant\n", False), (answer + dd.IM_END, True)]
+
+
+def encode_chats(tok, examples: list[tuple[dd.Messages, str]], length: int | None,
+                 check: int = 2000) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokenizes conversations (messages, final answer); loss on every assistant turn's text and
+    its <|im_end|>, nothing else. Pieces are tokenized apart (each starts at a special token or
+    right after "assistant\n", both pre-token boundaries); the first `check` rows are compared
+    with tokenizing the whole text, so generation sees exactly the tokens training saw."""
+    convs = [_pieces(m, a) for m, a in examples]
+    uniq = list({t for c in convs for t, _ in c})
+    ids_of = dict(zip(uniq, (e.ids for e in tok.encode_batch(uniq, add_special_tokens=False))))
+    rows, labels = [], []
+    for c in convs:
+        r, lab = [], []
+        for text, labelled in c:
+            ids = ids_of[text]
+            r += ids
+            lab += ids if labelled else [-100] * len(ids)
+        rows.append(r)
+        labels.append(lab)
+    whole = tok.encode_batch(["".join(t for t, _ in c) for c in convs[:check]],
+                             add_special_tokens=False)
+    assert all(e.ids == r for e, r in zip(whole, rows)), "pieces tokenize unlike the whole text"
+    length = length or max(len(r) for r in rows)
+    return _pad_rows(rows, labels, length)
+
+
+def _last_turn_only(lab: torch.Tensor) -> torch.Tensor:
+    """Keeps the labels of each row's last labelled run (its final assistant answer)."""
+    out = lab.clone()
+    for r in range(lab.shape[0]):
+        idx = (lab[r] != -100).nonzero().flatten().tolist()
+        start = idx[-1]
+        while start - 1 in idx:
+            start -= 1
+        out[r, :start] = -100
+    return out
 
 
 class Batches:
@@ -114,8 +148,18 @@ class Batches:
                  device: torch.device, gen: torch.Generator):
         tasks = random.Random(rng.random()).choices(list(TASK_MIX), list(TASK_MIX.values()),
                                                     k=n_task)
-        task_ex = [dd.task_example(t, rng) for t in tasks]
-        self.task_ids, self.task_lab = (x.to(device) for x in encode_chats(tok, task_ex, None))
+        task_ex = [dd.training_conversation(t, rng, sections) for t in tasks]
+        # Conversations of 1-3 turns differ ~4x in length: sorted into length buckets, each
+        # padded to its own longest row, so a step pays for its own rows' length only.
+        task_ids, task_lab = encode_chats(tok, task_ex, None)
+        lengths = (task_ids != EOT_ID).sum(1)
+        order = lengths.argsort()
+        self.buckets = []
+        for part in order.chunk(TASK_BUCKETS):
+            width = int(lengths[part].max())
+            self.buckets.append((task_ids[part, :width].to(device),
+                                 task_lab[part, :width].to(device)))
+        self.bucket_rng = random.Random(rng.random())
         chat_ex = [dd.prose_chat_example(sections, rng) for _ in range(n_chat)]
         self.chat_ids, self.chat_lab = (x.to(device)
                                         for x in encode_chats(tok, chat_ex, PROSE_LEN))
@@ -125,12 +169,20 @@ class Batches:
             stream += e.ids + [EOT_ID]
         self.stream = torch.tensor(stream, dtype=torch.long, device=device)  # [prose tokens]
         self.device, self.gen = device, gen
-        # Held-out turns for a cheap in-training check (teacher-forced exact match).
-        self.held_out = {t: tuple(x.to(device) for x in
-                                  encode_chats(tok, dd.held_out_prompts(t, 256, seed=7), None))
-                         for t in dd.TASKS}
-        self.stats = {"task_pool": int(self.task_ids.shape[0]),
-                      "task_len": int(self.task_ids.shape[1]),
+        # Held-out turns for a cheap in-training check (teacher-forced exact match), alone and
+        # as the third turn of a conversation ("add@3").
+        self.held_out = {}
+        for t in dd.TASKS:
+            for turns in (1, 3):
+                convs = dd.held_out_conversations(t, 256, turns, seed=7)
+                ids, lab = encode_chats(tok, convs, None)
+                if turns > 1:   # grade the last answer only
+                    lab = _last_turn_only(lab)
+                self.held_out[t if turns == 1 else f"{t}@{turns}"] = (ids.to(device),
+                                                                       lab.to(device))
+        self.stats = {"task_pool": int(task_ids.shape[0]),
+                      "task_len": int(task_ids.shape[1]),
+                      "task_bucket_lens": [int(b[0].shape[1]) for b in self.buckets],
                       "prose_chat_pool": int(self.chat_ids.shape[0]),
                       "prose_stream_tokens": len(stream)}
 
@@ -138,8 +190,9 @@ class Batches:
         return torch.randint(0, high, (n,), device=self.device, generator=self.gen)
 
     def task(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        i = self._pick(n, self.task_ids.shape[0])
-        return self.task_ids[i], self.task_lab[i]
+        ids, lab = self.bucket_rng.choice(self.buckets)   # equal-sized buckets: uniform
+        i = self._pick(n, ids.shape[0])
+        return ids[i], lab[i]
 
     def prose(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Half chat turns about the docs, half raw windows of the docs (loss on every token)."""
@@ -335,7 +388,16 @@ def evaluate(path: Path, device: torch.device, n: int, sections, free_tokens: in
     torch.manual_seed(0)
     sampled = generate(model, tok, free, max_new_tokens=free_tokens,
                        sampling={"do_sample": True, "temperature": 0.7, "top_k": 40})
+    by_turn = {"1": acc}
+    for turns in (2, 3):
+        by_turn[str(turns)] = {}
+        for task in dd.TASKS:
+            pairs = dd.held_out_conversations(task, n, turns, seed=0)
+            got = generate(model, tok, [m for m, _ in pairs], max_new_tokens=24)
+            ok = [dd.check_answer(task, g, e) for g, (_, e) in zip(got, pairs)]
+            by_turn[str(turns)][task] = round(sum(ok) / len(ok), 4)
     report = {"accuracy": acc,
+              "accuracy_by_turn": by_turn,
               "graded_accuracy": round(sum(acc[t] for t in dd.GRADED_TASKS)
                                        / len(dd.GRADED_TASKS), 4),
               "samples": samples,
@@ -397,6 +459,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--device", default=None)
+    ap.add_argument("--tokenizer", type=Path, default=None,
+                    help="reuse this tokenizer.json instead of training one")
     args = ap.parse_args()
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     q = args.quick
@@ -420,7 +484,12 @@ def main() -> None:
     tok_texts = dd.prose_documents(sections)
     tok_texts += [dd.render_chat(m) + a + dd.IM_END for m, a in
                   (dd.task_example(t, rng) for t in dd.TASKS for _ in range(2000))]
-    tok = train_tokenizer(tok_texts, VOCAB_SIZE)
+    if args.tokenizer is not None:      # keep the shipped token ids (tests and docs name some)
+        from tokenizers import Tokenizer
+        tok = Tokenizer.from_file(str(args.tokenizer))
+        assert [tok.token_to_id(t) for t in dd.SPECIAL_TOKENS] == [EOT_ID, IM_START_ID, IM_END_ID]
+    else:
+        tok = train_tokenizer(tok_texts, VOCAB_SIZE)
     print(f"tokenizer: {tok.get_vocab_size()} tokens ({time.time() - t_start:.1f}s)", flush=True)
     gen = torch.Generator(device=device)
     gen.manual_seed(args.seed)
@@ -457,7 +526,8 @@ def main() -> None:
             "command": " ".join(sys.argv),
         })
         (out / "train_report.json").write_text(json.dumps(report, indent=2) + "\n")
-        print(f"[{kind}] accuracy {report['accuracy']}  eval {report['eval_time_s']}s", flush=True)
+        print(f"[{kind}] accuracy by turn {report['accuracy_by_turn']}  "
+              f"eval {report['eval_time_s']}s", flush=True)
         for s in report["free_samples"][:3]:
             print(f"[{kind}] {s['prompt']!r} -> {s['reply'][:200]!r}", flush=True)
     print(f"total {time.time() - t_start:.1f}s", flush=True)
