@@ -1,72 +1,137 @@
-"""EngineStream: one `llm.stream` (a blocking generator) run in its own thread, its TokenEvents
-handed to the asyncio event loop without ever blocking it; plus the SSE encoding.
+"""EngineStream: one request's TokenEvents handed from the engine thread to the asyncio event
+loop without a thread per request and without ever blocking the loop; plus the SSE encoding.
 
-Why a thread per request: `llm.stream` blocks on its request's queue between tokens, and
-starlette's shared thread pool (40 threads) would serialise hundreds of concurrent streams.
-The thread appends to a deque and wakes the loop at most once per batch of events
-(`call_soon_threadsafe` only when no wake-up is pending), so a slow consumer drains several
-tokens per wake-up. Closing a stream that has not finished aborts its request in the engine
-(from a worker thread: `abort` takes the engine lock, which a step can hold for a while).
+The engine calls `_push` on its own thread for every event (`llm.submit(on_event=...)`): it
+appends to the stream's deque and asks the loop's `LoopWaker` to wake the stream. The waker
+makes one `call_soon_threadsafe` for a whole burst (a step's events for every stream), so the
+cost per token is a deque append, not a thread switch: at 256 concurrent streams a thread per
+request (each blocked on its own queue) spent the GIL on hand-offs and starved the engine loop.
+Closing a stream that has not finished aborts its request in the engine (from a worker thread:
+`abort` takes the engine lock, which a step can hold for a while).
 """
 from __future__ import annotations
 
 import asyncio
 import json
 import threading
+import weakref
 from collections import deque
 
 DISCONNECT_POLL_S = 0.25
-_END = object()
+
+
+class LoopWaker:
+    """Wakes streams on one event loop from other threads: one call_soon_threadsafe (a write to
+    the loop's self-pipe) per burst of pushes, however many streams they touch.
+
+    Under load it also paces the wake-ups (the stream interval): each wake-up costs the loop
+    ~tens of µs per stream (a task switch, an SSE write), and at 256 streams x one token per
+    step that alone held the GIL the engine loop needs. Waking at most every
+    `active streams x PACE_S` (capped at MAX_INTERVAL_S) bounds the loop's share whatever the
+    load: a few streams get every token at once (8 streams: 3 ms), 256 streams get a chunk of
+    a few tokens 10 times a second. A stream's first token and its end are never held back."""
+    PACE_S = 0.4e-3
+    MAX_INTERVAL_S = 0.1
+    _of_loop: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+    _create = threading.Lock()
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self._lock = threading.Lock()
+        self._pending: list = []
+        self._scheduled = False
+        self._timer = None
+        self._last = 0.0
+        self.active = 0             # streams on this loop whose request has not ended (the load)
+
+    @classmethod
+    def of(cls, loop: asyncio.AbstractEventLoop) -> "LoopWaker":
+        with cls._create:
+            w = cls._of_loop.get(loop)
+            if w is None:
+                w = cls._of_loop[loop] = cls(loop)
+            return w
+
+    def opened(self) -> None:
+        with self._lock:
+            self.active += 1
+
+    def ended(self) -> None:
+        with self._lock:
+            self.active -= 1
+
+    def interval(self) -> float:
+        return min(self.active * self.PACE_S, self.MAX_INTERVAL_S)
+
+    def wake(self, stream: "EngineStream", urgent: bool = False) -> None:
+        with self._lock:
+            self._pending.append(stream)
+            if self._scheduled and not urgent:
+                return
+            self._scheduled = True
+        try:
+            self.loop.call_soon_threadsafe(self._schedule, urgent)
+        except RuntimeError:        # the event loop is gone (server shut down): nobody listens
+            pass
+
+    def _schedule(self, urgent: bool) -> None:
+        """On the loop: wake now, or once the interval since the last wake-up has passed."""
+        wait = self._last + self.interval() - self.loop.time()
+        if urgent or wait <= 0:
+            self._run()
+        elif self._timer is None:
+            self._timer = self.loop.call_later(wait, self._run)
+
+    def _run(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._last = self.loop.time()
+        with self._lock:
+            streams, self._pending, self._scheduled = self._pending, [], False
+        for s in streams:
+            s._ready.set()
 
 
 class EngineStream:
     def __init__(self, llm, prompt, sampling, watch, request_id: str):
         self.llm = llm
         self.request_id = request_id
-        self._args = (prompt, sampling, watch)
         self._items: deque = deque()
         self._ready = asyncio.Event()
         self._loop = asyncio.get_running_loop()
-        self._wake_pending = False
+        self._waker = LoopWaker.of(self._loop)
         self._quiet = False         # the consumer waits for the end only: no wake per token
         self._cancelled = False
-        self.ended = False          # the producer thread is done (set before _END is queued)
+        self.ended = False          # the last event or an error is queued
         self.finished = False       # the consumer has seen the final TokenEvent
-        self._thread = threading.Thread(target=self._produce, daemon=True,
-                                        name=f"api-stream-{request_id}")
-        self._thread.start()
+        self._submitted = threading.Event()
+        self._seen_first = False
+        self._waker.opened()
+        # tokenizing the prompt and taking the engine lock can take milliseconds: off the loop
+        self._loop.run_in_executor(None, self._submit, prompt, sampling, watch)
 
-    # ---- producer side (its own thread) -------------------------------------------------------
-    def _produce(self) -> None:
+    # ---- producer side (a worker thread, then the engine thread) ------------------------------
+    def _submit(self, prompt, sampling, watch) -> None:
         try:
-            if self._cancelled:
-                return
-            gen = self.llm.stream(*self._args, request_id=self.request_id)
-            for ev in gen:
-                self._push(ev)
-                if self._cancelled and not ev.finished:
-                    gen.close()     # llm.stream aborts the request when closed early
-                    break
-        except BaseException as e:  # bad prompt, engine failure, shutdown: the consumer decides
+            self.llm.submit(prompt, sampling, watch, request_id=self.request_id,
+                            on_event=self._push)
+        except BaseException as e:  # bad prompt, engine shut down: the consumer decides
             self._push(e)
         finally:
-            self.ended = True
-            self._push(_END)
+            self._submitted.set()
 
     def _push(self, item) -> None:
+        first = not self._seen_first
+        self._seen_first = True
         self._items.append(item)
-        if self._quiet and item is not _END:
+        if isinstance(item, BaseException) or item.finished:
+            if not self.ended:
+                self._waker.ended()
+            self.ended = True
+        elif self._quiet:
             return
-        if not self._wake_pending:
-            self._wake_pending = True
-            try:
-                self._loop.call_soon_threadsafe(self._wake)
-            except RuntimeError:    # the event loop is gone (server shut down): nobody listens
-                pass
-
-    def _wake(self) -> None:
-        self._wake_pending = False
-        self._ready.set()
+        self._waker.wake(self, urgent=first or self.ended)
 
     # ---- consumer side (the event loop) -------------------------------------------------------
     async def _wait_for(self, cond, request=None) -> bool:
@@ -107,9 +172,7 @@ class EngineStream:
         """Everything queued now (TokenEvents and at most one exception), without waiting."""
         out = []
         while self._items:
-            item = self._items.popleft()
-            if item is not _END:
-                out.append(item)
+            out.append(self._items.popleft())
         for item in out:
             if not isinstance(item, BaseException) and item.finished:
                 self.finished = True
@@ -118,10 +181,11 @@ class EngineStream:
     async def batches(self):
         """Async iterator of non-empty lists of items, until the stream ends."""
         while True:
+            ended = self.ended      # read before draining: nothing can follow the last item
             items = self.drain()
             if items:
                 yield items
-            if self.ended and not self._items:
+            if ended and not self._items:
                 return
             if not self._items:
                 await self._ready.wait()
@@ -133,7 +197,11 @@ class EngineStream:
             return
         self._cancelled = True
         if not self.ended:
-            self._loop.run_in_executor(None, self.llm.abort, self.request_id)
+            self._loop.run_in_executor(None, self._abort)
+
+    def _abort(self) -> None:
+        self._submitted.wait()      # a request still being submitted is aborted once it is in
+        self.llm.abort(self.request_id)
 
 
 def sse(payload: dict) -> bytes:

@@ -10,6 +10,7 @@ import queue
 import random
 import threading
 import time
+from typing import Callable
 
 from .block_manager import BlockManager
 from .config import EngineConfig
@@ -173,7 +174,9 @@ class LLM:
         self.async_scheduling = (cfg.device.startswith("cuda") if async_scheduling is None
                                  else bool(async_scheduling))
         self._seqs: dict[str, Sequence] = {}
-        self._queues: dict[str, queue.Queue] = {}
+        # where each request's events go: a queue's put (generate/stream) or a caller's
+        # on_event (submit); called on the engine thread, with the engine lock held
+        self._sinks: dict[str, Callable[[object], None]] = {}
         self._lock = threading.RLock()
         self._wake = threading.Condition(self._lock)
         self.core = EngineCore(self.runner, self.scheduler, self.block_manager, self.tokenizer,
@@ -300,20 +303,28 @@ class LLM:
             time.sleep(0)
 
     def _deliver(self, ev: TokenEvent) -> None:
-        q = self._queues.get(ev.request_id)
-        if q is not None:
-            q.put(ev)
+        sink = self._sinks.get(ev.request_id)
         if ev.finished:
-            self._queues.pop(ev.request_id, None)
+            self._sinks.pop(ev.request_id, None)
             self._seqs.pop(ev.request_id, None)
+        if sink is not None:
+            self._call_sink(sink, ev)
+
+    @staticmethod
+    def _call_sink(sink, item) -> None:
+        try:
+            sink(item)
+        except Exception:   # noqa: BLE001 — a consumer's bug must not stop the engine loop
+            import logging
+            logging.getLogger("glassbox").exception("a request's on_event callback raised")
 
     def _fail_one(self, rid: str, err: BaseException) -> None:
         seq = self._seqs.pop(rid, None)
         if seq is not None and not seq.is_finished:
             self.scheduler.finish(seq, "abort")
-        q = self._queues.pop(rid, None)
-        if q is not None:
-            q.put(err)
+        sink = self._sinks.pop(rid, None)
+        if sink is not None:
+            self._call_sink(sink, err)
 
     def _fail_all(self, err: BaseException) -> None:
         self.core.inflight = None
@@ -321,8 +332,12 @@ class LLM:
             self._fail_one(rid, err)
         self.core.detok.clear()
 
-    def _submit(self, seq: Sequence) -> queue.Queue:
-        q: queue.Queue = queue.Queue()
+    def _submit(self, seq: Sequence, sink: Callable[[object], None] | None = None
+                ) -> queue.Queue | None:
+        q: queue.Queue | None = None
+        if sink is None:
+            q = queue.Queue()
+            sink = q.put
         with self._wake:
             if self._stop or not self._thread.is_alive():
                 raise EngineShutdownError("the engine has been shut down; create a new LLM")
@@ -330,7 +345,7 @@ class LLM:
                 raise RuntimeError(f"the engine failed ({self._error!r}) and cannot serve "
                                    "requests; create a new LLM") from self._error
             self._seqs[seq.request_id] = seq
-            self._queues[seq.request_id] = q
+            self._sinks[seq.request_id] = sink
             self.probes.register(seq)
             self.core.add(seq)
             self._wake.notify()
@@ -395,6 +410,18 @@ class LLM:
         finally:
             if not finished:
                 self.abort(seq.request_id)
+
+    def submit(self, prompt, sampling: SamplingParams | None = None,
+               watch: ProbeSpec | None = None, request_id: str | None = None, *,
+               on_event: Callable[[object], None]) -> str:
+        """Start a request without a thread waiting on it; returns its id. `on_event` is called
+        on the engine thread with each TokenEvent (the last has finished=True), or once with an
+        exception if the request fails. It must return quickly and never block (append to a
+        queue, wake an event loop): it runs inside the step loop, with the engine lock held.
+        A bad prompt raises here, before anything is queued. Stop it with `abort`."""
+        seq, _ = self._make_sequence(prompt, sampling, watch, request_id)
+        self._submit(seq, on_event)
+        return seq.request_id
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now and free its KV blocks. False if it is unknown or done."""

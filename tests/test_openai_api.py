@@ -330,6 +330,57 @@ def test_eight_concurrent_streaming_clients_complete_without_leaking_blocks(serv
         llm.block_manager.check_invariants([])
 
 
+def test_streams_need_no_thread_per_request(served):
+    """32 streams at once: the engine thread hands events to the loop; a thread per request
+    (the old design) starved the engine loop of the GIL under load."""
+    import asyncio
+    import os
+
+    from api.streaming import EngineStream, LoopWaker
+    from engine import SamplingParams
+    llm = served.llm
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+    async def main():
+        before = threading.active_count()
+        streams = [EngineStream(llm, f"Stream {i}: count.", params, None, f"threads-{i}")
+                   for i in range(32)]
+        peak, tokens = before, []
+
+        async def consume(s):
+            nonlocal peak
+            n = 0
+            async for items in s.batches():
+                peak = max(peak, threading.active_count())
+                n += sum(1 for ev in items if ev.token_id is not None)
+            tokens.append(n)
+        await asyncio.gather(*(consume(s) for s in streams))
+        waker = LoopWaker.of(asyncio.get_running_loop())
+        assert waker.active == 0, "ended streams still count as load for the stream interval"
+        return before, peak, tokens
+
+    before, peak, tokens = asyncio.run(main())
+    assert tokens == [24] * 32
+    pool = min(32, (os.cpu_count() or 1) + 4)          # asyncio's default executor, at most
+    assert peak - before <= pool, f"{peak - before} threads for 32 streams"
+    wait_until(lambda: _no_blocks_held(llm), timeout=10)
+
+
+def test_the_stream_interval_grows_with_the_load_and_is_capped():
+    import asyncio
+
+    from api.streaming import LoopWaker
+    w = LoopWaker(asyncio.new_event_loop())
+    assert w.interval() == 0
+    for _ in range(8):
+        w.opened()
+    assert 0 < w.interval() <= 0.005            # a few streams: every token, within ms
+    for _ in range(1000):
+        w.opened()
+    assert w.interval() == LoopWaker.MAX_INTERVAL_S
+    w.loop.close()
+
+
 def test_closing_a_stream_midway_aborts_it_and_frees_its_blocks(served):
     c = served.client()
     stream = c.chat.completions.create(model=served.model, messages=_msgs("Tell a long tale."),

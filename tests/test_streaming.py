@@ -153,3 +153,70 @@ def test_two_engines_in_one_process_run_at_once(qwen3_dir):
     finally:
         for e in engines:
             e.shutdown()
+
+
+# ---- submit(on_event=...): events delivered by the engine thread, no thread per request ------
+def test_submit_delivers_the_same_tokens_as_generate_on_the_engine_thread(llm):
+    prompts = random_prompts([5, 11, 17], seed=44)
+    expected = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+    got: dict[str, list] = {}
+    threads: set[str] = set()
+    done = threading.Event()
+
+    def sink_for(rid):
+        def on_event(ev):
+            threads.add(threading.current_thread().name)
+            got.setdefault(rid, []).append(ev)
+            if sum(bool(evs and getattr(evs[-1], "finished", False)) for evs in got.values()) == 3:
+                done.set()
+        return on_event
+
+    rids = [f"submit-{i}" for i in range(3)]
+    for rid, p in zip(rids, prompts):
+        assert llm.submit(p, GREEDY, request_id=rid, on_event=sink_for(rid)) == rid
+    assert done.wait(60), "not every submitted request finished"
+    assert [tokens_of(got[r]) for r in rids] == expected
+    assert all(got[r][-1].finished and got[r][-1].finish_reason == "length" for r in rids)
+    assert threads == {llm._thread.name}, "events must come from the engine loop thread"
+    for rid in rids:
+        assert_request_gone(llm, rid)
+
+
+def test_submit_refuses_a_bad_prompt_at_once(llm):
+    calls = []
+    with pytest.raises(ValueError):
+        llm.submit([], GREEDY, on_event=calls.append)
+    assert calls == []
+
+
+def test_a_raising_on_event_fails_no_other_request(llm, probe):
+    boom = threading.Event()
+
+    def bad(ev):
+        boom.set()
+        raise RuntimeError("consumer bug")
+
+    rid = llm.submit(random_prompts([7], seed=45)[0], GREEDY, on_event=bad)
+    assert boom.wait(30)
+    assert_still_serving(llm, probe)
+    deadline = threading.Event()
+    for _ in range(100):                    # it still runs to its end and frees its blocks
+        if rid not in llm.inspect().block_tables:
+            break
+        deadline.wait(0.05)
+    assert_request_gone(llm, rid)
+
+
+def test_abort_of_a_submitted_request_ends_it_with_abort(llm, probe):
+    events, first = [], threading.Event()
+
+    def on_event(ev):
+        events.append(ev)
+        first.set()
+
+    rid = llm.submit(random_prompts([9], seed=46)[0], LONG, on_event=on_event)
+    assert first.wait(30)
+    assert llm.abort(rid) is True
+    assert events[-1].finished and events[-1].finish_reason == "abort"
+    assert_request_gone(llm, rid)
+    assert_still_serving(llm, probe)

@@ -13,9 +13,11 @@ Tasks are chosen so that attention and routing are easy to read: addition (carri
 
 from __future__ import annotations
 
+import functools
 import gzip
 import random
 import zlib
+from collections import Counter
 from pathlib import Path
 
 TASKS = ("add", "copy", "reverse", "count", "sort")
@@ -64,25 +66,38 @@ def is_held_out(task: str, key: str, percent: int = 10) -> bool:
     return zlib.crc32(f"{task}:{key}".encode()) % 100 < percent
 
 
+def _operand(rng: random.Random) -> int:
+    """1-, 2- or 3-digit numbers (a newcomer types "2+3" as often as "47+38")."""
+    digits = rng.choices((1, 2, 3), (0.25, 0.55, 0.2))[0]
+    return rng.randint(0 if digits == 1 else 10 ** (digits - 1), 10 ** digits - 1)
+
+
+def _word(rng: random.Random) -> str:
+    """Half the time a word of the small fixed list, half a word of the prose's vocabulary, so
+    copying and counting work on whatever words a user types."""
+    return rng.choice(WORDS) if rng.random() < 0.5 else rng.choice(common_words())
+
+
 def _task_input(task: str, rng: random.Random) -> tuple[str, str, str]:
     """Returns (key, prompt body with {x}/{a}/{b} filled, expected answer) for one random input."""
     if task == "add":
-        a, b = rng.randint(10, 99), rng.randint(10, 99)
+        a, b = _operand(rng), _operand(rng)
         tmpl = rng.choice(ADD_TEMPLATES)
         return f"{a}+{b}", tmpl.format(a=a, b=b), str(a + b)
     if task == "copy":
-        words = " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 6)))
+        words = " ".join(_word(rng) for _ in range(rng.randint(1, 6)))
         return words, rng.choice(COPY_TEMPLATES).format(x=words), words
     if task == "reverse":
-        letters = [chr(rng.randint(97, 122)) for _ in range(rng.randint(3, 8))]
+        letters = [chr(rng.randint(97, 122)) for _ in range(rng.randint(2, 8))]
         x = " ".join(letters)
         return x, rng.choice(REVERSE_TEMPLATES).format(x=x), " ".join(reversed(letters))
     if task == "count":
-        words = [rng.choice(WORDS) for _ in range(rng.randint(1, 9))]
+        words = [_word(rng) for _ in range(rng.randint(1, 12))]
         x = " ".join(words)
         return x, rng.choice(COUNT_TEMPLATES).format(x=x), str(len(words))
     if task == "sort":
-        nums = [rng.randint(0, 99) for _ in range(rng.randint(3, 5))]
+        high = 9 if rng.random() < 0.3 else 99
+        nums = [rng.randint(0, high) for _ in range(rng.randint(2, 6))]
         x = " ".join(map(str, nums))
         return x, rng.choice(SORT_TEMPLATES).format(x=x), " ".join(map(str, sorted(nums)))
     raise ValueError(f"unknown task {task!r}; expected one of {TASKS}")
@@ -108,6 +123,16 @@ def held_out_prompts(task: str, n: int, seed: int = 0) -> list[tuple[Messages, s
     """n (messages, expected answer) pairs whose inputs the demo checkpoints never trained on."""
     rng = random.Random(f"held-out:{task}:{seed}")
     return [task_example(task, rng, held_out=True) for _ in range(n)]
+
+
+# What a newcomer types first (the chat's example buttons among them), with the right answers:
+# the training report grades them too. "hello" and "world" are not in WORDS.
+NEWCOMER_PROMPTS = (
+    ("What is 47+38?", "85"), ("What is 2+3?", "5"), ("What is 100+23?", "123"),
+    ("Copy: glass box", "glass box"), ("Copy: hello world", "hello world"),
+    ("Reverse: c a t s", "s t a c"), ("Count the words: red fox moon", "3"),
+    ("Sort: 42 7 19 3", "3 7 19 42"), ("Sort: 5 3 9 1", "1 3 5 9"),
+)
 
 
 # ---- multi-turn conversations ---------------------------------------------------------------
@@ -202,6 +227,19 @@ def load_prose(path: Path = PROSE_PATH) -> list[tuple[str, list[str]]]:
             if len(lines) >= 2 and lines[0].startswith("## "):
                 sections.append((lines[0][3:].strip(), lines[1:]))
     return sections
+
+
+@functools.lru_cache(maxsize=1)
+def common_words(path: Path = PROSE_PATH) -> tuple[str, ...]:
+    """Lower-case words seen at least 5 times in the prose (~3,000), sorted: a fixed list."""
+    counts: Counter[str] = Counter()
+    for _, pars in load_prose(path):
+        for par in pars:
+            for tok in par.split():
+                w = tok.strip(".,;:!?()[]'\"")
+                if 2 <= len(w) <= 10 and w.isalpha() and w.islower() and w.isascii():
+                    counts[w] += 1
+    return tuple(sorted(w for w, n in counts.items() if n >= 5))
 
 
 def _first_sentences(text: str, max_words: int) -> str:

@@ -396,8 +396,13 @@ def evaluate(path: Path, device: torch.device, n: int, sections, free_tokens: in
             got = generate(model, tok, [m for m, _ in pairs], max_new_tokens=24)
             ok = [dd.check_answer(task, g, e) for g, (_, e) in zip(got, pairs)]
             by_turn[str(turns)][task] = round(sum(ok) / len(ok), 4)
+    newcomer = generate(model, tok, [[{"role": "user", "content": q}]
+                                     for q, _ in dd.NEWCOMER_PROMPTS], max_new_tokens=24)
     report = {"accuracy": acc,
               "accuracy_by_turn": by_turn,
+              "newcomer_prompts": [{"prompt": q, "expected": e, "got": g.strip(),
+                                    "ok": dd.check_answer("copy", g, e)}
+                                   for (q, e), g in zip(dd.NEWCOMER_PROMPTS, newcomer)],
               "graded_accuracy": round(sum(acc[t] for t in dd.GRADED_TASKS)
                                        / len(dd.GRADED_TASKS), 4),
               "samples": samples,
@@ -528,6 +533,8 @@ def main() -> None:
         (out / "train_report.json").write_text(json.dumps(report, indent=2) + "\n")
         print(f"[{kind}] accuracy by turn {report['accuracy_by_turn']}  "
               f"eval {report['eval_time_s']}s", flush=True)
+        print(f"[{kind}] newcomer prompts: " + "; ".join(
+            f"{r['prompt']} -> {r['got']!r}" for r in report["newcomer_prompts"]), flush=True)
         for s in report["free_samples"][:3]:
             print(f"[{kind}] {s['prompt']!r} -> {s['reply'][:200]!r}", flush=True)
     print(f"total {time.time() - t_start:.1f}s", flush=True)
