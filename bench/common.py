@@ -319,27 +319,32 @@ class Target:
         return None, "not measured"
 
 
+# BENCH.md's targets (keep in step with it)
 TARGETS = [
     Target("latency", "qwen3-0.6b", "glassbox", "decode_tok_s", ">=", 1000,
            "Qwen3-0.6B batch-1 decode >= 1,000 tok/s"),
-    Target("latency", "qwen3-0.6b", "glassbox", "ttft_ms_1024", "<=", 15,
-           "Qwen3-0.6B TTFT (1,024-token prompt) <= 15 ms"),
-    Target("throughput", "qwen3-0.6b", "glassbox", "output_tok_s", ">=", 25000,
-           "Qwen3-0.6B throughput >= 25,000 tok/s"),
-    Target("moe", "qwen3-30b-a3b", "glassbox", "decode_tok_s", ">=", 250,
-           "Qwen3-30B-A3B batch-1 decode >= 250 tok/s"),
+    Target("latency", "qwen3-0.6b", "glassbox", "ttft_ms_1024", "<=", 8,
+           "Qwen3-0.6B TTFT (1,024-token prompt) <= 8 ms"),
+    Target("throughput", "qwen3-0.6b", "glassbox", "output_tok_s", ">=", 20000,
+           "Qwen3-0.6B throughput >= 20,000 tok/s"),
+    Target("moe", "qwen3-30b-a3b", "glassbox", "decode_tok_s", ">=", 350,
+           "Qwen3-30B-A3B batch-1 decode >= 350 tok/s"),
+    Target("moe", "qwen3-30b-a3b", "glassbox", "ttft_ms_1024", "<=", 25,
+           "Qwen3-30B-A3B TTFT (1,024 tokens) <= 25 ms"),
     Target("moe", "qwen3-30b-a3b", "glassbox", "output_tok_s", ">=", 10000,
            "Qwen3-30B-A3B throughput >= 10,000 tok/s"),
     Target("probes", "qwen3-0.6b", "glassbox", "throughput_slowdown_pct[norms+routing]", "<=", 3,
            "probes on (norms+routing+trace), throughput: <= 3 % slowdown"),
     Target("probes", "qwen3-0.6b", "glassbox", "decode_slowdown_pct[norms+routing]", "<=", 3,
            "probes on (norms+routing+trace), batch-1 decode: <= 3 % slowdown"),
+    Target("probes", "qwen3-0.6b", "glassbox", "ttft_slowdown_pct[norms+routing]", "<=", 10,
+           "probes on (norms+routing+trace), TTFT: <= 10 % slowdown"),
     Target("probes", "qwen3-0.6b", "glassbox", "decode_slowdown_pct[attention]", "<=", 10,
            "watched-request attention capture, batch 1: <= 10 % slowdown"),
     Target("cpu", "demo", "glassbox", "decode_tok_s", ">=", 50,
            "CPU demo checkpoint batch-1 decode >= 50 tok/s (2 cores)"),
-    Target("cpu", "demo", "ratio", "decode_tok_s", ">=", 1.5,
-           "CPU demo checkpoint >= 1.5x HF"),
+    Target("cpu", "demo", "ratio", "decode_tok_s", ">=", 1.0,
+           "CPU demo checkpoint >= 1.0x HF"),
 ]
 
 

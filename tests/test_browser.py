@@ -418,26 +418,27 @@ def test_send_waits_while_a_reply_streams_and_clear_stops_it(running, browser):
 
 
 def test_example_prompts_are_one_click_and_answered_as_trained(running, browser):
-    """The demo's trained tasks are one click away, greedy by default, and each message goes
-    alone (the demos were trained on single turns): the second example's reply in the same
-    chat is the engine's greedy reply to that message alone."""
+    """The demo's trained tasks are one click away, greedy by default, and the conversation
+    goes with each message (the demos were trained on 1-3-turn chats): the second example's
+    reply is the engine's greedy reply to the whole conversation, and it is right."""
     if not running.hub.is_demo():
         pytest.skip("no bundled demo checkpoint")
     from engine import SamplingParams
     from views.chat import DEMO_EXAMPLES, DEMO_SYSTEM
     page = open_app(browser, running.url)
     assert float(page.input_value("#chat-temperature input[type=number]")) == 0.0
-    assert not page.locator("#chat-history input").is_checked()
+    assert page.locator("#chat-history input").is_checked()
+    conv = [{"role": "system", "content": DEMO_SYSTEM}]
     for i in (0, 1):
         page.click(f"#chat-example-{i}")
         wait_until(lambda: page.locator("[data-testid=bot]").count() == i + 1, timeout=60)
         wait_js(page, "() => !document.querySelector('#chat-send').disabled",
                 what=f"example {i}'s reply to end")
-        want = running.llm.generate(
-            [[{"role": "system", "content": DEMO_SYSTEM},
-              {"role": "user", "content": DEMO_EXAMPLES[i]}]],
-            SamplingParams(temperature=0, max_tokens=128))[0].text
+        conv.append({"role": "user", "content": DEMO_EXAMPLES[i]})
+        want = running.llm.generate([conv], SamplingParams(temperature=0, max_tokens=128))[0].text
         assert bot_text(page).strip() == want.strip()
+        conv.append({"role": "assistant", "content": want})
+    assert [m["content"] for m in conv[2::2]] == ["85", "glass box"]     # the trained answers
     page.context.close()
 
 

@@ -132,6 +132,35 @@ def test_dense_answers_held_out_additions_copies_and_reversals(dense):
     assert sum(ok) / len(ok) >= 0.9, f"{len(wrong)} wrong of {len(ok)}, e.g. {wrong[:5]}"
 
 
+def test_dense_answers_inside_a_conversation(dense):
+    """The playground sends the conversation so far: the last turn of held-out 2- and 3-turn
+    conversations is answered as well as a single turn."""
+    model, tok = dense
+    pairs = [(t, m, e) for turns in (2, 3) for t, n in (("add", 10), ("copy", 5), ("sort", 5))
+             for m, e in dd.held_out_conversations(t, n, turns, seed=1)]
+    assert all(len([x for x in m if x["role"] == "user"]) >= 2 for _, m, _ in pairs)
+    got = _generate(model, tok, [m for _, m, _ in pairs], max_new_tokens=20)
+    ok = [dd.check_answer(t, g, e) for (t, _, e), g in zip(pairs, got)]
+    wrong = [(m[-1]["content"], e, g) for (_, m, e), g, k in zip(pairs, got, ok) if not k]
+    assert sum(ok) / len(ok) >= 0.9, f"{len(wrong)} wrong of {len(ok)}, e.g. {wrong[:5]}"
+
+
+@pytest.mark.parametrize("path", [DENSE, MOE], ids=["dense", "moe"])
+def test_what_a_newcomer_types_first_is_answered(path):
+    """The chat's example buttons and their obvious variations (2+3, hello world, 5 3 9 1)."""
+    _need(path)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(str(path))
+    tok.padding_side = "left"
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    got = _generate(model, tok, [[{"role": "user", "content": q}]
+                                 for q, _ in dd.NEWCOMER_PROMPTS], max_new_tokens=20)
+    wrong = [(q, e, g) for (q, e), g in zip(dd.NEWCOMER_PROMPTS, got)
+             if not dd.check_answer("copy", g, e)]
+    # the dense demo's one known miss: "Copy: hello world" (words it rarely saw together)
+    assert len(wrong) <= (1 if path == DENSE else 0), wrong
+
+
 def test_moe_generates_a_terminated_reply(path=MOE):
     _need(path)
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -23,9 +23,8 @@ MAX_MESSAGE_CHARS = 20_000
 # the demo models' trained tasks, in their exact prompt formats (tools/demo_data.py)
 DEMO_EXAMPLES = ("What is 47+38?", "Copy: glass box", "Reverse: c a t s",
                  "Count the words: red fox moon", "Sort: 42 7 19 3")
-# the demo checkpoints were trained on single turns: with the conversation in the prompt they
-# answer their tasks worse (held-out "Sort" and "+" go wrong from turn 2), so on a demo each
-# message is sent alone unless the user asks for the history
+# the conversation so far goes with each message (the demos were trained on 1-3-turn chats);
+# untick it to send a message alone
 HISTORY_LABEL = "send the conversation so far (off: each message alone)"
 PATTERN_BYTES = 8 << 20     # the prompt's full attention pattern is kept when it fits this
 BUSY = "A reply is still streaming: wait for it, or press Stop. Your message stays in the box."
@@ -188,7 +187,7 @@ def build(hub: EngineHub) -> ChatParts:
                                    elem_id="chat-max-tokens")
             ignore_eos = gr.Checkbox(False, label="ignore EOS (run to max tokens)",
                                      elem_id="chat-ignore-eos")
-            keep_history = gr.Checkbox(not demo, label=HISTORY_LABEL, elem_id="chat-history")
+            keep_history = gr.Checkbox(True, label=HISTORY_LABEL, elem_id="chat-history")
 
     def respond(message, history, system, temperature, top_p, top_k, max_tokens, ignore_eos,
                 keep, request: gr.Request):
