@@ -619,3 +619,16 @@ def test_chart_value_serialises_a_spec_with_nan_as_null(rng):
     text = chart_value(F.norms_figure(trace(rng)))
     assert chart_value(text) is text                 # a value already serialised passes through
     assert "NaN" not in text and strict_json(text)["kind"] == "heatmap"
+
+
+def test_plot_value_sends_every_nan_as_null_whatever_the_array(rng):
+    """Float arrays, object arrays (text beside numbers) and plain lists: strict JSON out."""
+    vals = rng.standard_normal(6)
+    vals[[1, 4]] = np.nan
+    mixed = np.array(["a", float("nan"), 3.5, None], dtype=object)
+    fig = {"data": [{"type": "scatter", "y": vals, "customdata": mixed,
+                     "x": [0.0, float("nan"), 2.0]}], "layout": {}}
+    out = strict_json(plot_value(fig))["data"][0]
+    assert out["y"][1] is None and out["y"][4] is None and out["y"][0] == vals[0]
+    assert out["customdata"] == ["a", None, 3.5, None]
+    assert out["x"] == [0.0, None, 2.0]

@@ -27,6 +27,8 @@ def _json_default(o):
     if isinstance(o, np.ndarray):
         if o.dtype.kind == "f" and not np.isfinite(o).all():
             return np.where(np.isfinite(o), o, None).tolist()
+        if o.dtype.kind == "O":     # mixed values (text beside numbers): any float may be NaN
+            return _nan_to_none(o.tolist())
         return o.tolist()
     if isinstance(o, np.generic):
         return _finite(o.item())
