@@ -28,8 +28,9 @@ class LoopWaker:
     ~tens of µs per stream (a task switch, an SSE write), and at 256 streams x one token per
     step that alone held the GIL the engine loop needs. Waking at most every
     `active streams x PACE_S` (capped at MAX_INTERVAL_S) bounds the loop's share whatever the
-    load: a few streams get every token at once (8 streams: 3 ms), 256 streams get a chunk of
-    a few tokens 10 times a second. A stream's first token and its end are never held back."""
+    load: a few streams get every token at once (8 streams: 3 ms), 256 streams get a burst of a
+    few token chunks (one write) 10 times a second. A stream's first token and its end are
+    never held back."""
     PACE_S = 0.4e-3
     MAX_INTERVAL_S = 0.1
     _of_loop: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
