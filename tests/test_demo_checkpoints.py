@@ -57,6 +57,56 @@ def test_held_out_prompts_are_outside_the_training_split():
         assert not train_users & {m[-1]["content"] for m, _ in held}
 
 
+def _task_and_key(user: str) -> tuple[str, str]:
+    """Read a task prompt back into (task, the input its held-out split is decided on)."""
+    import re
+    if m := re.fullmatch(r"(?:What is |Add )?(\d+)(?: ?\+ ?| and )(\d+)(?:\?|\.|=\?)", user):
+        return "add", f"{m[1]}+{m[2]}"
+    for task, heads in (("copy", ("Copy: ", "Repeat after me: ")),
+                        ("reverse", ("Reverse: ", "Write backwards: ")),
+                        ("count", ("Count the words: ", "How many words? ")),
+                        ("sort", ("Sort: ", "Sort these numbers: "))):
+        for h in heads:
+            if user.startswith(h):
+                return task, user[len(h):]
+    raise AssertionError(f"not a task prompt: {user!r}")
+
+
+def test_conversations_train_on_the_training_split_and_grade_on_the_held_out_one():
+    """Earlier turns (training and held-out conversations alike) come from the training split
+    with their right answers; a held-out conversation's last turn is held out, a training one's
+    is not."""
+    sections = dd.load_prose()
+    rng = random.Random(7)
+    for task in dd.TASKS:
+        held = dd.held_out_conversations(task, 20, 3, seed=2)
+        train = [dd.training_conversation(task, rng, sections) for _ in range(60)]
+        assert any(len(m) > 2 for m, _ in train) and any(len(m) <= 2 for m, _ in train)
+        for convs, last_held in ((held, True), (train, False)):
+            for msgs, answer in convs:
+                turns = [m for m in msgs if m["role"] != "system"]
+                t, key = _task_and_key(turns[-1]["content"])
+                assert t == task and dd.is_held_out(t, key) == last_held
+                for user, reply in zip(turns[:-1:2], turns[1:-1:2]):
+                    assert user["role"] == "user" and reply["role"] == "assistant"
+                    if user["content"].startswith(("Tell me about", "Continue: ")):
+                        continue        # a prose turn
+                    t, key = _task_and_key(user["content"])
+                    assert not dd.is_held_out(t, key)
+                    assert dd.check_answer(t, reply["content"], _answer(t, key))
+
+
+def _answer(task: str, key: str) -> str:
+    """The right answer, computed here independently of demo_data."""
+    if task == "add":
+        a, b = key.split("+")
+        return str(int(a) + int(b))
+    words = key.split()
+    if task == "sort":
+        return " ".join(map(str, sorted(map(int, words))))
+    return {"copy": key, "reverse": " ".join(reversed(words)), "count": str(len(words))}[task]
+
+
 def test_check_answer_ignores_whitespace_and_end_tokens_only():
     assert dd.check_answer("add", " 85<|im_end|>\n", "85")
     assert dd.check_answer("copy", "red  fox", "red fox")

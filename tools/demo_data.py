@@ -151,21 +151,10 @@ def _earlier_turn(rng: random.Random, sections) -> tuple[str, str]:
         msgs, answer = prose_chat_example(sections, rng, max_words=PROSE_TURN_WORDS)
         return msgs[-1]["content"], answer
     while True:
-        key, user, answer = _task_input(rng.choice(TASKS), rng)
-        if not is_held_out(_task_of(user), key):
+        task = rng.choice(TASKS)
+        key, user, answer = _task_input(task, rng)
+        if not is_held_out(task, key):
             return user, answer
-
-
-def _task_of(user: str) -> str:
-    """Which task a prompt body belongs to (for the held-out check of earlier turns)."""
-    for task, templates in (("add", ADD_TEMPLATES), ("copy", COPY_TEMPLATES),
-                            ("reverse", REVERSE_TEMPLATES), ("count", COUNT_TEMPLATES),
-                            ("sort", SORT_TEMPLATES)):
-        for t in templates:
-            head = t.split("{")[0]
-            if head and user.startswith(head):
-                return task
-    return "add"  # "{a}+{b}=?" has no fixed head; every other template does
 
 
 def conversation(task: str, rng: random.Random, turns: int, held_out: bool = False,
