@@ -1,8 +1,8 @@
 """The OpenAI-compatible routes as one FastAPI APIRouter over "whatever engine is current".
 
-`engines` is any object with an `.llm` attribute (the playground's EngineHub, whose `.llm` is
-replaced on a model switch, or a plain `EngineHolder`) and optionally a `.switching` flag (503
-while true). Each request reads `.llm` once and keeps that engine to its end.
+`engines` is the serving hub (engine/serving.py; the playground's EngineHub is one), whose
+`.llm` is replaced on a model switch and whose `.switching` is set meanwhile (503 while true).
+Each request reads `.llm` once and keeps that engine to its end.
 """
 from __future__ import annotations
 
@@ -17,6 +17,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from .auth import bearer_check
 from .errors import APIError, OpenAIRoute
 from .protocol import ChatCompletionRequest, CompletionRequest
+from engine.serving import ServingHub
+
 from .responses import Meta
 from .sampling import chat_messages, completion_prompt, logprobs_of, probe_spec, sampling_params
 from .serving import ClientGone, collect, sse_events, start
@@ -24,12 +26,8 @@ from .streaming import SSE_HEADERS
 from .traces import trace_zip
 
 
-class EngineHolder:
-    """The smallest `engines` object: one engine that never switches (benchmarks, tests)."""
-
-    def __init__(self, llm):
-        self.llm = llm
-        self.switching = False
+class EngineHolder(ServingHub):
+    """A serving hub over one engine with no other model to switch to (benchmarks, tests)."""
 
 
 def served_names(llm) -> list[str]:

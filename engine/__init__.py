@@ -5,7 +5,7 @@ from .llm import LLM
 from .probes.spec import ProbeSpec
 from .sampling import SamplingParams
 from .sequence import RequestOutput, TokenEvent
-from .probes.snapshot import EngineSnapshot
+from .records import EngineSnapshot
 from .probes.trace import RequestTrace
 
 __all__ = ["LLM", "SamplingParams", "ProbeSpec", "RequestOutput", "TokenEvent", "EngineSnapshot",

@@ -4,20 +4,26 @@ Blocks are reference counted. A full block whose K/V are computed gets a prefix 
 chain (parent hash + its token ids), so a later request with the same prefix reuses it. A block
 whose ref count drops to 0 keeps its hash and stays "cached but free" (evictable) until the
 allocator needs it; free blocks form an LRU queue (OrderedDict, O(1) everywhere).
+
+Per-block state that readers look at (ref count, cached-prefix flag) lives in numpy arrays
+updated in place as blocks change, so a snapshot is one array copy, never a walk over Python
+objects (a GPU cache has ~65k blocks; the engine lock is held while the snapshot is taken).
 """
 from __future__ import annotations
 
 from collections import OrderedDict
 
+import numpy as np
+
 from .sequence import Sequence
 
 
 class Block:
-    __slots__ = ("block_id", "ref_count", "prefix_hash", "parent_hash", "token_ids")
+    """The hash-chain record of one block (its ref count is `BlockManager.ref_count[id]`)."""
+    __slots__ = ("block_id", "prefix_hash", "parent_hash", "token_ids")
 
     def __init__(self, block_id: int):
         self.block_id = block_id
-        self.ref_count = 0
         self.prefix_hash: int | None = None
         self.parent_hash: int | None = None     # the previous block's hash in the chain
         self.token_ids: tuple[int, ...] = ()    # the tokens a hashed block holds
@@ -34,6 +40,10 @@ class BlockManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
+        # what readers see, kept in place: requests holding each block, and whether it holds a
+        # registered prefix (hashed); evictable = hashed and ref 0
+        self.ref_count = np.zeros(num_blocks, np.int32)
+        self.hashed = np.zeros(num_blocks, np.bool_)
         # free blocks, least recently used first: allocation takes from the front
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.hash_to_block: dict[int, int] = {}
@@ -76,7 +86,7 @@ class BlockManager:
     def can_allocate(self, seq: Sequence) -> bool:
         hits = self._match_prefix(seq)
         fresh = self.blocks_for(len(seq)) - len(hits)
-        revived = sum(1 for b in hits if self.blocks[b].ref_count == 0)
+        revived = sum(1 for b in hits if self.ref_count[b] == 0)
         return fresh + revived <= self.num_free_blocks
 
     # ---- allocation ----------------------------------------------------------------------
@@ -87,8 +97,9 @@ class BlockManager:
             if self.hash_to_block.get(block.prefix_hash) == bid:
                 del self.hash_to_block[block.prefix_hash]
             block.prefix_hash, block.parent_hash, block.token_ids = None, None, ()
+            self.hashed[bid] = False
             self.evictions += 1
-        block.ref_count = 1
+        self.ref_count[bid] = 1
         return block
 
     def allocate(self, seq: Sequence) -> None:
@@ -101,9 +112,9 @@ class BlockManager:
         table, hashes = [], []
         for bid in hits:
             block = self.blocks[bid]
-            if block.ref_count == 0:
+            if self.ref_count[bid] == 0:
                 del self.free_queue[bid]
-            block.ref_count += 1
+            self.ref_count[bid] += 1
             table.append(bid)
             hashes.append(block.prefix_hash)
         for _ in range(self.blocks_for(len(seq)) - len(hits)):
@@ -126,13 +137,13 @@ class BlockManager:
     def free(self, seq: Sequence) -> None:
         """Drop seq's references. Hashed blocks stay cached (evictable); the rest go to the
         front of the queue so they are reused before any cached prefix is evicted."""
+        ref = self.ref_count
         for bid in reversed(seq.block_table):
-            block = self.blocks[bid]
-            block.ref_count -= 1
-            assert block.ref_count >= 0, f"block {bid} freed twice"
-            if block.ref_count == 0:
+            ref[bid] -= 1
+            assert ref[bid] >= 0, f"block {bid} freed twice"
+            if ref[bid] == 0:
                 self.free_queue[bid] = None
-                if block.prefix_hash is None:
+                if self.blocks[bid].prefix_hash is None:
                     self.free_queue.move_to_end(bid, last=False)
         seq.block_table = []
         self.hashes.pop(seq.request_id, None)
@@ -145,7 +156,7 @@ class BlockManager:
         full = len(parent) // bs
         child.block_table = []
         for bid in parent.block_table[:full]:
-            self.blocks[bid].ref_count += 1
+            self.ref_count[bid] += 1
             child.block_table.append(bid)
         self.hashes[child.request_id] = list(self.hashes.get(parent.request_id, []))
         child.num_computed_tokens = parent.num_computed_tokens
@@ -175,6 +186,27 @@ class BlockManager:
             if block.prefix_hash is None and h not in self.hash_to_block:
                 block.prefix_hash, block.parent_hash, block.token_ids = h, parent, ids
                 self.hash_to_block[h] = block.block_id
+                self.hashed[block.block_id] = True
+
+    # ---- readers (under the engine lock) -----------------------------------------------------
+    def block_token_ids(self, block_id: int, seqs) -> list[int]:
+        """The token ids one block holds now: from a request whose table holds it (the tokens
+        computed so far), else the tokens of its cached prefix. O(block_size + len(seqs))."""
+        bs = self.block_size
+        best: list[int] = []
+        if self.ref_count[block_id] > 0:
+            for seq in seqs:
+                table = seq.block_table
+                if block_id not in table:
+                    continue
+                j = table.index(block_id)
+                known = min(seq.num_computed_tokens, seq.num_resolved_tokens)
+                ids = seq.token_ids[j * bs:min((j + 1) * bs, known)]
+                if len(ids) > len(best):
+                    best = ids
+        if not best and self.blocks[block_id].prefix_hash is not None:
+            best = list(self.blocks[block_id].token_ids)
+        return list(best)
 
     # ---- invariants (tests and debugging) ------------------------------------------------
     def check_invariants(self, seqs: list[Sequence]) -> None:
@@ -183,9 +215,12 @@ class BlockManager:
             for bid in s.block_table:
                 counts[bid] += 1
         for b in self.blocks:
-            assert b.ref_count == counts[b.block_id], f"block {b.block_id}: ref {b.ref_count} != users {counts[b.block_id]}"
-            assert (b.ref_count == 0) == (b.block_id in self.free_queue), f"block {b.block_id} free-list mismatch"
+            i = b.block_id
+            ref = int(self.ref_count[i])
+            assert ref == counts[i], f"block {i}: ref {ref} != users {counts[i]}"
+            assert (ref == 0) == (i in self.free_queue), f"block {i} free-list mismatch"
+            assert bool(self.hashed[i]) == (b.prefix_hash is not None), f"block {i}: hashed flag"
         for h, bid in self.hash_to_block.items():
             assert self.blocks[bid].prefix_hash == h, "hash map points at a block with another hash"
-        used = sum(1 for b in self.blocks if b.ref_count > 0)
+        used = int((self.ref_count > 0).sum())
         assert used + self.num_free_blocks == self.num_blocks

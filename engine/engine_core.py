@@ -10,6 +10,9 @@ postprocessed right after its launch: the same code, one step in flight at most.
 The lock is held only while engine state changes (scheduling, postprocessing), not during the
 forward or while waiting for the device: inspect/abort/new requests are never starved.
 
+`step()` returns one value, a StepResult: the token events, the requests that failed on their
+own data, and the trace of the step it postprocessed. Nothing else carries results out.
+
 A failure caused by one request's data fails that request only: an exception while launching a
 batch re-runs its requests one by one, and a failure in one request's postprocessing stays
 with it. The engine goes on serving the others.
@@ -18,17 +21,32 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .block_manager import BlockManager
 from .detokenizer import IncrementalDetokenizer
 from .errors import RequestFailedError, WorkerDiedError
-from .probes.snapshot import StepEntry, StepTrace
+from .records import StepEntry, StepTrace
 from .scheduler import ScheduledSeq, Scheduler
 from .sequence import Sequence, TokenEvent, TokenLogprobs
+from .step_history import StepHistory
 from .step_inputs import SamplingBatch, StepInputs, build_step_inputs
 from .step_output import StepOutput
+
+
+@dataclass
+class StepResult:
+    """Everything one call of `EngineCore.step()` produced."""
+    events: list[TokenEvent] = field(default_factory=list)
+    # requests failed by their own data: (request id, the error for its caller)
+    failures: list[tuple[str, BaseException]] = field(default_factory=list)
+    # traces of the steps postprocessed in this call (one, or a few after isolation)
+    traces: list[StepTrace] = field(default_factory=list)
+
+    def extend(self, other: "StepResult") -> None:
+        self.events += other.events
+        self.failures += other.failures
+        self.traces += other.traces
 
 
 @dataclass
@@ -54,14 +72,10 @@ class EngineCore:
         self.probes = probes
         self.overlap = overlap
         self.lock = lock if lock is not None else contextlib.nullcontext()
-        self.steps: deque[StepTrace] = deque(maxlen=trace_history)
+        self.steps = StepHistory(trace_history)
         self.step_id = 0
         self.detok: dict[str, IncrementalDetokenizer] = {}
         self.inflight: InFlight | None = None
-        # requests failed by their own data, for the caller to deliver the error to
-        self.failed: list[tuple[Sequence, BaseException]] = []
-        # events made outside the normal path (isolation's solo steps): returned by the next step
-        self.carry_events: list[TokenEvent] = []
 
     # ---- requests ----------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -76,14 +90,14 @@ class EngineCore:
         self.scheduler.finish(seq, "abort")
         return self._final_event(seq)
 
-    def _fail(self, seq: Sequence, err: BaseException) -> None:
-        """Fail one request: free its blocks, hand the error to its caller."""
+    def _fail(self, seq: Sequence, err: BaseException, res: StepResult) -> None:
+        """Fail one request: free its blocks; the result hands the error to its caller."""
         if not seq.is_finished:
             self.scheduler.finish(seq, "abort")
         self.detok.pop(seq.request_id, None)
         if self.probes is not None:
             self.probes.finish_request(seq)
-        self.failed.append((seq, err))
+        res.failures.append((seq.request_id, err))
 
     def _final_event(self, seq: Sequence, token: int | None = None,
                      lp: TokenLogprobs | None = None) -> TokenEvent:
@@ -102,28 +116,31 @@ class EngineCore:
                           seq.finish_reason, lp, seq.metrics())
 
     # ---- the step ----------------------------------------------------------------------------
-    def step(self) -> list[TokenEvent]:
+    def step(self) -> StepResult:
         """Launch the next step (if any), then postprocess the one before it. Call without the
         lock held: it takes the lock for the parts that change engine state."""
+        res = StepResult()
         t0 = time.perf_counter()
         with self.lock:
             launch = self._prepare(t0)
         launched = None
         if launch is not None:
-            launched = self._launch(*launch)
-        events, self.carry_events = self.carry_events, []
+            launched = self._launch(*launch, res)
         if self.overlap:
             prev, self.inflight = self.inflight, launched
             if prev is not None:
-                events += self._complete(prev)
+                self._complete(prev, res)
         elif launched is not None:
-            events += self._complete(launched)
-        return events
+            self._complete(launched, res)
+        return res
 
-    def drain(self) -> list[TokenEvent]:
+    def drain(self) -> StepResult:
         """Postprocess the step in flight, if any (before shutdown, or isolation)."""
+        res = StepResult()
         prev, self.inflight = self.inflight, None
-        return self._complete(prev) if prev is not None else []
+        if prev is not None:
+            self._complete(prev, res)
+        return res
 
     def _prepare(self, t0: float):
         """Schedule and build the inputs (under the lock). None when nothing is runnable."""
@@ -147,26 +164,27 @@ class EngineCore:
         return build_step_inputs(step_id, scheduled, self.bm.block_size, batch, plan,
                                  prev_step_id)
 
-    def _launch(self, scheduled, inp: StepInputs, t0, t_sched, t_prep) -> InFlight | None:
+    def _launch(self, scheduled, inp: StepInputs, t0, t_sched, t_prep,
+                res: StepResult) -> InFlight | None:
         try:
             out = self.runner.execute_step(inp)
         except WorkerDiedError:
             raise
         except Exception as e:              # noqa: BLE001 — attribute it to a request
-            return self._isolate(scheduled, e)
+            return self._isolate(scheduled, e, res)
         with self.lock:
             self.scheduler.on_launch(scheduled, inp.step_id)
         return InFlight(scheduled, inp, out, t0, t_sched, t_prep)
 
-    def _isolate(self, scheduled, err: BaseException) -> None:
+    def _isolate(self, scheduled, err: BaseException, res: StepResult) -> None:
         """A batch failed to launch: finish the step in flight, then run each of its requests
         alone; the ones that fail alone are failed, the others go on (their solo steps are
-        postprocessed here, and their events returned by the next step)."""
-        self.carry_events += self.drain()
+        postprocessed here, into this step's result)."""
+        res.extend(self.drain())
         if len(scheduled) == 1:
             with self.lock:
                 self._fail(scheduled[0].seq,
-                           RequestFailedError(f"this request failed in the engine: {err!r}"))
+                           RequestFailedError(f"this request failed in the engine: {err!r}"), res)
             return None
         for s in scheduled:
             with self.lock:
@@ -182,21 +200,21 @@ class EngineCore:
                 raise
             except Exception as e:          # noqa: BLE001
                 with self.lock:
-                    self._fail(s.seq, RequestFailedError(f"this request failed in the engine: {e!r}"))
+                    self._fail(s.seq, RequestFailedError(
+                        f"this request failed in the engine: {e!r}"), res)
                 continue
             with self.lock:
                 self.scheduler.on_launch([s], step_id)
-            self.carry_events += self._complete(InFlight([s], inp, out, t0, 0.0, 0.0))
+            self._complete(InFlight([s], inp, out, t0, 0.0, 0.0), res)
         return None
 
-    def _complete(self, f: InFlight) -> list[TokenEvent]:
-        """Wait for a launched step, then postprocess it (under the lock)."""
+    def _complete(self, f: InFlight, res: StepResult) -> None:
+        """Wait for a launched step, then postprocess it (under the lock) into `res`."""
         t_wait = f.out.wait(getattr(self.runner, "check_workers", None))
         with self.lock:
             t3 = time.perf_counter()
-            events = self._postprocess(f)
-            self._record(f, t_wait, time.perf_counter() - t3)
-        return events
+            expert_load = self._postprocess(f, res)
+            res.traces.append(self._record(f, t_wait, time.perf_counter() - t3, expert_load))
 
     def _banned(self, sampling) -> list[tuple[int, int]]:
         out = []
@@ -207,7 +225,9 @@ class EngineCore:
                 out.extend((row, t) for t in ids)
         return out
 
-    def _postprocess(self, f: InFlight) -> list[TokenEvent]:
+    def _postprocess(self, f: InFlight, res: StepResult):
+        """Tokens, stop rules, text and probes of a finished step, into `res`; returns the
+        step's expert load (MoE, when recorded) for its trace."""
         out, scheduled = f.out, f.scheduled
         tokens = out.tokens
         sampling = [s for s in scheduled if s.samples]
@@ -226,18 +246,18 @@ class EngineCore:
             except Exception as e:          # noqa: BLE001 — a probe bug fails the watched ones
                 for entry in f.inp.probe_plan.entries:
                     seq = scheduled[entry.batch_index].seq
-                    self._fail(seq, RequestFailedError(f"recording this request's probes failed: {e!r}"))
-        f.out.extra["expert_load"] = expert_load
+                    self._fail(seq, RequestFailedError(
+                        f"recording this request's probes failed: {e!r}"), res)
         row_of = {id(s.seq): r for r, s in enumerate(sampling)}
         now = time.perf_counter()
-        events = []
         for seq, tok in self.scheduler.on_result(scheduled, tokens, f.inp.step_id):
             r = row_of[id(seq)]
             try:
-                events.append(self._token_event(seq, tok, lps[r], now))
+                res.events.append(self._token_event(seq, tok, lps[r], now))
             except Exception as e:          # noqa: BLE001 — this request's text work failed
-                self._fail(seq, RequestFailedError(f"postprocessing this request failed: {e!r}"))
-        return events
+                self._fail(seq, RequestFailedError(
+                    f"postprocessing this request failed: {e!r}"), res)
+        return expert_load
 
     def _token_event(self, seq: Sequence, tok: int, lp, now: float) -> TokenEvent:
         if lp is not None:
@@ -255,7 +275,7 @@ class EngineCore:
         seq.output_text = d.text[:d.emitted] if d is not None else ""
         return TokenEvent(seq.request_id, tok, delta, seq.output_text, False, None, lp)
 
-    def _record(self, f: InFlight, t_wait: float, t_post: float) -> None:
+    def _record(self, f: InFlight, t_wait: float, t_post: float, expert_load) -> StepTrace:
         entries, n_pre, n_dec = [], 0, 0
         for s in f.scheduled:
             n = s.num_tokens
@@ -268,12 +288,14 @@ class EngineCore:
         out = f.out
         used = self.bm.num_blocks - self.bm.num_free_blocks
         gpu = out.gpu_time
-        self.steps.append(StepTrace(
+        trace = StepTrace(
             step_id=f.inp.step_id, wall_time=time.time(), entries=entries,
             num_prefill_tokens=n_pre, num_decode_tokens=n_dec, t_schedule=f.t_schedule,
             t_prepare=f.t_prepare, t_forward=gpu if gpu is not None else out.t_launch,
             t_sample=t_post, graph_bucket=out.graph_bucket,
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
-            kv_usage=used / self.bm.num_blocks, expert_load=out.extra.get("expert_load"),
+            kv_usage=used / self.bm.num_blocks, expert_load=expert_load,
             collectives=out.collectives, t_launch=out.t_launch, t_wait=t_wait,
-            collective_time=out.collective_time, overlapped=self.overlap))
+            collective_time=out.collective_time, overlapped=self.overlap)
+        self.steps.append(trace)
+        return trace

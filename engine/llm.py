@@ -20,8 +20,8 @@ from .loader import resolve_model_path
 from .probes.spec import ProbeSpec
 from .sampling import SamplingParams
 from .scheduler import Scheduler
+from .records import BlockInfo, EngineSnapshot, KVLayout
 from .sequence import RequestOutput, Sequence, TokenEvent
-from .probes.snapshot import EngineSnapshot
 
 _engine_ids = itertools.count()
 
@@ -169,6 +169,25 @@ class LLM:
             self.tokenizer.decode if self.tokenizer is not None else None,
             max_traces=max_traces, record_expert_load=bool(record_expert_load))
         self.runner.capture_graphs(max_num_seqs)
+        # facts a snapshot reports that never change while this engine lives: computed once,
+        # not under the lock at every inspect()
+        kv = self.runner.kv_cache
+        per_block = self.runner.bytes_per_block
+        self.kv_layout = KVLayout(tuple(kv.shape), str(kv.dtype).replace("torch.", ""),
+                                  per_block, per_block // block_size,
+                                  kv.numel() * kv.element_size())
+        self.tp_layout = self.runner.tp_layout()
+        self.moe_facts = None
+        if self.runner.moe_layers:
+            self.moe_facts = {"num_experts": self.hf_config.num_experts,
+                              "top_k": self.hf_config.num_experts_per_tok,
+                              "moe_layers": list(self.runner.moe_layers)}
+        self.dtype_name = str(cfg.torch_dtype).replace("torch.", "")
+        # how long inspect() / trace() held the engine lock, newest last (bench/watched.py)
+        from collections import deque
+        self.lock_hold_s: dict[str, deque] = {"inspect": deque(maxlen=4096),
+                                              "trace": deque(maxlen=4096)}
+        self._trace_read = threading.Lock()     # one reader moves attention rows at a time
         # overlap scheduling pays where the forward is asynchronous (a GPU); on the CPU the
         # forward blocks the host anyway, so each step is postprocessed right after its launch
         self.async_scheduling = (cfg.device.startswith("cuda") if async_scheduling is None
@@ -287,17 +306,16 @@ class LLM:
             # the step takes the lock only while it changes engine state: not during the
             # forward or while waiting for the device, so inspect/abort/submit never starve
             try:
-                events = self.core.step()
+                result = self.core.step()
             except BaseException as e:     # engine-wide (a dead TP worker): fail everything
                 with self._lock:
                     self._error = e
                     self._fail_all(e)
                 continue
             with self._lock:
-                for seq, err in self.core.failed:       # one request's own failure
-                    self._fail_one(seq.request_id, err)
-                self.core.failed.clear()
-                for ev in events:
+                for rid, err in result.failures:        # one request's own failure
+                    self._fail_one(rid, err)
+                for ev in result.events:
                     self._deliver(ev)
             # between steps: give waiting threads the lock; CPython locks are not fair
             time.sleep(0)
@@ -432,18 +450,70 @@ class LLM:
             self._deliver(self.core.abort(seq))
             return True
 
+    def _check_open(self) -> None:
+        if getattr(self, "_closed", False):
+            raise EngineShutdownError("the engine has been shut down; create a new LLM")
+
     def inspect(self) -> EngineSnapshot:
-        from .probes.inspect import take_snapshot
+        """A consistent snapshot of the engine (KV blocks as arrays, queues, recent steps),
+        copied under the lock in O(requests): looking never stalls the engine."""
+        from .snapshot import take_snapshot
         with self._lock:
-            if getattr(self, "_closed", False):
-                raise EngineShutdownError("the engine has been shut down; create a new LLM")
-            return take_snapshot(self)
+            t0 = time.perf_counter()
+            self._check_open()
+            snap = take_snapshot(self)
+            self.lock_hold_s["inspect"].append(time.perf_counter() - t0)
+        return snap
 
     def trace(self, request_id: str):
-        """The RequestTrace of a watched request (complete so far). KeyError if the request
-        was never watched, or its trace was evicted (only the newest `max_traces` are kept)."""
+        """The RequestTrace of a watched request, complete so far, as a frozen copy that the
+        engine never changes afterwards (read it again for newer rows). KeyError if the
+        request was never watched, or its trace was evicted (only the newest `max_traces`
+        are kept). Attention rows still on the device move to the host outside the lock."""
+        from .probes.manager import _to_host
+        with self._trace_read:
+            with self._lock:
+                t0 = time.perf_counter()
+                pending = self.probes.take_pending(request_id) \
+                    if request_id in self.probes.traces else []
+                self.lock_hold_s["trace"].append(time.perf_counter() - t0)
+            host = [_to_host(st) for st in pending]
+            with self._lock:
+                t0 = time.perf_counter()
+                tr = self.probes.read(request_id, host)
+                self.lock_hold_s["trace"].append(time.perf_counter() - t0)
+            return tr
+
+    def block_info(self, block_id: int) -> BlockInfo:
+        """One physical block now, with the token ids it holds and its prefix hash: read on
+        demand for this block only (a hover card), under the lock in O(block_size)."""
+        if not 0 <= int(block_id) < self.num_kv_blocks:
+            raise ValueError(f"block_id must be in [0, {self.num_kv_blocks}), got {block_id}")
+        b = int(block_id)
         with self._lock:
-            return self.probes.get(request_id)
+            self._check_open()
+            bm = self.block_manager
+            seqs = self.scheduler.all_sequences() if bm.ref_count[b] > 0 else []
+            owners = [s.request_id for s in seqs if b in s.block_table]
+            ids = bm.block_token_ids(b, seqs)
+            ref, h = int(bm.ref_count[b]), bm.blocks[b].prefix_hash
+        return BlockInfo(b, ref, owners, len(ids), h, ref == 0 and h is not None, ids)
+
+    def model_parts(self):
+        """(model, kv_cache) of rank 0, for engine/anatomy to read the modules' structure and
+        the cache's layout (both fixed while the engine lives). EngineShutdownError once the
+        engine is shut down, e.g. by a model switch."""
+        with self._lock:
+            self._check_open()
+            return self.runner.model, self.runner.kv_cache
+
+    def read_kv_bytes(self, offset: int, nbytes: int) -> bytes:
+        """Raw bytes of rank 0's KV cache tensor from a byte offset (the Anatomy tab's view
+        of one region), read between steps under the lock."""
+        from .anatomy.kv_regions import read_cache_bytes
+        with self._lock:
+            self._check_open()
+            return read_cache_bytes(self.runner.kv_cache, offset, nbytes)
 
     def traced_requests(self) -> list[str]:
         """Request ids that have a trace, newest first."""
@@ -459,8 +529,7 @@ class LLM:
         if not 0 <= layer < self.hf_config.num_hidden_layers:
             raise ValueError(f"layer must be in [0, {self.hf_config.num_hidden_layers})")
         with self._lock:
-            if getattr(self, "_closed", False):
-                raise EngineShutdownError("the engine has been shut down; create a new LLM")
+            self._check_open()
             return self.runner.read_kv_block(block_id, layer, head, 0 if which == "k" else 1)
 
     def shutdown(self) -> None:

@@ -263,7 +263,7 @@ class ModelRunner:
         return self.kv_cache[kv, layer, block_id, :, head].float().cpu().numpy()
 
     def tp_layout(self) -> list:
-        from .probes.tp_layout import rank_layout
+        from .tp_layout import rank_layout
         return [rank_layout(self.hf_config, r, self.tp.size, self.bytes_per_block * self.num_blocks)
                 for r in range(self.tp.size)]
 

@@ -8,7 +8,7 @@ it the host fields can be read. On the CPU everything is done when execute_step 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -28,7 +28,6 @@ class StepOutput:
     done: object | None = None              # torch.cuda.Event recorded after the last copy
     gpu_start: object | None = None         # timing events around the forward + sampling
     gpu_end: object | None = None
-    extra: dict = field(default_factory=dict)
 
     def ready(self) -> bool:
         return self.done is None or self.done.query()

@@ -13,7 +13,7 @@ import pytest
 
 from ui_helpers import make_snapshot  # noqa: I001  (puts the repo on sys.path)
 
-from engine.probes.snapshot import BlockInfo, EngineSnapshot
+from engine.records import BlockInfo, EngineSnapshot
 
 MAP_STATES = ["free", "evictable", "owned", "shared"]     # views/figures_kv.py STATE_CODE order
 
@@ -37,7 +37,12 @@ def random_cache(rng: np.random.Generator, num_blocks: int, busy: int, block_siz
                  max_owners: int = 4, ids: np.ndarray | None = None) -> EngineSnapshot:
     """A snapshot whose `busy` live blocks (owned or shared, ids drawn at random over the whole
     cache unless `ids` are given) belong to random running requests, plus `evictable` cached
-    free blocks at other random ids; every other block is free (listed, ref 0, empty)."""
+    free blocks at other random ids; every other block is free.
+
+    The snapshot carries what the engine hands out (per-block arrays, block tables, each
+    request's computed tokens) and, as `snap.blocks`, the ground truth drawn here (owners in
+    block-table order, fills, hashes, token ids), so builders that derive per-block facts from
+    the arrays are checked against an independent answer."""
     snap = make_snapshot(rng, num_blocks=num_blocks, block_size=block_size)
     rids = [f"req-{i}" for i in rng.permutation(64)[:num_requests]]
     chosen = rng.permutation(num_blocks)[:busy + evictable] if ids is None else np.asarray(ids)
@@ -47,26 +52,45 @@ def random_cache(rng: np.random.Generator, num_blocks: int, busy: int, block_siz
     top = max(3, min(max_owners, num_requests) + 1)
     num_owners = rng.integers(2, top, len(live)).tolist()
     one_owner = rng.integers(0, num_requests, len(live)).tolist()
-    filled = rng.integers(1, block_size + 1, len(live)).tolist()
+    last_fill = rng.integers(1, block_size + 1, num_requests).tolist()
     hashes = rng.integers(1 << 62, size=len(live) + len(cached)).tolist()
     toks = rng.integers(0, 150_000, (len(live) + len(cached), block_size)).tolist()
-    blocks = [BlockInfo(i, 0, [], 0, None, False, []) for i in range(num_blocks)]
+    owners_of: dict[int, list[int]] = {}
     tables: dict[str, list[int]] = {r: [] for r in rids}
     for j, bid in enumerate(live):
-        if shared[j]:
-            owners = [rids[k] for k in rng.choice(num_requests, num_owners[j], replace=False)]
-            blocks[bid] = BlockInfo(bid, len(owners), owners, block_size, hashes[j], False,
-                                    toks[j])
-        else:
-            owners = [rids[one_owner[j]]]
-            blocks[bid] = BlockInfo(bid, 1, owners, filled[j], None, False, toks[j][:filled[j]])
-        for r in owners:
-            tables[r].append(bid)
+        ks = (sorted(rng.choice(num_requests, num_owners[j], replace=False).tolist())
+              if shared[j] else [one_owner[j]])
+        owners_of[bid] = ks
+        for k in ks:
+            tables[rids[k]].append(bid)
+    ref = np.zeros(num_blocks, np.int32)
+    hashed = np.zeros(num_blocks, np.bool_)
+    fill = {}
+    tokens = {}
+    for k, r in enumerate(rids):
+        t = tables[r]
+        if not t:
+            continue
+        # a request's last block may be partly written, unless another request shares it
+        f = block_size if len(owners_of[t[-1]]) > 1 else last_fill[k]
+        tokens[r] = block_size * (len(t) - 1) + f
+        for j, bid in enumerate(t):
+            fill[bid] = max(fill.get(bid, 0), block_size if j < len(t) - 1 else f)
+    blocks = [BlockInfo(i, 0, [], 0, None, False, []) for i in range(num_blocks)]
+    for j, bid in enumerate(live):
+        ks = owners_of[bid]
+        ref[bid] = len(ks)
+        h = hashes[j] if len(ks) > 1 else None          # a shared block is a cached prefix
+        hashed[bid] = h is not None
+        blocks[bid] = BlockInfo(bid, len(ks), [rids[k] for k in ks], fill[bid], h, False,
+                                toks[j][:fill[bid]])
     for j, bid in enumerate(cached, start=len(live)):
+        hashed[bid] = True
         blocks[bid] = BlockInfo(bid, 0, [], block_size, hashes[j], True, toks[j])
-    snap.blocks = blocks
+    snap.block_ref, snap.block_hashed = ref, hashed
     snap.block_tables = {r: t for r, t in tables.items() if t}
-    snap.request_tokens = {r: block_size * len(t) for r, t in snap.block_tables.items()}
+    snap.request_tokens = tokens
+    snap.blocks = blocks                                 # the truth (overrides the derived)
     snap.running = list(snap.block_tables)
     snap.num_free_blocks = num_blocks - busy
     snap.usage = busy / num_blocks

@@ -12,7 +12,7 @@ from ui_helpers import make_snapshot, make_trace  # noqa: I001  (puts the repo o
 from figure_helpers import (check_chart_spec, check_plotly_figure, decode, drawn_ids, live_ids,
                             map_cells, random_cache, seeded_rng, strict_json)
 
-from engine.probes.snapshot import StepEntry
+from engine.records import StepEntry
 from engine.probes.trace import RequestTrace
 from views import figures as F
 from views.canvas_chart import chart_value, empty_chart
@@ -66,18 +66,21 @@ def test_kv_map_has_one_cell_per_block_with_its_state(rng):
         (version, n, snap.block_size)
 
 
-def test_kv_map_counts_blocks_the_engine_did_not_list_as_free(rng):
-    snap = random_cache(rng, 200, busy=30, evictable=10)
-    free = [b.block_id for b in snap.blocks if F.block_state(b) == "free"]
-    unlisted = set(rng.choice(free, int(rng.integers(1, len(free))), replace=False).tolist())
-    snap.blocks = [b for b in snap.blocks if b.block_id not in unlisted]
-    snap.num_blocks = 200 + int(rng.integers(1, 50))       # never-touched blocks past the list
+def test_kv_map_derives_fill_and_owners_from_the_block_tables(rng):
+    # the engine hands out arrays and tables, never a record per block: every block's fill
+    # and owners come from the tables and each request's computed tokens
+    n = int(rng.integers(300, 3000))
+    snap = random_cache(rng, n, busy=int(rng.integers(50, 250)), evictable=int(rng.integers(0, 40)),
+                        block_size=int(rng.choice([1, 4, 16])), shared_frac=0.3)
+    a = snap.kv_arrays
+    for b in snap.blocks:                       # the truth random_cache drew
+        assert a.filled[b.block_id] == b.num_filled, b
+        owners = a.more_owners.get(b.block_id) or ([a.owner[b.block_id]]
+                                                    if a.owner[b.block_id] >= 0 else [])
+        assert [a.owners[i] for i in owners] == b.owners, b
     payload = F.kv_map_data(snap)
-    assert payload["counts"]["free"] == len(free) + snap.num_blocks - 200
     assert sum(payload["counts"].values()) == snap.num_blocks
-    cells = map_cells(payload)
-    assert list(cells) == list(range(snap.num_blocks))
-    assert all(cells[i].state == "free" for i in unlisted | set(range(200, snap.num_blocks)))
+    assert payload["counts"]["free"] == sum(F.block_state(b) == "free" for b in snap.blocks)
 
 
 def test_kv_map_draws_the_region_in_use_and_every_block_past_it_is_free(rng):
@@ -132,20 +135,20 @@ def test_kv_map_colours_owner_fill_and_evictable_grey(rng):
 
 def test_kv_map_hover_card_shows_id_state_refcount_owners_and_decoded_text(rng):
     snap = random_cache(rng, 128, busy=40, evictable=10, shared_frac=0.5)
+    bs = snap.block_size
     shared = next(snap.blocks[i] for i in rng.permutation(128) if snap.blocks[i].ref_count > 1)
-    tip = F.block_detail(snap, shared.block_id, decode)
+    tip = F.block_detail(shared, bs, decode)          # the card reads LLM.block_info(id)
     assert f"block {shared.block_id} · shared · ref {shared.ref_count}" in tip
     assert f"owners: {', '.join(shared.owners)}" in tip and decode(shared.token_ids) in tip
-    assert f"filled {shared.num_filled}/{snap.block_size}" in tip
+    assert f"filled {shared.num_filled}/{bs}" in tip
     assert f"hash {shared.prefix_hash & 0xffffffff:08x}" in tip
     # the payload names the same owners for the canvas' own short card
     assert map_cells(F.kv_map_data(snap))[shared.block_id].owners == shared.owners
     cached = next(b for b in snap.blocks if b.evictable)
-    tip = F.block_detail(snap, cached.block_id, decode)
+    tip = F.block_detail(cached, bs, decode)
     assert "evictable · ref 0" in tip and "owners: —" in tip and decode(cached.token_ids) in tip
     free = next(b for b in snap.blocks if F.block_state(b) == "free")
-    assert F.block_detail(snap, free.block_id, decode).startswith(f"block {free.block_id} · free")
-    assert F.block_detail(snap, 10**6, decode) == f"block {10**6} · free"
+    assert F.block_detail(free, bs, decode) == f"block {free.block_id} · free"
 
 
 def test_kv_map_of_a_10000_block_cache_draws_every_block_of_a_running_request(rng):

@@ -23,7 +23,7 @@ from engine.anatomy.vocabulary import vocabulary
 from engine.anatomy.weights import weight_breakdown
 from engine.models.registry import model_class
 from engine.parallel_state import TPGroup, use_tp
-from engine.probes.snapshot import BlockInfo
+from engine.records import BlockInfo
 from tiny_models import build_tokenizer, make_config
 from views import figures_anatomy as FA
 from views import figures_anatomy_html as FH

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -47,11 +48,12 @@ def assert_block_accounting(snap: EngineSnapshot) -> None:
         for bid in table:
             held.setdefault(bid, []).append(rid)
     assert set(held) == {b.block_id for b in snap.blocks if b.ref_count > 0}
+    assert set(held) == set(np.flatnonzero(snap.block_ref).tolist())
     for b in snap.blocks:
         assert b.ref_count == len(b.owners), b
         assert sorted(b.owners) == sorted(held.get(b.block_id, [])), b
-        assert b.num_filled == len(b.token_ids) <= snap.block_size
-        assert b.evictable == (b.ref_count == 0 and b.prefix_hash is not None)
+        assert 0 <= b.num_filled <= snap.block_size
+        assert b.evictable == (b.ref_count == 0 and bool(snap.block_hashed[b.block_id]))
     used = sum(b.ref_count > 0 for b in snap.blocks)
     assert snap.num_free_blocks == snap.num_blocks - used
     assert snap.usage == pytest.approx(used / snap.num_blocks)
@@ -90,6 +92,10 @@ def test_mid_stream_blocks_hold_the_computed_tokens_and_share_the_prefix(llm):
         snap = llm.inspect()
         if not {ra, rb} <= set(snap.running):
             break
+        # a block's tokens are read on demand (never copied into a snapshot): read them now,
+        # while the request still holds the block; they start with what the snapshot saw
+        snap.texts = {bid: llm.block_info(bid).token_ids
+                      for rid in (ra, rb) for bid in snap.block_tables[rid]}
         snaps.append(snap)
         partial |= {r for r in (ra, rb) if computed_tokens(snap, r) % BLOCK}
         time.sleep(0.001)
@@ -105,7 +111,7 @@ def test_mid_stream_blocks_hold_the_computed_tokens_and_share_the_prefix(llm):
         for bid in snap.block_tables[rb][:2]:       # the shared prefix: one copy, two owners
             blk = snap.blocks[bid]
             assert blk.ref_count == 2 and sorted(blk.owners) == sorted([ra, rb])
-            assert blk.prefix_hash is not None and not blk.evictable
+            assert snap.block_hashed[bid] and not blk.evictable
         assert snap.block_tables[ra][:2] == snap.block_tables[rb][:2]
         for rid, p in ((ra, pa), (rb, pb)):
             seq = p + outs[rid]
@@ -113,7 +119,8 @@ def test_mid_stream_blocks_hold_the_computed_tokens_and_share_the_prefix(llm):
             assert snap.request_tokens[rid] == n
             assert n >= len(p)                      # the prompt is computed (decoding)
             table = snap.block_tables[rid]
-            held = [t for bid in table for t in snap.blocks[bid].token_ids]
+            held = [t for bid in table
+                    for t in snap.texts[bid][:snap.blocks[bid].num_filled]]
             # every computed token, in order; the newest sampled token has no K/V yet
             assert held == seq[:n]
             assert -(-n // BLOCK) <= len(table) <= -(-(n + 1) // BLOCK)
@@ -127,9 +134,11 @@ def test_mid_stream_blocks_hold_the_computed_tokens_and_share_the_prefix(llm):
     assert after.num_free_blocks == NUM_BLOCKS and after.usage == 0.0
     for blk in after.blocks:
         if blk.evictable:
-            assert blk.ref_count == 0 and blk.prefix_hash is not None
+            assert blk.ref_count == 0 and after.block_hashed[blk.block_id]
             assert blk.num_filled == BLOCK
-    cached = {tuple(blk.token_ids) for blk in after.blocks if blk.evictable}
+    infos = [llm.block_info(blk.block_id) for blk in after.blocks if blk.evictable]
+    assert all(i.evictable and i.prefix_hash is not None for i in infos)
+    cached = {tuple(i.token_ids) for i in infos}
     for rid, p in ((ra, pa), (rb, pb)):
         seq = p + outs[rid]
         n = len(seq) - 1                            # the last sampled token was never computed

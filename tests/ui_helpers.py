@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:   # plain `pytest` puts only tests/ on the path
     sys.path.insert(0, str(ROOT))
 
-from engine.probes.snapshot import (BlockInfo, EngineSnapshot, KVLayout, RankLayout, StepEntry,
+from engine.records import (BlockInfo, EngineSnapshot, KVLayout, RankLayout, StepEntry,
                              StepTrace)
 from engine.probes.trace import AttentionStep, LensStep, RequestTrace
 
@@ -25,18 +25,11 @@ def free_port() -> int:
 def make_snapshot(rng: np.random.Generator, num_blocks: int = 12, block_size: int = 4,
                   num_steps: int = 10, moe: bool = False, tp: int = 1) -> EngineSnapshot:
     """Two requests sharing a 2-block prefix (ref 2), one evictable block, the rest free."""
-    blocks = [BlockInfo(i, 0, [], 0, None, False, []) for i in range(num_blocks)]
-
-    def fill(i, owners, n, cached=False):
-        blocks[i] = BlockInfo(i, len(owners), owners, n,
-                              int(rng.integers(1 << 40)) if cached else None,
-                              cached and not owners,
-                              [int(t) for t in rng.integers(0, 100, n)])
-    fill(0, ["req-0", "req-1"], block_size, cached=True)    # shared prefix
-    fill(1, ["req-0", "req-1"], block_size, cached=True)
-    fill(2, ["req-0"], block_size - 1)                       # partially filled tail
-    fill(3, ["req-1"], 1)
-    fill(4, [], block_size, cached=True)                      # evictable: cached but free
+    ref = np.zeros(num_blocks, np.int32)
+    ref[[0, 1]] = 2                                           # shared prefix
+    ref[[2, 3]] = 1                                           # req-0's partial tail, req-1's
+    hashed = np.zeros(num_blocks, np.bool_)
+    hashed[[0, 1, 4]] = True                                  # 4: evictable, cached but free
     steps = []
     for k in range(num_steps):
         prefill = k == 0
@@ -59,11 +52,12 @@ def make_snapshot(rng: np.random.Generator, num_blocks: int = 12, block_size: in
                  for r in range(tp)]
     return EngineSnapshot(
         model_name="tiny", architecture="Qwen3ForCausalLM", num_params=12345, dtype="float32",
-        device="cpu", tp_size=tp, block_size=block_size, num_blocks=num_blocks, blocks=blocks,
+        device="cpu", tp_size=tp, block_size=block_size, num_blocks=num_blocks,
+        block_ref=ref, block_hashed=hashed,
         block_tables={"req-0": [0, 1, 2], "req-1": [0, 1, 3]},
         request_tokens={"req-0": 3 * block_size - 1, "req-1": 2 * block_size + 1},
         running=["req-0", "req-1"], waiting=[], num_free_blocks=num_blocks - 4, usage=4 / 12,
-        prefix_hits=2, prefix_queries=4, evictions=0, preemptions=0, steps=steps,
+        prefix_hits=2, prefix_queries=4, evictions=0, preemptions=0, steps=tuple(steps),
         kv_layout=KVLayout((2, 2, num_blocks, block_size, kv_heads, 8), "float32",
                            2 * 2 * block_size * kv_heads * 8 * 4, 2 * 2 * kv_heads * 8 * 4,
                            num_blocks * 2 * 2 * block_size * kv_heads * 8 * 4),

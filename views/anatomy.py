@@ -4,11 +4,13 @@ numbers for the watched reply's token), one KV block as its L × 2 physical regi
 tensor-parallel rank holds, and depth vs width beside published Qwen shapes."""
 from __future__ import annotations
 
+import functools
 import threading
 
 import gradio as gr
 import numpy as np
 
+from engine.errors import EngineShutdownError
 from engine.anatomy import (SOURCE, ModelAnatomy, model_anatomy, parse_ids, pieces_of_ids,
                             published_rows, read_kv_cache_bytes, shape_row, tokenize)
 from views import figures_anatomy as FA
@@ -55,6 +57,23 @@ def _trace(hub: EngineHub, rid: str | None):
         return None
 
 
+SWITCHING = "⏳ The model is being switched: this tab redraws when the new one is up."
+
+
+def _during_switch(on_switch):
+    """A handler that meets a model switch (the engine it read was shut down under it)
+    returns `on_switch()` — a clear state — instead of raising into the page."""
+    def wrap(fn):
+        @functools.wraps(fn)
+        def guarded(*args, **kwargs):
+            try:
+                return fn(*args, **kwargs)
+            except EngineShutdownError:
+                return on_switch()
+        return guarded
+    return wrap
+
+
 def _block_id(value) -> int:
     try:
         return int(value)
@@ -65,7 +84,10 @@ def _block_id(value) -> int:
 def _block_info(hub: EngineHub, a: ModelAnatomy, block_id) -> str:
     """Owner and tokens of a block (from the snapshot) and the first numbers at its address."""
     b = _block_id(block_id)
-    block = next((x for x in hub.snapshot().blocks if x.block_id == b), None)
+    try:
+        block = hub.llm.block_info(b) if 0 <= b < a.kv.num_blocks else None
+    except (ValueError, RuntimeError):      # out of range, or the engine is switching
+        block = None
     first, offset = None, 0
     if 0 <= b < a.kv.num_blocks:
         offset = a.kv.regions(b)[0].offset
@@ -195,11 +217,13 @@ def build(hub: EngineHub) -> gr.Timer:
     text.change(on_text, text, toks, api_visibility="private", trigger_mode="always_last")
     ids.change(on_ids, ids, decoded, api_visibility="private", trigger_mode="always_last")
 
+    @_during_switch(lambda: (gr.skip(), SWITCHING))
     def on_block(b):
         return _block_outputs(hub, anatomy_of(hub.llm), b)
 
     block.change(on_block, block, [regions, block_info], api_visibility="private")
 
+    @_during_switch(lambda: (gr.skip(), gr.skip(), SWITCHING))
     def on_tp(t, d, g, u):
         return _tp_outputs(anatomy_of(hub.llm), t, d, g, u)
 
@@ -210,9 +234,10 @@ def build(hub: EngineHub) -> gr.Timer:
     statics = [vocab, weights_plot, weights_table, code, plane, depth, shapes, tp, wdtype, gpu_gb,
                util, tp_bytes, tp_map, tp_table]
 
+    @_during_switch(lambda: {status: SWITCHING})
     def refresh(last_keys: dict, tok, follow_on, block_id, request: gr.Request):
         if hub.switching:           # the old engine is shut down, the next one not yet up
-            return {}
+            return {status: SWITCHING}
         llm = hub.llm
         a = anatomy_of(llm)
         out = {}

@@ -1,6 +1,6 @@
 """Pure figure builders (snapshot / trace -> plotly Figure or HTML), one import for the tabs.
 
-Each builder takes plain records from engine/probes/snapshot.py and engine/probes/trace.py
+Each builder takes plain records from engine/records.py and engine/probes/trace.py
 and returns a figure (or HTML, or the block map's JSON); none touches the engine, so tests build them from synthetic records.
 """
 from views.figures_common import empty_figure, request_colour

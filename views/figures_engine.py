@@ -6,7 +6,7 @@ from typing import Sequence
 
 import numpy as np
 
-from engine.probes.snapshot import RankLayout, StepTrace
+from engine.records import RankLayout, StepTrace
 from views.figures_common import (DECODE_COLOUR, PALETTE, PHASE_COLOURS, PREFILL_COLOUR,
                                   Figure, bar, empty_figure, heatmap, legend_title, make_figure,
                                   scatter)

@@ -6,7 +6,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from engine.probes.snapshot import EngineSnapshot, KVLayout
+from engine.records import EngineSnapshot, KVLayout
 from views.figures_common import (EVICTABLE_COLOUR, FREE_COLOUR, Figure, heatmap, legend_title,
                                   make_figure, plotly_text, request_colour, scatter, short_text)
 
@@ -36,6 +36,12 @@ def block_state(block) -> str:
 STATE_CODE = {"free": 0, "evictable": 1, "owned": 2, "shared": 3}
 
 
+def block_states(snap: EngineSnapshot) -> np.ndarray:
+    """[num_blocks] STATE_CODE of every block, from the snapshot's arrays."""
+    ref = snap.block_ref
+    return np.select([ref > 1, ref == 1, snap.block_hashed], [3, 2, 1], 0).astype(np.int8)
+
+
 def _map_region(num_blocks: int, highest_busy: int) -> int:
     """How many blocks (ids 0..n-1) the map draws: the region in use, rounded up to a row of
     MAP_ROW cells, at least MAP_MIN_CELLS; the whole cache when it is small."""
@@ -53,56 +59,50 @@ def kv_map_data(snap: EngineSnapshot, version: int = 0) -> dict:
     in `colours`); `more_owners` lists every owner of a shared block. The canvas draws ids
     0..`shown`-1, the region in use; past MAX_MAP_CELLS it draws the listed blocks only (in id
     order, `shown` None). Owned and shared blocks are never left out, whatever the number of
-    cached-free ones.
+    cached-free ones. Built with numpy from the snapshot's arrays: ~1 ms for 100k blocks.
     """
-    owners: dict[str, int] = {}
-    ids, state, fill, ref, own, more = [], [], [], [], [], {}
-    counts = dict.fromkeys(STATE_CODE, 0)
-    highest = -1
-    for b in snap.blocks:
-        st = block_state(b)
-        counts[st] += 1
-        if st == "free":
-            continue
-        ids.append(b.block_id)
-        state.append(STATE_CODE[st])
-        fill.append(b.num_filled)
-        ref.append(b.ref_count)
-        idx = [owners.setdefault(r, len(owners)) for r in b.owners]
-        own.append(idx[0] if idx else -1)
-        if len(idx) > 1:
-            more[str(b.block_id)] = idx
-        highest = max(highest, b.block_id)
-    counts["free"] += snap.num_blocks - len(snap.blocks)   # blocks the engine did not list
-    live = [i for i, s in enumerate(state) if s >= STATE_CODE["owned"]]
-    if len(ids) > MAX_MAP_CELLS:   # a huge GPU cache: every live block, then cached ones
-        keep = sorted(live + [i for i, s in enumerate(state)
-                              if s < STATE_CODE["owned"]][: max(0, MAX_MAP_CELLS - len(live))])
-        ids, state, fill, ref, own = ([a[i] for i in keep] for a in (ids, state, fill, ref, own))
-        kept = set(ids)
-        more = {k: v for k, v in more.items() if int(k) in kept}
+    a = snap.kv_arrays
+    state = block_states(snap)
+    counts = {name: int(n) for name, n in
+              zip(STATE_CODE, np.bincount(state, minlength=len(STATE_CODE)))}
+    listed = np.flatnonzero(state)                      # every non-free block, in id order
+    highest = int(listed[-1]) if len(listed) else -1
+    if len(listed) > MAX_MAP_CELLS:   # a huge GPU cache: every live block, then cached ones
+        live = listed[state[listed] >= STATE_CODE["owned"]]
+        cached = listed[state[listed] < STATE_CODE["owned"]]
+        listed = np.sort(np.concatenate([live, cached[:max(0, MAX_MAP_CELLS - len(live))]]))
+    kept = set(listed.tolist()) if a.more_owners else ()
+    more = {str(b): idx for b, idx in a.more_owners.items() if b in kept}
+    # owners with a listed block, renumbered in order of first appearance
+    own = a.owner[listed]
+    used = sorted(set(own[own >= 0].tolist()) | {i for v in more.values() for i in v})
+    remap = np.full(len(a.owners) + 1, -1, np.int64)
+    remap[used] = np.arange(len(used))
+    own = remap[own]                                    # -1 stays -1 (index -1 -> last: -1)
+    more = {k: [int(remap[i]) for i in v] for k, v in more.items()}
+    names = [a.owners[i] for i in used]
     shown = _map_region(snap.num_blocks, highest)
     running = set(snap.running)
-    names = list(owners)
     return {"version": version, "num_blocks": snap.num_blocks, "block_size": snap.block_size,
             "shown": shown if shown <= MAX_MAP_CELLS else None,
-            "ids": ids, "state": state, "fill": fill, "ref": ref, "owner": own,
-            "more_owners": more, "owners": names,
+            "ids": listed.tolist(), "state": state[listed].tolist(),
+            "fill": a.filled[listed].tolist(), "ref": snap.block_ref[listed].tolist(),
+            "owner": own.tolist(), "more_owners": more, "owners": names,
             "colours": [request_colour(r) for r in names],
             "running": [r in running for r in names], "counts": counts,
             "colour_free": FREE_COLOUR, "colour_evictable": EVICTABLE_COLOUR}
 
 
-def block_detail(snap: EngineSnapshot, block_id: int, decode: Decode) -> str:
+def block_detail(info, block_size: int, decode: Decode) -> str:
     """One block described for the map's hover card: state, ref count, owners, fill, the
-    prefix hash and the text it holds."""
-    b = next((x for x in snap.blocks if x.block_id == block_id), None)
-    if b is None:
-        return f"block {block_id} · free"
+    prefix hash and the text it holds. `info` is `LLM.block_info(id)`: read on demand."""
+    b = info
+    if b.ref_count == 0 and not b.evictable:
+        return f"block {b.block_id} · free"
     owners = ", ".join(b.owners) if b.owners else "—"
     text = decode(b.token_ids) if b.token_ids else ""
     return (f"block {b.block_id} · {block_state(b)} · ref {b.ref_count}\n"
-            f"owners: {owners}\nfilled {b.num_filled}/{snap.block_size}"
+            f"owners: {owners}\nfilled {b.num_filled}/{block_size}"
             + (f" · hash {b.prefix_hash & 0xffffffff:08x}" if b.prefix_hash is not None else "")
             + (f"\n“{text}”" if text else ""))
 
@@ -111,14 +111,14 @@ def block_tables_html(snap: EngineSnapshot) -> str:
     """Each request's block table as a row of physical block ids, coloured like the grid."""
     if not snap.block_tables:
         return '<div class="kv-tables kv-empty">No request holds blocks right now.</div>'
-    ref = {b.block_id: b.ref_count for b in snap.blocks}
+    ref = snap.block_ref
     rows = []
     for rid, table in list(snap.block_tables.items())[:MAX_TABLE_ROWS]:
         colour = request_colour(rid)
         status = ("running" if rid in snap.running else
                   "waiting" if rid in snap.waiting else "")
         cells = "".join(
-            f'<span class="kv-tcell{" kv-tshared" if ref.get(b, 1) > 1 else ""}" '
+            f'<span class="kv-tcell{" kv-tshared" if ref[b] > 1 else ""}" '
             f'style="border-color:{colour}" title="logical {j} → physical {b}">{b}</span>'
             for j, b in enumerate(table[:MAX_TABLE_CELLS]))
         more = f'<span class="kv-more">+{len(table) - MAX_TABLE_CELLS}</span>' \

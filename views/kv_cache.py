@@ -64,8 +64,8 @@ def fire_burst(hub: EngineHub, n: int, max_tokens: int = 128, warm_timeout_s: fl
 
 def _stats_line(snap) -> str:
     used = snap.num_blocks - snap.num_free_blocks
-    evictable = sum(1 for b in snap.blocks if b.evictable)
-    shared = sum(1 for b in snap.blocks if b.ref_count > 1)
+    evictable = int(snap.block_evictable.sum())
+    shared = int((snap.block_ref > 1).sum())
     return (f"**{used}/{snap.num_blocks}** blocks in use ({snap.usage:.0%}) · **{shared}** shared"
             f" · **{evictable}** cached-free (evictable) · prefix hits "
             f"**{snap.prefix_hits}/{snap.prefix_queries}** ({snap.prefix_hit_rate:.0%}) · "
@@ -109,10 +109,12 @@ def build(hub: EngineHub) -> LiveTab:
         burst_status = gr.Markdown("", elem_id="kv-burst-status")
 
     def block_detail(block_id: int) -> str:
-        """The hover card of one block (called from the map's script)."""
+        """The hover card of one block (called from the map's script): this block's state and
+        text, read from the engine on demand."""
         try:
-            return F.block_detail(hub.snapshot(), int(block_id), hub.decode)
-        except Exception as e:       # a hover must never raise into the page
+            llm = hub.llm
+            return F.block_detail(llm.block_info(int(block_id)), llm.block_size, hub.decode)
+        except Exception as e:       # a hover must never raise into the page (a switch, ...)
             return f"block {block_id}: {e}"
 
     grid = gr.HTML(map_value(hub.snapshot()), html_template=MAP_TEMPLATE, js_on_load=MAP_JS,
@@ -196,8 +198,10 @@ def build(hub: EngineHub) -> LiveTab:
         except (ValueError, IndexError, RuntimeError) as e:
             gr.Warning(f"Cannot show that block: {e}")
             return gr.skip(), gr.skip()
-        snap = hub.snapshot()
-        info = next((x for x in snap.blocks if x.block_id == b), None)
+        try:
+            info = llm.block_info(b)
+        except (ValueError, RuntimeError):   # switched or shut down meanwhile
+            info = None
         texts = [hub.decode([t]) for t in info.token_ids] if info else []
         return b, plot_value(F.kv_block_figure(data, b, l, h, kv, texts))
 

@@ -6,8 +6,9 @@ tensor-parallel rank holds — computed from the running engine, never typed in.
     a = model_anatomy(llm)
     a.weights.total_params, a.path.attention, a.kv.regions(block_id=3), a.tp_plan(4)
 
-It reads only `llm.runner.model`, `llm.runner.kv_cache`, `llm.hf_config`, `llm.tokenizer` and
-the LLM's model facts; with TP, `llm.runner` is the driver whose attributes are rank 0's.
+It reads the engine only through its public API: `llm.model_parts()` (rank 0's modules and KV
+cache tensor, taken under the engine lock; EngineShutdownError once a switch shut it down),
+`llm.hf_config`, `llm.tokenizer` and the LLM's model facts.
 """
 from __future__ import annotations
 
@@ -64,12 +65,11 @@ class ModelAnatomy:
 
 
 def model_anatomy(llm) -> ModelAnatomy:
-    runner = llm.runner
-    model = runner.model
+    model, kv_cache = llm.model_parts()
     arch = architecture_of_model(model, llm.hf_config, llm.model_name)
     dtype = str(llm.dtype).replace("torch.", "")
     elem = torch.empty(0, dtype=llm.dtype).element_size()
-    kv = kv_data_plane(runner.kv_cache)
+    kv = kv_data_plane(kv_cache)
     return ModelAnatomy(
         model_name=llm.model_name, dtype=dtype, device=str(llm.device), tp_size=llm.tp_size,
         block_size=kv.shape[3], num_kv_blocks=kv.num_blocks, arch=arch,

@@ -74,8 +74,13 @@ def kv_data_plane(kv_cache: torch.Tensor) -> KVDataPlane:
 
 def read_kv_cache_bytes(llm, offset: int, nbytes: int) -> bytes:
     """nbytes raw bytes of the (rank 0) KV cache tensor from a byte offset: what sits in memory
-    at a region's address. Read between engine steps for a consistent view."""
-    kv = llm.runner.kv_cache
+    at a region's address, read through the engine's public, locked API (between steps;
+    EngineShutdownError once the engine is gone)."""
+    return llm.read_kv_bytes(offset, nbytes)
+
+
+def read_cache_bytes(kv: torch.Tensor, offset: int, nbytes: int) -> bytes:
+    """nbytes raw bytes of a cache tensor from a byte offset (the caller holds the lock)."""
     total = kv.numel() * kv.element_size()
     if offset < 0 or nbytes < 0 or offset + nbytes > total:
         raise ValueError(f"bytes [{offset}, {offset + nbytes}) are outside the KV cache's "

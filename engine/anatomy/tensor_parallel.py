@@ -7,8 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..parallel_state import divide
-from ..probes.snapshot import RankLayout
-from ..probes.tp_layout import rank_layout
+from ..records import RankLayout
+from ..tp_layout import rank_layout
 from .architecture import Architecture
 from .runtime_code import collective_of
 from .weights import WeightBreakdown

@@ -163,6 +163,12 @@ class ProbeManager:
         """Rows of the prompt's full attention pattern computed by this chunk; positions served
         by the prefix cache are never computed and stay marked as such."""
         P = len(tr.prompt_token_ids)
+        if tr.patterns_shared and any(f"pat{l}_{e.row_start}" in host for l in plan.pattern_layers):
+            # a reader holds these arrays (RequestTrace.frozen): write into copies
+            tr.prefill_pattern = {l: p.copy() for l, p in tr.prefill_pattern.items()}
+            if tr.prefill_computed is not None:
+                tr.prefill_computed = tr.prefill_computed.copy()
+            tr.patterns_shared = False
         for layer, chunks in plan.pattern_layers.items():
             key = f"pat{layer}_{e.row_start}"
             if key not in host:
@@ -195,18 +201,35 @@ class ProbeManager:
 
     def _materialize(self, request_id: str) -> None:
         """Move a request's pending attention rows to the host, in order, into its trace."""
-        steps = self._pending.pop(request_id, [])
+        steps = self.take_pending(request_id)
         tr = self.traces.get(request_id)
+        if tr is not None:
+            self.put_attention(tr, [_to_host(st) for st in steps])
+
+    def take_pending(self, request_id: str) -> list[AttentionStep]:
+        """Remove and return a request's attention rows still on the device (a reader moves
+        them to the host outside the engine lock, then hands them to `put_attention`)."""
+        steps = self._pending.pop(request_id, [])
         for st in steps:
             self._pending_bytes -= st.probs.numel() * 4
-            st.probs = st.probs.cpu().numpy()
-            if tr is not None:
-                tr.attention.append(st)
+        return steps
 
-    def get(self, request_id: str) -> RequestTrace:
-        """The trace, complete so far: attention rows still on the device come to the host,
-        and every token gets its text (both done here, on read, so the engine step does no
-        copies or tokenizer work for them)."""
+    @staticmethod
+    def put_attention(tr: RequestTrace, steps: list[AttentionStep]) -> None:
+        """Add host attention rows to a trace in query-position order (a reader's rows can
+        arrive after rows the engine moved itself)."""
+        for st in steps:
+            if not tr.attention or tr.attention[-1].position < st.position:
+                tr.attention.append(st)
+            else:
+                at = next(i for i, o in enumerate(tr.attention) if o.position >= st.position)
+                if tr.attention[at].position == st.position:
+                    tr.attention[at] = st       # a recomputed step replaces its old row
+                else:
+                    tr.attention.insert(at, st)
+
+    def trace_of(self, request_id: str) -> RequestTrace:
+        """The live trace, or KeyError saying why there is none."""
         tr = self.traces.get(request_id)
         if tr is None:
             if request_id in self._evicted:
@@ -214,11 +237,25 @@ class ProbeManager:
                                f"{self.max_traces} traces are kept (LLM(max_traces=...))")
             raise KeyError(f"no trace for {request_id!r}: it was never watched (pass watch="
                            "ProbeSpec() to stream/generate to record one)")
-        self._materialize(request_id)
+        return tr
+
+    def read(self, request_id: str, host_steps: list[AttentionStep] = ()) -> RequestTrace:
+        """A frozen copy of the trace so far (call under the engine lock): `host_steps` are
+        the rows `take_pending` gave the reader, now on the host; every token gets its text
+        here, on read, so the engine step does no tokenizer work for it. O(new rows) of work
+        plus reference copies of the rows."""
+        tr = self.trace_of(request_id)
+        self.put_attention(tr, list(host_steps))
         ids = tr.prompt_token_ids + tr.output_token_ids
         dec = self.decode or (lambda t: str(t[0]))
         tr.token_texts.extend(dec([t]) for t in ids[len(tr.token_texts):])
-        return tr
+        return tr.frozen()
+
+    def get(self, request_id: str) -> RequestTrace:
+        """The trace, complete so far, as a frozen copy (attention rows moved to the host
+        here, under the caller's lock: LLM.trace moves them outside it)."""
+        self.trace_of(request_id)
+        return self.read(request_id, [_to_host(st) for st in self.take_pending(request_id)])
 
     def release_device(self) -> None:
         """Engine shutdown: pending attention rows move to the host (traces stay readable),
@@ -226,6 +263,15 @@ class ProbeManager:
         for rid in list(self._pending):
             self._materialize(rid)
         self._active.clear()
+
+
+def _to_host(st: AttentionStep) -> AttentionStep:
+    """The same step with its probabilities on the host (a new record: the device one may be
+    referenced elsewhere)."""
+    probs = st.probs
+    if not isinstance(probs, np.ndarray):
+        probs = probs.cpu().numpy()
+    return AttentionStep(st.position, st.layers, probs, st.block_table, st.block_size)
 
 
 def _put(lst: list, pos: int, value) -> None:

@@ -6,6 +6,7 @@ reopened next to a TransformerLens cache.
 """
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -67,6 +68,32 @@ class RequestTrace:
     shared_expert_gate: list[np.ndarray] = field(default_factory=list)  # each [moe_layers]
     moe_layers: list[int] = field(default_factory=list)
     finished: bool = False
+    # the engine's own trace is live; what LLM.trace() hands out is a frozen copy
+    live: bool = field(default=True, repr=False, compare=False)
+    # set when a frozen copy shares this trace's pattern arrays: the engine copies them before
+    # writing the next chunk into them (copy on write), so a copy never changes after the fact
+    patterns_shared: bool = field(default=False, repr=False, compare=False)
+
+    _ROWS = ("prompt_token_ids", "output_token_ids", "token_texts", "resid_norms", "lens",
+             "attention", "router_probs", "router_topk_ids", "router_topk_weights",
+             "shared_expert_gate", "moe_layers")
+
+    def frozen(self) -> "RequestTrace":
+        """A copy of the rows committed so far that the engine never changes afterwards. Takes
+        O(rows) reference copies and no array copies: row arrays are never written in place
+        (a recomputed row replaces the old one), pattern arrays are copied on write, and the
+        shared ones are made read-only."""
+        c = copy.copy(self)
+        for name in self._ROWS:
+            setattr(c, name, list(getattr(self, name)))
+        c.prefill_pattern = dict(self.prefill_pattern)
+        for a in (*self.prefill_pattern.values(), self.prefill_computed):
+            if a is not None:
+                a.flags.writeable = False
+        self.patterns_shared = bool(self.prefill_pattern) or self.prefill_computed is not None
+        c.live = False
+        c.patterns_shared = False
+        return c
 
     # ---- dense views -------------------------------------------------------------------
     def norms(self) -> np.ndarray:

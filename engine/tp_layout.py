@@ -1,7 +1,7 @@
 """Which heads, MLP slice, expert slice and vocabulary slice each tensor-parallel rank holds."""
 from __future__ import annotations
 
-from .snapshot import RankLayout
+from .records import RankLayout
 
 
 def rank_layout(cfg, rank: int, tp: int, kv_bytes: int) -> RankLayout:

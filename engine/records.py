@@ -1,0 +1,209 @@
+"""Plain records the engine publishes about itself: KV blocks, step traces, TP layout.
+
+Everything here is host-side data (ints, numpy arrays, tuples) so a reader can hold a snapshot
+while the engine thread keeps running; nothing holds a reference to a device tensor or to a live
+engine structure. A snapshot is taken under the engine lock in O(requests) (engine/snapshot.py):
+per-block state arrives as arrays; per-block objects (`blocks`) and figure data are derived
+from them outside the lock, on demand.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Iterator, NamedTuple
+
+import numpy as np
+
+
+@dataclass
+class BlockInfo:
+    """One physical KV block as the block manager sees it (derived from a snapshot's arrays;
+    `token_ids` is filled only by `LLM.block_info`, which reads one block on demand)."""
+    block_id: int
+    ref_count: int              # requests whose block table holds this block
+    owners: list[str]           # their request ids
+    num_filled: int             # slots written (0..block_size)
+    prefix_hash: int | None     # hash-chain key of a cached block (block_info only, else None)
+    evictable: bool             # cached but free: reusable by a prefix hit until evicted
+    token_ids: list[int] = field(default_factory=list)   # held tokens (block_info only)
+
+
+class StepEntry(NamedTuple):
+    """One request's share of a step (a tuple: one is made per request per step)."""
+    request_id: str
+    kind: str                   # "prefill" (a chunk of the prompt) or "decode"
+    num_tokens: int
+    start_pos: int              # position of the first token of this entry
+
+
+@dataclass
+class StepTrace:
+    """What one engine step did and where its time went."""
+    step_id: int
+    wall_time: float            # time.time() at the start of the step
+    entries: list[StepEntry]
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    t_schedule: float           # host seconds choosing the batch
+    t_prepare: float            # host seconds building its inputs
+    t_forward: float            # device seconds of forward + sampling (host launch time on a CPU)
+    t_sample: float             # host seconds postprocessing (tokens, stop rules, text, probes)
+    graph_bucket: int | None    # CUDA-graph batch size replayed, None when eager
+    num_running: int
+    num_waiting: int
+    kv_usage: float             # fraction of blocks in use after the step
+    expert_load: np.ndarray | None = None   # [num_moe_layers, num_experts] tokens routed this step
+    collectives: int = 0        # all-reduce / gather calls issued by the forward (TP)
+    t_launch: float = 0.0       # host seconds staging inputs and launching the forward + sampling
+    t_wait: float = 0.0         # host seconds blocked waiting for the device (overlap: ~0)
+    collective_time: float | None = None    # measured seconds in collectives (TP), if timed
+    overlapped: bool = False    # scheduled while the previous step ran (overlap scheduling)
+
+
+@dataclass
+class RankLayout:
+    """Which slice of the model one tensor-parallel rank holds."""
+    rank: int
+    q_heads: list[int]
+    kv_heads: list[int]
+    mlp_slice: tuple[int, int] | None        # [start, end) of the intermediate dim (dense MLP)
+    expert_slice: tuple[int, int] | None     # [start, end) of each expert's intermediate dim
+    vocab_slice: tuple[int, int]
+    kv_cache_bytes: int
+
+
+@dataclass
+class KVLayout:
+    """Physical layout of the paged KV cache on one rank."""
+    shape: tuple[int, ...]      # [2, num_layers, num_blocks, block_size, num_kv_heads, head_dim]
+    dtype: str
+    bytes_per_block: int        # K and V, all layers
+    bytes_per_token: int
+    total_bytes: int
+
+
+class TableViews(Mapping):
+    """Request id -> its block table, from (live list, length) pairs taken under the lock.
+
+    A block table only grows while its request holds blocks (freeing it replaces the list), so
+    the first `length` ids of the list never change: the view is immutable, and taking it costs
+    O(1) per request instead of a copy of every table under the engine lock."""
+
+    def __init__(self, views: dict[str, tuple[list[int], int]]):
+        self._views = views
+        self._cache: dict[str, list[int]] = {}
+
+    def __getitem__(self, rid: str) -> list[int]:
+        t = self._cache.get(rid)
+        if t is None:
+            lst, n = self._views[rid]
+            t = self._cache[rid] = lst[:n]
+        return t
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._views)
+
+    def __len__(self) -> int:
+        return len(self._views)
+
+
+@dataclass
+class KVBlockArrays:
+    """Per-block facts derived from a snapshot with numpy (outside the engine lock)."""
+    filled: np.ndarray          # [num_blocks] slots written
+    owner: np.ndarray           # [num_blocks] index into `owners` of the first owner, -1 none
+    owners: list[str]           # request ids in block-table order
+    more_owners: dict[int, list[int]]   # shared block id -> every owner index
+
+    @property
+    def num_shared(self) -> int:
+        return len(self.more_owners)
+
+
+@dataclass
+class EngineSnapshot:
+    """A consistent copy of the engine's state, taken between two steps."""
+    model_name: str
+    architecture: str
+    num_params: int
+    dtype: str
+    device: str
+    tp_size: int
+    block_size: int
+    num_blocks: int
+    block_ref: np.ndarray                   # [num_blocks] int32: requests holding each block
+    block_hashed: np.ndarray                # [num_blocks] bool: holds a registered prefix
+    block_tables: Mapping[str, list[int]]   # request id -> physical block ids
+    request_tokens: dict[str, int]          # request id -> tokens held in the cache
+    running: list[str]
+    waiting: list[str]
+    num_free_blocks: int
+    usage: float                            # used / total blocks (evictable counts as free)
+    prefix_hits: int                        # blocks reused from the prefix cache
+    prefix_queries: int                     # full blocks looked up
+    evictions: int
+    preemptions: int
+    steps: tuple[StepTrace, ...]            # most recent last (a bounded window)
+    kv_layout: KVLayout
+    tp_layout: list[RankLayout] = field(default_factory=list)
+    moe: dict | None = None                 # {"num_experts", "top_k", "moe_layers"} for MoE models
+    num_layers: int = 0
+    num_heads: int = 0
+    num_kv_heads: int = 0
+    # TP: the latest measured time in collectives per decode step (seconds) and its step id
+    collective_time: float | None = None
+    collective_time_step: int | None = None
+    async_scheduling: bool = False
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
+
+    # ---- derived outside the lock, on demand --------------------------------------------------
+    @property
+    def block_evictable(self) -> np.ndarray:
+        """[num_blocks] bool: cached but free (a later prefix hit revives it)."""
+        return (self.block_ref == 0) & self.block_hashed
+
+    @cached_property
+    def kv_arrays(self) -> KVBlockArrays:
+        """Fill and owners of every block, from the block tables (O(blocks held), numpy)."""
+        bs, n = self.block_size, self.num_blocks
+        filled = np.where(self.block_hashed, bs, 0).astype(np.int32)
+        owner = np.full(n, -1, np.int32)
+        owners = list(self.block_tables)
+        tabs, idx = [], []
+        for i, rid in enumerate(owners):
+            t = np.asarray(self.block_tables[rid], np.int64)
+            if not len(t):
+                continue
+            known = int(self.request_tokens.get(rid, 0))
+            f = np.clip(known - np.arange(len(t)) * bs, 0, bs).astype(np.int32)
+            np.maximum.at(filled, t, f)
+            free = owner[t] < 0
+            owner[t[free]] = i
+            tabs.append(t)
+            idx.append(np.full(len(t), i, np.int32))
+        more: dict[int, list[int]] = {}
+        if tabs:
+            allb, allo = np.concatenate(tabs), np.concatenate(idx)
+            shared = self.block_ref[allb] > 1
+            for b, o in zip(allb[shared].tolist(), allo[shared].tolist()):
+                more.setdefault(b, []).append(o)
+        return KVBlockArrays(filled, owner, owners, more)
+
+    def block(self, block_id: int) -> BlockInfo:
+        """One block as a record (no token ids: `LLM.block_info` reads those on demand)."""
+        a = self.kv_arrays
+        b = int(block_id)
+        ids = a.more_owners.get(b) or ([int(a.owner[b])] if a.owner[b] >= 0 else [])
+        ref = int(self.block_ref[b])
+        return BlockInfo(b, ref, [a.owners[i] for i in ids], int(a.filled[b]),
+                         None, bool(ref == 0 and self.block_hashed[b]))
+
+    @cached_property
+    def blocks(self) -> list[BlockInfo]:
+        """Every block as a record, built on demand outside the lock (tests, small caches;
+        the views work on the arrays)."""
+        return [self.block(i) for i in range(self.num_blocks)]

@@ -1,0 +1,151 @@
+"""ServingHub: the one owner of the engine's life cycle for every front end.
+
+The playground (views/) and the OpenAI-compatible API (api/) both serve whatever model the hub
+holds now: they read `hub.llm` once per request and keep that engine to the request's end. The
+hub loads, switches and shuts the engine down, says when it is `switching` (the API answers
+503, the tabs wait), shares one recent snapshot between every reader (many pages polling cost
+one `inspect()` per `SNAPSHOT_MAX_AGE_S`), and remembers why a request was aborted so a cut
+reply can say why. It knows nothing of Gradio: views/live.py adds browser sessions on top.
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections import OrderedDict, deque
+from functools import lru_cache
+from typing import Callable, Sequence
+
+from .errors import EngineShutdownError
+from .records import EngineSnapshot
+
+SNAPSHOT_MAX_AGE_S = 0.2
+MAX_ABORT_REASONS = 1024
+
+
+class ServingHub:
+    def __init__(self, llm, llm_kwargs: dict | None = None, choices: dict[str, str] | None = None):
+        self.llm = llm
+        self.llm_kwargs = dict(llm_kwargs or {})
+        self.choices = dict(choices or {})     # name -> checkpoint path a switch may load
+        self.hit_history: deque[tuple[float, float]] = deque(maxlen=2000)  # (time, hit rate)
+        self.generation = 0            # +1 per model swap: readers compare it to notice a swap
+        # the choice being loaded while a swap runs (truthy: the API answers 503, tabs wait)
+        self.switching: str | None = None
+        self.closing = False
+        self._abort_reasons: OrderedDict[str, str] = OrderedDict()
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+        self._switch_lock = threading.Lock()
+        self._snap: EngineSnapshot | None = None
+        self._snap_time = 0.0
+        self._decode = self._make_decoder()
+        self._on_switch: list[Callable[[], None]] = []
+
+    # ---- snapshots ------------------------------------------------------------------------
+    def snapshot(self, max_age: float = SNAPSHOT_MAX_AGE_S) -> EngineSnapshot:
+        """A recent snapshot; at most one `inspect()` per `max_age` however many readers poll.
+        While a model swap runs, the last snapshot of the old engine."""
+        with self._lock:
+            now = time.time()
+            stale = self._snap is None or now - self._snap_time > max_age
+            if stale and (self.switching is None or self._snap is None):
+                try:
+                    self._snap = self.llm.inspect()
+                except EngineShutdownError:
+                    if self._snap is None:     # nothing to show yet: the caller says so
+                        raise
+                    return self._snap          # a swap began between the check and the read
+                self._snap_time = now
+                self.hit_history.append((now, self._snap.prefix_hit_rate))
+            return self._snap
+
+    # ---- token text -----------------------------------------------------------------------
+    def _make_decoder(self):
+        tok = self.llm.tokenizer
+
+        @lru_cache(maxsize=65536)
+        def decode(ids: tuple[int, ...]) -> str:
+            if tok is None:
+                return " ".join(map(str, ids))
+            return tok.decode(list(ids), skip_special_tokens=False)
+        return decode
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._decode(tuple(int(i) for i in ids))
+
+    # ---- requests -------------------------------------------------------------------------
+    def new_request_id(self, kind: str) -> str:
+        # trailing counter: sequential replies get distinct colours in every view
+        return f"{kind}-{next(self._ids)}"
+
+    def abort(self, request_id: str, reason: str) -> bool:
+        """Abort one request in the engine, remembering why (the reply shows it)."""
+        self._abort_reasons[request_id] = reason
+        while len(self._abort_reasons) > MAX_ABORT_REASONS:
+            self._abort_reasons.popitem(last=False)
+        return bool(self.llm.abort(request_id))
+
+    def abort_reason(self, request_id: str) -> str:
+        """Why a request ended with finish_reason "abort" (and forget it)."""
+        if request_id in self._abort_reasons:
+            return self._abort_reasons.pop(request_id)
+        return "shutting down" if self.closing else "aborted in the engine"
+
+    def abort_all(self, reason: str) -> None:
+        """Abort every request the engine holds (the playground's and the API's)."""
+        snap = self.llm.inspect()
+        for rid in snap.running + snap.waiting:
+            self.abort(rid, reason)
+
+    # ---- life cycle -----------------------------------------------------------------------
+    def on_switch(self, hook: Callable[[], None]) -> None:
+        """Call `hook` at the start of every switch, before the old engine is shut down (a
+        front end forgets what it kept about the old engine's requests)."""
+        self._on_switch.append(hook)
+
+    def current_choice(self) -> str | None:
+        path = getattr(self.llm, "model_path", None)
+        for name, p in self.choices.items():
+            if str(p) == str(path):
+                return name
+        return None
+
+    def switch(self, choice: str) -> None:
+        """Load another model from `choices`; every in-flight request is aborted first (with
+        that reason). One swap at a time; a failed load brings the old model back and raises."""
+        if choice not in self.choices:
+            raise ValueError(f"unknown model {choice!r}; choose one of {list(self.choices)}")
+        from .llm import LLM
+        with self._switch_lock:
+            if choice == self.current_choice():
+                return
+            self.switching = choice
+            try:
+                for hook in self._on_switch:
+                    hook()
+                self.abort_all(f"the model was switched to {choice}")
+                # free the old engine first: two models need not fit in memory at once
+                old_path = self.llm.model_path
+                self.llm.shutdown()
+                try:
+                    self.llm = LLM(self.choices[choice], **self.llm_kwargs)
+                except Exception:
+                    self.llm = LLM(old_path, **self.llm_kwargs)
+                    raise
+            finally:
+                with self._lock:
+                    self._snap = None
+                    self.hit_history.clear()
+                self._decode = self._make_decoder()
+                self.generation += 1
+                self.switching = None
+
+    def shutdown(self, reason: str = "the server is shutting down") -> None:
+        """The server is stopping: cut every request with that reason, then stop the engine."""
+        self.closing = True
+        try:
+            self.abort_all(reason)
+        except EngineShutdownError:
+            pass
+        self.llm.shutdown()

@@ -1,0 +1,206 @@
+"""Looking never slows the engine: a reader's snapshot holds the engine lock for a copy of a few
+arrays (never a walk over every block), a trace handed out never changes afterwards, and the
+tabs' handlers meet a model switch with a clear state, never an exception."""
+from __future__ import annotations
+
+import copy
+import threading
+
+import gradio as gr
+import numpy as np
+import pytest
+import torch
+
+from engine import LLM, ProbeSpec, SamplingParams
+from engine.errors import EngineShutdownError
+
+BIG_CACHE = 100_000
+
+
+def ids(seed: int, n: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 500, (n,), generator=g).tolist()
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def big(model_factory):
+    """A 100,000-block cache (what a GPU gets is ~65k) with thousands of blocks cached-free
+    and four requests holding blocks while a reader polls."""
+    engine = LLM(model_factory("qwen3"), device="cpu", block_size=1, num_kv_blocks=BIG_CACHE,
+                 max_num_batched_tokens=512, max_model_len=512)
+    engine.generate([ids(s, 400) for s in range(8)], greedy(2))   # ~3,200 cached-free blocks
+    yield engine
+    engine.shutdown()
+
+
+def test_a_reader_polling_inspect_never_holds_the_lock_long_on_a_100k_block_cache(big):
+    held, snaps, stop = big.lock_hold_s["inspect"], [], threading.Event()
+    held.clear()
+
+    def reader():
+        while not stop.is_set():
+            snaps.append(big.inspect())
+
+    first_step = big.inspect().steps[-1].step_id
+    t = threading.Thread(target=reader)
+    t.start()
+    try:
+        outs = big.generate([ids(100 + s, 200) for s in range(4)], greedy(48))
+    finally:
+        stop.set()
+        t.join()
+    assert all(len(o.token_ids) == 48 for o in outs)
+    assert len(held) >= 10, "the reader barely ran"
+    hold = np.array(held)
+    # what the engine waits for at most: the old snapshot walked 100k block objects (~1 s)
+    assert hold.max() < 0.02, f"inspect() held the lock {hold.max() * 1e3:.1f} ms"
+    # a step's schedule time includes waiting for the lock: no step waited on a reader
+    steps = [st for st in big.inspect().steps if st.step_id > first_step]
+    assert steps and max(st.t_schedule for st in steps) < 0.05
+    # every snapshot is still whole: arrays for all blocks, and its own fill/owner view
+    mid = [s for s in snaps if s.running]
+    assert mid, "no snapshot caught the requests running"
+    s = mid[len(mid) // 2]
+    assert s.block_ref.shape == (BIG_CACHE,) and s.block_hashed.sum() > 1000
+    held_ids = {b for t in s.block_tables.values() for b in t}
+    assert set(np.flatnonzero(s.block_ref).tolist()) == held_ids
+    assert s.kv_arrays.filled[list(held_ids)].min() >= 0
+
+
+def test_a_snapshot_never_changes_after_it_is_handed_out(big):
+    gen = big.stream(ids(7, 300), greedy(40))
+    next(gen)
+    snap = big.inspect()
+    frozen = (snap.block_ref.copy(), snap.block_hashed.copy(),
+              {r: list(t) for r, t in snap.block_tables.items()}, dict(snap.request_tokens),
+              [st.step_id for st in snap.steps])
+    list(gen)
+    assert np.array_equal(snap.block_ref, frozen[0])
+    assert np.array_equal(snap.block_hashed, frozen[1])
+    assert {r: list(t) for r, t in snap.block_tables.items()} == frozen[2]
+    assert dict(snap.request_tokens) == frozen[3]
+    assert [st.step_id for st in snap.steps] == frozen[4]
+
+
+def _trace_state(tr) -> dict:
+    """Everything a reader can see in a trace, deep-copied."""
+    return copy.deepcopy({
+        "out": list(tr.output_token_ids), "texts": list(tr.token_texts),
+        "norms": tr.norms(), "lens": [(s.position, s.top_ids, s.top_probs) for s in tr.lens],
+        "att": [(s.position, np.asarray(s.probs)) for s in tr.attention],
+        "pat": {k: v.copy() for k, v in tr.prefill_pattern.items()},
+        "computed": None if tr.prefill_computed is None else tr.prefill_computed.copy(),
+        "finished": tr.finished})
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, np.ndarray):
+        return a.shape == b.shape and np.array_equal(a, b, equal_nan=True)
+    return a == b
+
+
+def test_a_trace_read_while_the_request_streams_is_never_changed_afterwards(model_factory):
+    # chunked prefill (16 tokens a step): the prompt's pattern is written chunk by chunk, so
+    # a read between chunks holds arrays the engine writes into next
+    with LLM(model_factory("qwen3"), device="cpu", block_size=4, num_kv_blocks=256,
+             max_num_batched_tokens=16) as llm:
+        spec = ProbeSpec(prefill_pattern_layers=(0, 2))
+        gen = llm.stream(ids(3, 60), greedy(30), watch=spec)
+        reads = []
+        for ev in gen:
+            tr = llm.trace(ev.request_id)
+            assert not tr.live
+            reads.append((tr, _trace_state(tr)))
+        final = llm.trace(ev.request_id)
+        assert final.finished and len(final.output_token_ids) == 30
+        for tr, state in reads:
+            assert _same(_trace_state(tr), state), "a trace changed after it was handed out"
+        # reads grow monotonically and agree with the final trace on what they saw
+        for tr, _ in reads:
+            n = len(tr.resid_norms)
+            assert np.array_equal(final.norms()[:n], tr.norms(), equal_nan=True)
+        # a reader cannot write into the engine's pattern arrays either
+        pat = final.prefill_pattern[0]
+        with pytest.raises(ValueError):
+            pat[0, 0, 0] = 1.0
+
+
+def test_a_trace_read_between_prefill_chunks_keeps_its_pattern(model_factory):
+    with LLM(model_factory("qwen3"), device="cpu", block_size=4, num_kv_blocks=256,
+             max_num_batched_tokens=16, async_scheduling=False) as llm:
+        spec = ProbeSpec(prefill_pattern_layers=(1,))
+        seen, stop = [], threading.Event()
+
+        def reader(rid):
+            while not stop.is_set():
+                try:
+                    tr = llm.trace(rid)
+                except KeyError:
+                    continue
+                seen.append((tr, _trace_state(tr)))
+
+        rid = "watched-chunks"
+        t = threading.Thread(target=reader, args=(rid,))
+        t.start()
+        try:
+            events = list(llm.stream(ids(9, 70), greedy(4), watch=spec, request_id=rid))
+        finally:
+            stop.set()
+            t.join()
+        assert events[-1].finished
+        partial = [tr for tr, _ in seen if tr.prefill_computed is not None
+                   and not tr.prefill_computed.all()]
+        for tr, state in seen:
+            assert _same(_trace_state(tr), state)
+        # on two cores the reader usually lands between chunks; when it did, the rows it saw
+        # were NaN for queries not yet computed, and they stayed so in its copy
+        for tr in partial:
+            rows = ~tr.prefill_computed
+            assert np.isnan(tr.prefill_pattern[1][:, rows, :]).all()
+
+
+# ---- the tabs during a model switch ------------------------------------------------------------
+
+def _handlers(demo: gr.Blocks) -> dict:
+    """Every event handler and component server function of the page, by name."""
+    fns = {f.fn.__name__: f.fn for f in demo.fns.values() if getattr(f, "fn", None)}
+    for block in demo.blocks.values():
+        for fn in getattr(block, "server_fns", None) or []:
+            fns[fn.__name__] = fn
+    return fns
+
+
+def test_kv_and_anatomy_handlers_meet_a_shut_down_engine_with_a_clear_state(model_factory):
+    from views import anatomy, kv_cache
+    from views.live import EngineHub
+    llm = LLM(model_factory("qwen3"), device="cpu", block_size=4, num_kv_blocks=64)
+    llm.generate([ids(1, 20)], greedy(3), watch=ProbeSpec())
+    hub = EngineHub(llm)
+    with gr.Blocks() as demo:
+        kv_tab = kv_cache.build(hub)
+        anatomy.build(hub)
+    fns = _handlers(demo)
+    request = gr.Request()
+    # the switch's window: the old engine is shut down, `switching` set or not yet set
+    llm.shutdown()
+    with pytest.raises(EngineShutdownError):
+        llm.inspect()
+    for switching in ("demo-qwen3-moe", None):
+        hub.switching = switching
+        out = kv_tab.refresh({})                    # the KV tab's tick
+        assert isinstance(out, dict)
+        card = fns["block_detail"](3)
+        assert card.startswith("block 3:") and "shut down" in card
+        _, plot = fns["on_show"](0, 0, 0, "k")      # the drilldown: a warning, no exception
+        refresh = fns["refresh"]({}, 0, True, 0, request)
+        assert isinstance(refresh, dict) and any("switched" in str(v) for v in refresh.values())
+        on_block = fns["on_block"](2)
+        assert "switched" in str(on_block[-1])
