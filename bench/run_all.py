@@ -96,7 +96,7 @@ def _kernel_section(module: str) -> Callable[[], list[dict]]:
 
 def build_sections(a: argparse.Namespace, shared: SharedEngine) -> list[Section]:
     """In priority order: what matters most runs first, the 60 GB MoE last."""
-    from bench import cpu_latency, latency, moe, probes, throughput
+    from bench import cpu_latency, latency, moe, probes, throughput, watched
     dev, hf, tiny = a.device, not a.skip_hf, a.tiny
     sections = [
         Section("latency", 75, lambda: latency.main(
@@ -109,6 +109,11 @@ def build_sections(a: argparse.Namespace, shared: SharedEngine) -> list[Section]
         Section("probes", 90, lambda: probes.main(
             "qwen3-0.6b", dev, None, num_requests=4 if tiny else 64,
             tput_repeats=1 if tiny else 3, lat_repeats=1 if tiny else 3, tiny=tiny,
+            floors=False, llm=shared.get()), True),
+        # the engine with the playground's pages polling beside it: the product's situation
+        Section("watched", 120, lambda: watched.main(
+            "qwen3-0.6b", dev, None, num_requests=4 if tiny else a.num_requests,
+            tput_repeats=1 if tiny else 2, lat_repeats=1 if tiny else 3, tiny=tiny,
             floors=False, llm=shared.get()), True),
     ]
     if not a.skip_kernels:

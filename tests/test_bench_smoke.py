@@ -134,6 +134,20 @@ def test_probes_runs_tiny_on_cpu():
         assert math.isfinite(got[name])  # a slowdown may come out negative on a noisy CPU
 
 
+def test_watched_runs_tiny_on_cpu_with_the_pages_polling():
+    from bench import watched
+    rows = watched.main("qwen3-0.6b", "cpu", num_requests=3, tput_repeats=1, lat_repeats=1,
+                        tiny=True, floors=False)
+    _assert_no_errors(rows)
+    got = _by_metric(rows, "glassbox")
+    assert "poller_errors" not in got, [r for r in rows if r["metric"] == "poller_errors"]
+    _assert_positive(got, ["ms_per_token[nobody watching]", "ms_per_token[KV+Layers+Engine tabs]",
+                           "output_tok_s[nobody watching]", "output_tok_s[KV+Layers+Engine tabs]",
+                           "tab_build_p50[kv]", "tab_build_p50[layers]", "tab_build_p50[engine]"])
+    for name in ("decode_slowdown_pct", "throughput_slowdown_pct"):
+        assert math.isfinite(got[name])
+
+
 def test_moe_runs_tiny_on_cpu():
     from bench import moe
     rows = moe.main("qwen3-30b-a3b", "cpu", num_requests=3, lat_repeats=1, tiny=True,

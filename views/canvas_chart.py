@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import gradio as gr
 import plotly.colors as pc
 
 from views.live_plot import plot_value
@@ -36,8 +35,9 @@ def chart_value(spec: dict | None) -> str | None:
     return plot_value(spec)
 
 
-def canvas_chart(elem_id: str, spec: dict | None = None) -> gr.HTML:
+def canvas_chart(elem_id: str, spec: dict | None = None) -> "gr.HTML":
     """A chart component; its .click gets {row, col, x, y} of the clicked heatmap cell."""
+    import gradio as gr      # here, not at import: the figure builders run without Gradio
     return gr.HTML(chart_value(spec), html_template=TEMPLATE, js_on_load=JS, elem_id=elem_id,
                    elem_classes=["gb-canvas-chart"])
 

@@ -11,7 +11,6 @@ import json
 import math
 from pathlib import Path
 
-import gradio as gr
 import numpy as np
 import plotly
 
@@ -58,13 +57,15 @@ def plot_value(fig: dict | None) -> str | None:
         return json.dumps(_nan_to_none(fig), default=_json_default, separators=(",", ":"))
 
 
-def live_plot(elem_id: str, fig: dict | None = None, **kwargs) -> gr.HTML:
+def live_plot(elem_id: str, fig: dict | None = None, **kwargs) -> "gr.HTML":
     """A live plot component (its .click gets {x, y, curve} of the clicked point)."""
+    import gradio as gr      # here, not at import: the figure builders run without Gradio
     return gr.HTML(plot_value(fig), html_template=TEMPLATE, js_on_load=JS, head=HEAD,
                    elem_id=elem_id, elem_classes=["gb-live-plot"], **kwargs)
 
 
-def preload_plotly() -> gr.HTML:
+def preload_plotly() -> "gr.HTML":
     """An empty component whose head loads plotly.js as soon as the page opens, so the first
     live tab a user opens need not wait for the 4.8 MB script."""
+    import gradio as gr      # here, not at import: the figure builders run without Gradio
     return gr.HTML("", head=HEAD, js_on_load=None, elem_id="plotly-preload")

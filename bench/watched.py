@@ -1,0 +1,298 @@
+"""Watched: the engine's speed with the playground open beside it, vs with nobody looking.
+
+Three pollers stand for three open pages, one per live tab, each at the live cadence
+(views/live.py's TICK_BUSY_S) and through the same serving hub the app uses (one shared
+snapshot per SNAPSHOT_MAX_AGE_S):
+  - KV tab:      hub.snapshot() -> the block map's JSON, the block tables, the usage plot
+  - Layers tab:  llm.traced_requests() + llm.trace(watched) -> norms, logit lens, attention
+                 heads and row charts (and routing on an MoE model)
+  - Engine tab:  hub.snapshot() -> batch timeline, step-time split and CUDA-graph plots
+Batch-1 decode and the `throughput` workload run with the pollers off and on, alternating on one
+engine (the same request watched in both, so only looking differs). Reported: % slowdown,
+how long inspect() / trace() held the engine lock (p50 / p99 / max), and how long each tab
+took to build its data (p50 / p99).
+"""
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np
+
+from bench.common import (TINY_OF, base_parser, build_engine, error_row, finish_cli, free_memory,
+                          log, make_workload, measure_floors, median, parse_dtype, random_prompt,
+                          resolve_device, row, sampling, shutdown_engine)
+from bench.latency import FULL, TINY, glassbox_decode_ms
+from bench.throughput import warmup_glassbox, workload_kwargs
+
+BENCH = "watched"
+TICK_S = 0.2            # views/live.py TICK_BUSY_S: a live tab's cadence while requests run
+TABS = ("kv", "layers", "engine")
+
+
+class Page(threading.Thread):
+    """One open page showing one live tab: a tick every TICK_S, like a Gradio timer."""
+
+    def __init__(self, tab: str, hub, watched: list):
+        super().__init__(name=f"watch-{tab}", daemon=True)
+        self.tab, self.hub, self.watched = tab, hub, watched
+        self.stop = threading.Event()
+        self.build_s: list[float] = []
+        self.errors: list[str] = []
+        self.last_usage = 0.0
+
+    def run(self) -> None:
+        while True:                     # a tab opened refreshes at once, then on its timer
+            t0 = time.perf_counter()
+            try:
+                getattr(self, f"tick_{self.tab}")()
+            except Exception as e:      # noqa: BLE001 — reported, never kills the bench
+                self.errors.append(repr(e))
+            self.build_s.append(time.perf_counter() - t0)
+            if self.stop.wait(TICK_S):
+                return
+
+    def tick_kv(self) -> None:
+        from views import figures as F
+        from views.live_plot import plot_value
+        snap = self.hub.snapshot()
+        json.dumps(F.kv_map_data(snap, 0), separators=(",", ":"))
+        F.block_tables_html(snap)
+        now = time.time()
+        if now - self.last_usage >= 1.0:            # the usage plot: once a second
+            plot_value(F.kv_usage_figure(snap, list(self.hub.hit_history), now))
+            self.last_usage = now
+
+    def tick_layers(self) -> None:
+        from views import figures as F
+        from views.canvas_chart import chart_value
+        snap = self.hub.snapshot()
+        llm = self.hub.llm
+        traced = llm.traced_requests()
+        rid = self.watched[0] if self.watched and self.watched[0] in traced else (
+            traced[0] if traced else None)
+        if rid is None:
+            return
+        tr = llm.trace(rid)
+        t = len(tr.resid_norms)
+        if not t:
+            return
+        tok = t - 1
+        chart_value(F.norms_figure(tr, tok))
+        chart_value(F.logit_lens_figure(tr, self.hub.decode, tok))
+        step = F.attention_step_for(tr, tok)
+        if step is not None:
+            layer = tr.num_layers - 1
+            chart_value(F.attention_heads_figure(step, layer, tr.token_texts, 0, rid))
+            chart_value(F.attention_row_figure(step, layer, 0, tr.token_texts, rid))
+        if snap.moe is not None and tr.router_probs:
+            chart_value(F.routing_figure(tr, tok, snap.moe["num_experts"]))
+
+    def tick_engine(self) -> None:
+        from views import figures as F
+        from views.figures_engine import step_stats
+        from views.live_plot import plot_value
+        snap = self.hub.snapshot()
+        step_stats(snap.steps)
+        plot_value(F.batch_timeline_figure(snap.steps))
+        plot_value(F.step_time_figure(snap.steps))
+        plot_value(F.cuda_graph_figure(snap.steps))
+
+
+class Watchers:
+    """The three pages, started and stopped around one measured run."""
+
+    def __init__(self, hub, watched: list):
+        self.hub, self.watched = hub, watched
+        self.pages: list[Page] = []
+        self.builds: dict[str, list[float]] = {t: [] for t in TABS}
+        self.errors: list[str] = []
+
+    def __enter__(self):
+        self.pages = [Page(t, self.hub, self.watched) for t in TABS]
+        for p in self.pages:
+            p.start()
+        return self
+
+    def __exit__(self, *exc):
+        for p in self.pages:
+            p.stop.set()
+        for p in self.pages:
+            p.join()
+            self.builds[p.tab] += p.build_s
+            self.errors += p.errors
+
+
+def _pct(slow: float, fast: float) -> float:
+    return 100.0 * (slow / fast - 1.0)
+
+
+def _stats_ms(xs) -> tuple[float, float, float]:
+    a = np.asarray(list(xs), dtype=float) * 1e3
+    if not len(a):
+        return float("nan"), float("nan"), float("nan")
+    return float(np.percentile(a, 50)), float(np.percentile(a, 99)), float(a.max())
+
+
+def watched_spec():
+    """What a watched API request records (`"glassbox": {"watch": true}`): every probe."""
+    from engine import ProbeSpec
+    return ProbeSpec()
+
+
+def latency_runs(llm, hub, shape: dict, id_high: int, repeats: int) -> tuple[list, list, Watchers]:
+    """Batch-1 decode ms/token, pollers off then on, `repeats` times; the request is watched
+    in both (a chat reply is), so only the looking differs."""
+    spec = watched_spec()
+    off, on = [], []
+    watched: list = []
+    w_all = Watchers(hub, watched)
+    for r in range(repeats):
+        for looking, samples in ((False, off), (True, on)):
+            prompt = random_prompt(shape["prompt_len"], id_high, 40_000 + 10 * r + looking)
+            rid = f"watched-lat-{r}-{int(looking)}"
+            watched[:] = [rid]
+            if looking:
+                with Watchers(hub, watched) as w:
+                    samples.append(_decode_ms(llm, prompt, shape["new_tokens"], spec, rid))
+                for t in TABS:
+                    w_all.builds[t] += w.builds[t]
+                w_all.errors += w.errors
+            else:
+                samples.append(_decode_ms(llm, prompt, shape["new_tokens"], spec, rid))
+        log(f"watched latency repeat {r}: off {off[-1]:.3f} ms/tok, on {on[-1]:.3f} ms/tok")
+    return off, on, w_all
+
+
+def _decode_ms(llm, prompt, new_tokens: int, spec, rid: str) -> float:
+    times = []
+    for ev in llm.stream(prompt, sampling(temperature=0.0, ignore_eos=True,
+                                          max_tokens=new_tokens), watch=spec, request_id=rid):
+        if ev.token_id is not None:
+            times.append(time.perf_counter())
+    return 1e3 * (times[-1] - times[0]) / (len(times) - 1)
+
+
+def throughput_runs(llm, hub, model: str, num_requests: int, repeats: int, tiny: bool
+                    ) -> tuple[list, list, Watchers]:
+    """Output tok/s of the workload, pollers off then on; request 0 watched in both."""
+    kw = workload_kwargs(model, tiny)
+    spec = watched_spec()
+    off, on = [], []
+    watched: list = []
+    w_all = Watchers(hub, watched)
+    for r in range(repeats):
+        for looking, samples in ((False, off), (True, on)):
+            reqs = make_workload(num_requests, seed=0, id_stream=300 + 2 * r + looking, **kw)
+            params = [sampling(temperature=0.6, ignore_eos=True, max_tokens=q.max_tokens)
+                      for q in reqs]
+            watch = [spec] + [None] * (len(reqs) - 1)
+
+            def run():
+                t0 = time.perf_counter()
+                # the first request's id is known before it runs: stream it, generate the rest
+                outs = llm.generate([q.prompt for q in reqs], params, watch=watch)
+                return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t0)
+            if looking:
+                watched[:] = []                 # the pages follow the newest traced request
+                with Watchers(hub, watched) as w:
+                    samples.append(run())
+                for t in TABS:
+                    w_all.builds[t] += w.builds[t]
+                w_all.errors += w.errors
+            else:
+                samples.append(run())
+        log(f"watched throughput repeat {r}: off {off[-1]:,.0f} tok/s, on {on[-1]:,.0f} tok/s")
+    return off, on, w_all
+
+
+def main(model: str = "qwen3-0.6b", device: str | None = None, dtype=None,
+         num_requests: int = 256, tput_repeats: int = 2, lat_repeats: int = 3,
+         tiny: bool = False, floors: bool = True, llm=None) -> list[dict]:
+    """`llm`: an engine already built for this model (run_all shares one); else one is built."""
+    from engine.serving import ServingHub
+    dev = resolve_device(device)
+    dtype = parse_dtype(dtype)
+    if tiny:
+        model = TINY_OF.get(model, model)
+    shape = dict(TINY if tiny else FULL)
+    id_high = workload_kwargs(model, tiny)["id_high"]
+    rows: list[dict] = measure_floors(dev) if floors else []
+    own = llm is None
+    try:
+        if own:
+            llm = build_engine(model, dev, dtype, max_model_len=4096 if not tiny else 256)
+        warmup_glassbox(llm, model, tiny, dev)
+        hub = ServingHub(llm)
+        warm = Page("kv", hub, [])              # imports and first builds, outside the timings
+        llm.generate([random_prompt(shape["prompt_len"], id_high, 39_999)],
+                     sampling(temperature=0.0, max_tokens=2), watch=watched_spec())
+        for tab in TABS:
+            getattr(warm, f"tick_{tab}")()
+        blocks = f"{llm.num_kv_blocks} KV blocks"
+        for name in ("inspect", "trace"):
+            llm.lock_hold_s[name].clear()
+        off, on, w_lat = latency_runs(llm, hub, shape, id_high, lat_repeats)
+        note = f"batch 1, {shape['new_tokens']} tok, watched both, median of {lat_repeats}, {blocks}"
+        rows += [row(BENCH, model, "glassbox", "ms_per_token[nobody watching]", median(off),
+                     "ms", note),
+                 row(BENCH, model, "glassbox", "ms_per_token[KV+Layers+Engine tabs]", median(on),
+                     "ms", note),
+                 row(BENCH, model, "glassbox", "decode_slowdown_pct", _pct(median(on),
+                                                                         median(off)), "%", note)]
+        t_off, t_on, w_tput = throughput_runs(llm, hub, model, num_requests, tput_repeats, tiny)
+        note = f"{num_requests} req, request 0 watched both, median of {tput_repeats}, {blocks}"
+        rows += [row(BENCH, model, "glassbox", "output_tok_s[nobody watching]", median(t_off),
+                     "tok/s", note),
+                 row(BENCH, model, "glassbox", "output_tok_s[KV+Layers+Engine tabs]",
+                     median(t_on), "tok/s", note),
+                 row(BENCH, model, "glassbox", "throughput_slowdown_pct",
+                     _pct(median(t_off), median(t_on)), "%", note)]
+        for name in ("inspect", "trace"):
+            p50, p99, mx = _stats_ms(llm.lock_hold_s[name])
+            n = len(llm.lock_hold_s[name])
+            note = f"{n} calls while the pages polled, {blocks}"
+            rows += [row(BENCH, model, "glassbox", f"{name}_lock_hold_p50", p50, "ms", note),
+                     row(BENCH, model, "glassbox", f"{name}_lock_hold_p99", p99, "ms", note),
+                     row(BENCH, model, "glassbox", f"{name}_lock_hold_max", mx, "ms", note)]
+        for tab in TABS:
+            builds = w_lat.builds[tab] + w_tput.builds[tab]
+            p50, p99, mx = _stats_ms(builds)
+            note = f"{len(builds)} ticks (snapshot/trace + the views' builders)"
+            rows += [row(BENCH, model, "glassbox", f"tab_build_p50[{tab}]", p50, "ms", note),
+                     row(BENCH, model, "glassbox", f"tab_build_p99[{tab}]", p99, "ms", note)]
+        errors = w_lat.errors + w_tput.errors
+        if errors:
+            rows.append(row(BENCH, model, "glassbox", "poller_errors", len(errors), "",
+                            errors[0][:200]))
+    except Exception as exc:
+        rows.append(error_row(BENCH, model, "glassbox", exc))
+    finally:
+        if own:
+            shutdown_engine(llm)
+        llm = None
+        free_memory(dev)
+    return rows
+
+
+def cli(argv=None) -> list[dict]:
+    p = base_parser(__doc__)
+    p.add_argument("--num-requests", type=int, default=256)
+    p.add_argument("--repeats", type=int, default=2)
+    a = p.parse_args(argv)
+    if a.tiny:
+        a.num_requests, a.repeats = min(a.num_requests, 8), 1
+    rows = main(a.model, a.device, a.dtype, a.num_requests, a.repeats, max(a.repeats, 1),
+                a.tiny, not a.no_floors)
+    finish_cli(rows, "watched", a.json)
+    return rows
+
+
+if __name__ == "__main__":
+    cli()
