@@ -111,6 +111,22 @@ def _is_conversation(prompt) -> bool:
     return isinstance(prompt, (list, tuple)) and bool(prompt) and isinstance(prompt[0], dict)
 
 
+# The engine's thread shares the GIL with everything else in the process: the playground's
+# handlers, the API's event loop. CPython makes a thread that wants the GIL wait up to the
+# switch interval (5 ms by default) before the holder is told to let go, and a decode step's
+# host work is ~0.5 ms: each such wait would stall the device for several steps. A 0.2 ms
+# interval bounds that wait at a fraction of a step (the cost: more frequent switches between
+# threads that all want to run, ~µs each). GLASSBOX_SWITCH_INTERVAL_S overrides it.
+GIL_SWITCH_INTERVAL_S = 2e-4
+
+
+def _shorten_gil_switch_interval() -> None:
+    import sys
+    want = float(os.environ.get("GLASSBOX_SWITCH_INTERVAL_S") or GIL_SWITCH_INTERVAL_S)
+    if want > 0 and sys.getswitchinterval() > want:
+        sys.setswitchinterval(want)
+
+
 class LLM:
     def __init__(self, model: str, device=None, dtype=None, tensor_parallel_size: int = 1,
                  block_size: int = 16, num_kv_blocks: int | None = None,
@@ -203,6 +219,7 @@ class LLM:
                                overlap=self.async_scheduling, lock=self._lock)
         self._stop = False
         self._error: BaseException | None = None    # an engine-wide failure (e.g. a dead worker)
+        _shorten_gil_switch_interval()
         self._thread = threading.Thread(target=self._loop, name=f"glassbox-engine-{self.engine_id}",
                                         daemon=True)
         self._thread.start()

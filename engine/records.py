@@ -8,6 +8,7 @@ from them outside the lock, on demand.
 """
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -114,11 +115,18 @@ class KVBlockArrays:
     filled: np.ndarray          # [num_blocks] slots written
     owner: np.ndarray           # [num_blocks] index into `owners` of the first owner, -1 none
     owners: list[str]           # request ids in block-table order
-    more_owners: dict[int, list[int]]   # shared block id -> every owner index
+    # every (block, owner index) pair of the blocks held by more than one request, sorted by
+    # block, owners in table order within a block
+    shared_blocks: np.ndarray
+    shared_owners: np.ndarray
 
-    @property
-    def num_shared(self) -> int:
-        return len(self.more_owners)
+    @cached_property
+    def more_owners(self) -> dict[int, list[int]]:
+        """Shared block id -> every owner index."""
+        out: dict[int, list[int]] = {}
+        for b, o in zip(self.shared_blocks.tolist(), self.shared_owners.tolist()):
+            out.setdefault(b, []).append(o)
+        return out
 
 
 @dataclass
@@ -168,30 +176,31 @@ class EngineSnapshot:
 
     @cached_property
     def kv_arrays(self) -> KVBlockArrays:
-        """Fill and owners of every block, from the block tables (O(blocks held), numpy)."""
+        """Fill and owners of every block, from the block tables: a few vectorised passes over
+        the blocks held (~1 ms for 16k), whatever the number of requests."""
         bs, n = self.block_size, self.num_blocks
         filled = np.where(self.block_hashed, bs, 0).astype(np.int32)
         owner = np.full(n, -1, np.int32)
         owners = list(self.block_tables)
-        tabs, idx = [], []
-        for i, rid in enumerate(owners):
-            t = np.asarray(self.block_tables[rid], np.int64)
-            if not len(t):
-                continue
-            known = int(self.request_tokens.get(rid, 0))
-            f = np.clip(known - np.arange(len(t)) * bs, 0, bs).astype(np.int32)
-            np.maximum.at(filled, t, f)
-            free = owner[t] < 0
-            owner[t[free]] = i
-            tabs.append(t)
-            idx.append(np.full(len(t), i, np.int32))
-        more: dict[int, list[int]] = {}
-        if tabs:
-            allb, allo = np.concatenate(tabs), np.concatenate(idx)
+        tables = [self.block_tables[r] for r in owners]
+        lens = np.fromiter((len(t) for t in tables), np.int64, len(tables))
+        total = int(lens.sum())
+        sb = so = np.zeros(0, np.int64)
+        if total:
+            allb = np.fromiter(itertools.chain.from_iterable(tables), np.int64, total)
+            allo = np.repeat(np.arange(len(owners), dtype=np.int32), lens)
+            starts = np.cumsum(lens) - lens
+            logical = np.arange(total) - np.repeat(starts, lens)        # index in its table
+            known = np.fromiter((int(self.request_tokens.get(r, 0)) for r in owners),
+                                np.int64, len(owners))
+            f = np.clip(np.repeat(known, lens) - logical * bs, 0, bs).astype(np.int32)
+            np.maximum.at(filled, allb, f)
+            # the first owner in table order: write in reverse, so the first write wins
+            owner[allb[::-1]] = allo[::-1]
             shared = self.block_ref[allb] > 1
-            for b, o in zip(allb[shared].tolist(), allo[shared].tolist()):
-                more.setdefault(b, []).append(o)
-        return KVBlockArrays(filled, owner, owners, more)
+            order = np.argsort(allb[shared], kind="stable")     # by block, table order kept
+            sb, so = allb[shared][order], allo[shared][order]
+        return KVBlockArrays(filled, owner, owners, sb, so)
 
     def block(self, block_id: int) -> BlockInfo:
         """One block as a record (no token ids: `LLM.block_info` reads those on demand)."""

@@ -110,6 +110,16 @@ class MapCell:
     colour: str
 
 
+def unpack_map(value: str) -> dict:
+    """The map's value as the page reads it (views/kv_map.js): packed arrays unpacked."""
+    import base64
+    payload = strict_json(value)
+    for key, a in payload.items():
+        if isinstance(a, dict) and "b64" in a:
+            payload[key] = np.frombuffer(base64.b64decode(a["b64"]), "<i4")[:a["n"]].tolist()
+    return payload
+
+
 def drawn_ids(payload: dict) -> list[int]:
     """The block ids the canvas draws, in drawing order (views/kv_map.js: ids 0..shown-1, or the
     listed ids when `shown` is null)."""

@@ -10,7 +10,8 @@ import pytest
 
 from ui_helpers import make_snapshot, make_trace  # noqa: I001  (puts the repo on sys.path)
 from figure_helpers import (check_chart_spec, check_plotly_figure, decode, drawn_ids, live_ids,
-                            map_cells, random_cache, seeded_rng, strict_json)
+                            map_cells, random_cache, seeded_rng, strict_json,
+                            unpack_map)
 
 from engine.records import StepEntry
 from engine.probes.trace import RequestTrace
@@ -20,6 +21,7 @@ from views.figures_common import (EVICTABLE_COLOUR, FREE_COLOUR, PALETTE, PHASE_
                                   short_text)
 from views.figures_kv import MAP_MIN_CELLS, MAP_ROW, MAX_MAP_CELLS
 from views.figures_layers import MAX_LENS_STEPS
+from views.figures_kv import kv_map_lists
 from views.kv_cache import map_value
 from views.live_plot import plot_value
 
@@ -202,7 +204,9 @@ def test_kv_map_payload_of_a_full_4096_block_cache_is_small(rng):
     snap = random_cache(rng, 4096, busy=4096 - 800, evictable=800, num_requests=64,
                         shared_frac=0.3, max_owners=8)
     value = map_value(snap, version=int(rng.integers(1 << 30)))
-    assert strict_json(value)["ids"] == [b.block_id for b in snap.blocks]
+    payload = unpack_map(value)
+    assert payload == kv_map_lists(F.kv_map_data(snap, payload["version"]))   # nothing lost
+    assert payload["ids"] == [b.block_id for b in snap.blocks]
     assert len(value) < 150_000, len(value)
 
 

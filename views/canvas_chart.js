@@ -197,8 +197,22 @@ function data() {
   if (props.value !== specFrom) {
     specFrom = props.value;
     spec = typeof specFrom === 'string' && specFrom ? JSON.parse(specFrom) : (specFrom || null);
+    if (spec && spec.z && spec.z.b64 !== undefined) spec.z = unpack(spec.z);
   }
   return spec;
+}
+
+// a packed matrix (views/canvas_chart.py pack_matrix): float32 rows, NaN read as null
+function unpack(m) {
+  const bin = atob(m.b64), bytes = new Uint8Array(bin.length);
+  for (let i = 0; i < bin.length; i++) bytes[i] = bin.charCodeAt(i);
+  const f = new Float32Array(bytes.buffer), rows = [];
+  for (let r = 0; r < m.rows; r++) {
+    const row = new Array(m.cols);
+    for (let c = 0; c < m.cols; c++) { const v = f[r * m.cols + c]; row[c] = Number.isNaN(v) ? null : v; }
+    rows.push(row);
+  }
+  return rows;
 }
 
 function draw() {

@@ -7,6 +7,7 @@ chart that shows it.
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Callable, Sequence
 
 import numpy as np
@@ -101,6 +102,31 @@ def _lens_window(trace: RequestTrace, token: int | None) -> list[int]:
     return list(range(lo, min(n, lo + MAX_LENS_STEPS)))
 
 
+_LENS_CELLS: OrderedDict[int, tuple] = OrderedDict()
+_LENS_CELLS_MAX = 8192
+
+
+def _lens_column(s, decode: Decode) -> tuple[list[str], list[str]]:
+    """One lens step's cell texts and hovers, one per layer. A step never changes once
+    recorded, so they are made once (decoding is most of the lens's cost, and it runs on the
+    server's Python beside the engine's thread) and kept in a bounded cache by identity."""
+    hit = _LENS_CELLS.get(id(s))
+    if hit is not None and hit[0] is s and hit[1] == decode:   # bound methods: ==, not is
+        _LENS_CELLS.move_to_end(id(s))
+        return hit[2]
+    texts, hovers = [], []
+    for l in range(s.top_ids.shape[0]):
+        texts.append(short_text(decode([int(s.top_ids[l, 0])]), 8))
+        hovers.append("next-token guesses: " + ", ".join(
+            f"{decode([int(i)])!r} {p:.2f}" for i, p in zip(s.top_ids[l], s.top_probs[l]))
+            + f"\nsampled {decode([s.sampled_token])!r}: rank {int(s.sampled_rank[l])}, "
+            + f"p={float(s.sampled_prob[l]):.2f} · entropy {float(s.entropy[l]):.2f} nats")
+    _LENS_CELLS[id(s)] = (s, decode, (texts, hovers))   # the step kept: its id stays unique
+    while len(_LENS_CELLS) > _LENS_CELLS_MAX:
+        _LENS_CELLS.popitem(last=False)
+    return texts, hovers
+
+
 def logit_lens_figure(trace: RequestTrace, decode: Decode, token: int | None = None) -> Chart:
     """Layer × input token: each layer's top guess for the *next* token (text) and its
     probability (shade). Columns are labelled by the token whose residual is read
@@ -111,13 +137,9 @@ def logit_lens_figure(trace: RequestTrace, decode: Decode, token: int | None = N
     steps = [trace.lens[i] for i in _lens_window(trace, token)]
     num_layers = steps[0].top_ids.shape[0]
     z = np.stack([s.top_probs[:, 0] for s in steps], axis=1)          # [layers, steps]
-    cell_text = [[short_text(decode([int(s.top_ids[l, 0])]), 8) for s in steps]
-                 for l in range(num_layers)]
-    hover = [[("next-token guesses: " + ", ".join(f"{decode([int(i)])!r} {p:.2f}"
-                                                  for i, p in zip(s.top_ids[l], s.top_probs[l]))
-               + f"\nsampled {decode([s.sampled_token])!r}: rank {int(s.sampled_rank[l])}, "
-               + f"p={float(s.sampled_prob[l]):.2f} · entropy {float(s.entropy[l]):.2f} nats")
-              for s in steps] for l in range(num_layers)]
+    cols = [_lens_column(s, decode) for s in steps]     # per step, made once and kept
+    cell_text = [[c[0][l] for c in cols] for l in range(num_layers)]
+    hover = [[c[1][l] for c in cols] for l in range(num_layers)]
     chosen = [j for j, s in enumerate(steps) if token is not None and s.position == token]
     return {
         "kind": "heatmap", "title": title, "height": max(260, 24 * num_layers + 150),

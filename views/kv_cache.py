@@ -91,7 +91,7 @@ DRILL_HINT = ("Click a block in the map (or type its id) to see its K or V numbe
 def map_value(snap, version: int = 0) -> str:
     """The map's value: its JSON as a string (Gradio's page clones an object value through
     its reactive proxies on every event; a string is one cheap copy)."""
-    return json.dumps(F.kv_map_data(snap, version), separators=(",", ":"))
+    return F.kv_map_json(F.kv_map_data(snap, version))
 
 
 def build(hub: EngineHub) -> LiveTab:

@@ -40,6 +40,15 @@ function data() {            // the value is the map's JSON as a string: parse i
   if (props.value !== parsedFrom) {
     parsedFrom = props.value;
     parsed = typeof parsedFrom === 'string' ? JSON.parse(parsedFrom || '{}') : parsedFrom;
+    // views/figures_kv.py kv_map_json packs the parallel arrays as base64 int32
+    for (const k of ['ids', 'state', 'fill', 'ref', 'owner']) {
+      const a = parsed && parsed[k];
+      if (a && a.b64 !== undefined) {
+        const bin = atob(a.b64), bytes = new Uint8Array(bin.length);
+        for (let i = 0; i < bin.length; i++) bytes[i] = bin.charCodeAt(i);
+        parsed[k] = Array.from(new Int32Array(bytes.buffer, 0, a.n));
+      }
+    }
   }
   return parsed;
 }
