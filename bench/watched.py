@@ -238,6 +238,7 @@ def main(model: str = "qwen3-0.6b", device: str | None = None, dtype=None,
         blocks = f"{llm.num_kv_blocks} KV blocks"
         for name in ("inspect", "trace"):
             llm.lock_hold_s[name].clear()
+            llm.lock_hold_cpu_s[name].clear()
         off, on, w_lat = latency_runs(llm, hub, shape, id_high, lat_repeats)
         note = f"batch 1, {shape['new_tokens']} tok, watched both, median of {lat_repeats}, {blocks}"
         rows += [row(BENCH, model, "glassbox", "ms_per_token[nobody watching]", median(off),
@@ -261,6 +262,13 @@ def main(model: str = "qwen3-0.6b", device: str | None = None, dtype=None,
             rows += [row(BENCH, model, "glassbox", f"{name}_lock_hold_p50", p50, "ms", note),
                      row(BENCH, model, "glassbox", f"{name}_lock_hold_p99", p99, "ms", note),
                      row(BENCH, model, "glassbox", f"{name}_lock_hold_max", mx, "ms", note)]
+            p50, p99, mx = _stats_ms(llm.lock_hold_cpu_s[name])
+            note = "the reader's CPU time under the lock (wall less OS/GIL waits)"
+            rows += [row(BENCH, model, "glassbox", f"{name}_lock_work_p99", p99, "ms", note),
+                     row(BENCH, model, "glassbox", f"{name}_lock_work_max", mx, "ms", note)]
+        import sys as _sys
+        rows.append(row(BENCH, model, "glassbox", "gil_switch_interval", 1e3 *
+                        _sys.getswitchinterval(), "ms", "sys.getswitchinterval() in this run"))
         for tab in TABS:
             builds = w_lat.builds[tab] + w_tput.builds[tab]
             p50, p99, mx = _stats_ms(builds)

@@ -199,10 +199,14 @@ class LLM:
                               "top_k": self.hf_config.num_experts_per_tok,
                               "moe_layers": list(self.runner.moe_layers)}
         self.dtype_name = str(cfg.torch_dtype).replace("torch.", "")
-        # how long inspect() / trace() held the engine lock, newest last (bench/watched.py)
+        # how long inspect() / trace() held the engine lock, newest last (bench/watched.py):
+        # wall seconds, and the reader thread's CPU seconds (the work itself, without the
+        # time the OS or the GIL kept the thread waiting)
         from collections import deque
         self.lock_hold_s: dict[str, deque] = {"inspect": deque(maxlen=4096),
                                               "trace": deque(maxlen=4096)}
+        self.lock_hold_cpu_s: dict[str, deque] = {"inspect": deque(maxlen=4096),
+                                                  "trace": deque(maxlen=4096)}
         self._trace_read = threading.Lock()     # one reader moves attention rows at a time
         # overlap scheduling pays where the forward is asynchronous (a GPU); on the CPU the
         # forward blocks the host anyway, so each step is postprocessed right after its launch
@@ -476,11 +480,15 @@ class LLM:
         copied under the lock in O(requests): looking never stalls the engine."""
         from .snapshot import take_snapshot
         with self._lock:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             self._check_open()
             snap = take_snapshot(self)
-            self.lock_hold_s["inspect"].append(time.perf_counter() - t0)
+            self._held("inspect", t0, c0)
         return snap
+
+    def _held(self, what: str, t0: float, c0: float) -> None:
+        self.lock_hold_s[what].append(time.perf_counter() - t0)
+        self.lock_hold_cpu_s[what].append(time.thread_time() - c0)
 
     def trace(self, request_id: str):
         """The RequestTrace of a watched request, complete so far, as a frozen copy that the
@@ -490,15 +498,15 @@ class LLM:
         from .probes.manager import _to_host
         with self._trace_read:
             with self._lock:
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.thread_time()
                 pending = self.probes.take_pending(request_id) \
                     if request_id in self.probes.traces else []
-                self.lock_hold_s["trace"].append(time.perf_counter() - t0)
+                self._held("trace", t0, c0)
             host = [_to_host(st) for st in pending]
             with self._lock:
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.thread_time()
                 tr = self.probes.read(request_id, host)
-                self.lock_hold_s["trace"].append(time.perf_counter() - t0)
+                self._held("trace", t0, c0)
             return tr
 
     def block_info(self, block_id: int) -> BlockInfo:
