@@ -14,7 +14,6 @@ took to build its data (p50 / p99).
 """
 from __future__ import annotations
 
-import json
 import sys
 import threading
 import time
@@ -62,7 +61,7 @@ class Page(threading.Thread):
         from views import figures as F
         from views.live_plot import plot_value
         snap = self.hub.snapshot()
-        json.dumps(F.kv_map_data(snap, 0), separators=(",", ":"))
+        F.kv_map_json(F.kv_map_data(snap, 0))
         F.block_tables_html(snap)
         now = time.time()
         if now - self.last_usage >= 1.0:            # the usage plot: once a second

@@ -495,14 +495,14 @@ class LLM:
         engine never changes afterwards (read it again for newer rows). KeyError if the
         request was never watched, or its trace was evicted (only the newest `max_traces`
         are kept). Attention rows still on the device move to the host outside the lock."""
-        from .probes.manager import _to_host
+        from .probes.manager import to_host_batch
         with self._trace_read:
             with self._lock:
                 t0, c0 = time.perf_counter(), time.thread_time()
                 pending = self.probes.take_pending(request_id) \
                     if request_id in self.probes.traces else []
                 self._held("trace", t0, c0)
-            host = [_to_host(st) for st in pending]
+            host = to_host_batch(pending)        # no lock held: the engine runs on
             with self._lock:
                 t0, c0 = time.perf_counter(), time.thread_time()
                 tr = self.probes.read(request_id, host)
