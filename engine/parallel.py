@@ -4,10 +4,10 @@ own process group object (gloo on CPU, NCCL on GPU), so two engines never collid
 
 Rank 0 sends every command (profile, allocate, capture, step) to the workers through a
 shared-memory broadcast ring (shm_broadcast.py: no pickled queue, no feeder thread on the hot
-path) and runs it itself at the same time. A worker runs only the commands of the Runner
-protocol (engine/runner.py) listed in WORKER_COMMANDS; the driver offers exactly that protocol; the collectives inside the forward keep them in
+path) and runs it itself at the same time; the collectives inside the forward keep them in
 step. Every rank samples the same tokens from the gathered logits, so the next step's pending
-input ids are already on every device.
+input ids are already on every device. The driver offers exactly the Runner protocol
+(engine/runner.py), and a worker runs only its commands listed in WORKER_COMMANDS.
 
 Failure handling: a worker reports an exception on a result queue; rank 0 checks the workers
 whenever it waits (start-up, a slot of the ring, the end of a step), so a worker that dies at
