@@ -7,9 +7,14 @@ import json
 import logging
 import re
 
+from typing import Callable
+
 from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
 from starlette.responses import Response
+
+from engine.errors import (EngineUnavailableError, InvalidArgumentError, ModelSwitchingError,
+                           PromptTooLongError)
 
 log = logging.getLogger("glassbox.api")
 
@@ -82,6 +87,40 @@ def from_validation(exc: RequestValidationError) -> APIError:
     return bad_request(f"{param}: {msg} (got {shown})", param)
 
 
+# ---- engine errors -> HTTP, by type -----------------------------------------------------------
+# (type, status, code, message). The first row whose type the error is an instance of wins, so
+# the specific rows come first. Only the type decides the status and code; the engine's message
+# is passed on as it is (wrapped for the 503s and 500s), so rewording it changes nothing here.
+RETRY_AFTER_S = 5
+ENGINE_ERRORS: tuple[tuple[type, int, str | None, str], ...] = (
+    (PromptTooLongError, 400, "context_length_exceeded", "{e}"),
+    (ValueError, 400, None, "{e}"),     # InvalidArgumentError, and a chat template's own refusal
+    (ModelSwitchingError, 503, "model_switching", "{e}"),
+    (EngineUnavailableError, 503, "engine_unavailable",
+     "the engine is restarting (model switch or shutdown): {e}; retry in a few seconds"),
+    (BaseException, 500, "engine_error",
+     "the engine failed while running this request: {name}: {e}"),
+)
+
+
+def engine_row(e: BaseException) -> tuple[type, int, str | None, str]:
+    return next(row for row in ENGINE_ERRORS if isinstance(e, row[0]))
+
+
+def from_engine(e: BaseException, param_of: Callable[[str | None], str | None] = lambda p: p,
+                default_param: str | None = None) -> APIError:
+    """The APIError for an exception the engine raised. `param_of` maps the engine argument an
+    InvalidArgumentError names (e.param) to the request field it came from; a 400 without one
+    (a ValueError that names no argument) gets `default_param`."""
+    _, status, code, template = engine_row(e)
+    param = None
+    if status == 400:
+        named = e.param if isinstance(e, InvalidArgumentError) else None
+        param = param_of(named) if named is not None else default_param
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 503 else None
+    return APIError(status, template.format(e=e, name=type(e).__name__), param, code, headers)
+
+
 class OpenAIRoute(APIRoute):
     """An APIRoute whose every failure is an OpenAI error body; unexpected ones are logged."""
 
@@ -95,6 +134,8 @@ class OpenAIRoute(APIRoute):
                 return e.response()
             except RequestValidationError as e:
                 return from_validation(e).response()
+            except EngineUnavailableError as e:     # a model loading, the engine shut down
+                return from_engine(e).response()
             except Exception as e:     # a bug or an engine failure: say what, keep the server up
                 log.exception("unhandled error in %s", request.url.path)
                 return APIError(500, f"internal error: {type(e).__name__}: {e}").response()

@@ -7,14 +7,34 @@ Anything understood but not supported is refused with a 400 naming it, never ign
 """
 from __future__ import annotations
 
-from engine import ProbeSpec, SamplingParams
+from engine import InvalidArgumentError, ProbeSpec, SamplingParams
 
 from .errors import bad_request
 from .protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
-_SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "seed", "max_tokens", "min_tokens",
-                    "stop", "stop_token_ids", "logprobs")
+# SamplingParams fields a request sets under the same name
+_SAME_NAME = frozenset({"temperature", "top_k", "top_p", "min_p", "seed", "min_tokens", "stop",
+                        "stop_token_ids", "ignore_eos"})
+
+
+def request_param(engine_param: str | None, chat: bool,
+                  max_param: str = "max_tokens") -> str | None:
+    """The request field that an engine argument (InvalidArgumentError.param) came from; None
+    when the request has no such field. `max_param`: the field that set max_tokens."""
+    if engine_param is None:
+        return None
+    if engine_param in _SAME_NAME:
+        return engine_param
+    if engine_param == "max_tokens":
+        return max_param
+    if engine_param == "logprobs":
+        return "top_logprobs" if chat else "logprobs"
+    if engine_param == "prompt":
+        return "messages" if chat else "prompt"
+    if engine_param == "watch" or engine_param.startswith("watch."):
+        return "glassbox.watch"
+    return None
 
 
 def refuse_unsupported(req: SamplingRequest) -> None:
@@ -90,14 +110,9 @@ def sampling_params(req: SamplingRequest, max_model_len: int) -> SamplingParams:
               logprobs=max(1, top_n) if wanted else 0)
     try:
         return SamplingParams(**kw)
-    except (ValueError, TypeError) as e:
-        msg = str(e)
-        field = next((f for f in _SAMPLING_FIELDS if msg.startswith(f)), None)
-        param = {"max_tokens": max_param, "logprobs": "top_logprobs"
-                 if isinstance(req, ChatCompletionRequest) else "logprobs"}.get(field, field)
-        if field == "stop":
-            param = "stop"
-        raise bad_request(msg, param) from None
+    except InvalidArgumentError as e:       # names its field: the message is free to change
+        chat = isinstance(req, ChatCompletionRequest)
+        raise bad_request(str(e), request_param(e.param, chat, max_param)) from None
 
 
 def probe_spec(req: SamplingRequest) -> ProbeSpec | None:
@@ -111,7 +126,7 @@ def probe_spec(req: SamplingRequest) -> ProbeSpec | None:
         return ProbeSpec(norms=watch.norms, logit_lens=watch.logit_lens,
                          attention=watch.attention, routing=watch.routing,
                          layers=None if watch.layers is None else tuple(watch.layers))
-    except ValueError as e:
+    except InvalidArgumentError as e:
         raise bad_request(str(e), "glassbox.watch") from None
 
 

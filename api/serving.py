@@ -5,12 +5,11 @@ from __future__ import annotations
 import weakref
 from dataclasses import dataclass
 
-from engine import PromptTooLongError
-
-from .errors import APIError, bad_request
+from .errors import APIError, from_engine
 from .logprobs import TokenStrings, chat_entry, completion_logprobs
 from .responses import (Meta, Reply, TokenChunks, chat_chunk, chat_completion, completion,
                         completion_chunk, usage_chunk)
+from .sampling import request_param
 from .streaming import SSE_DONE, EngineStream, sse
 
 _STRINGS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -28,17 +27,10 @@ class ClientGone(Exception):
     """The client disconnected before the reply was ready; its request was aborted."""
 
 
-def engine_error(e: BaseException, prompt_param: str) -> APIError:
-    if isinstance(e, PromptTooLongError):
-        return bad_request(str(e), prompt_param, "context_length_exceeded")
-    if isinstance(e, ValueError):
-        return bad_request(str(e), prompt_param)
-    if isinstance(e, RuntimeError) and "shut down" in str(e):
-        return APIError(503, f"the engine is restarting (model switch or shutdown): {e}; "
-                             "retry in a few seconds", code="engine_unavailable",
-                        headers={"Retry-After": "5"})
-    return APIError(500, f"the engine failed while running this request: "
-                         f"{type(e).__name__}: {e}", code="engine_error")
+def engine_error(e: BaseException, prompt_param: str, chat: bool) -> APIError:
+    """The OpenAI error for what the engine raised, by its type (api/errors.ENGINE_ERRORS); the
+    engine argument it names becomes the request's field (the prompt's: `prompt_param`)."""
+    return from_engine(e, lambda p: request_param(p, chat), prompt_param)
 
 
 @dataclass
@@ -72,7 +64,7 @@ async def start(llm, prompt, sampling, watch, meta: Meta, request, **render) -> 
         raise ClientGone()
     err = stream.first_error()
     if err is not None:
-        raise engine_error(err, job.prompt_param)
+        raise engine_error(err, job.prompt_param, job.chat)
     return job
 
 
@@ -84,7 +76,7 @@ async def collect(job: Job, request) -> dict:
     reply = Reply()
     for item in job.stream.drain():
         if isinstance(item, BaseException):
-            raise engine_error(item, job.prompt_param)
+            raise engine_error(item, job.prompt_param, job.chat)
         reply.add(item)
     lps = job.logprobs_for(reply.logprobs)
     return chat_completion(job.meta, reply, lps) if job.chat else completion(job.meta, reply, lps)
@@ -107,7 +99,7 @@ async def sse_events(job: Job):
             out = []
             for ev in items:
                 if isinstance(ev, BaseException):
-                    out.append(sse(engine_error(ev, job.prompt_param).body()))
+                    out.append(sse(engine_error(ev, job.prompt_param, job.chat).body()))
                     out.append(SSE_DONE)
                     yield b"".join(out)
                     return

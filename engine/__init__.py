@@ -1,9 +1,12 @@
 """Glassbox engine: a paged-KV Qwen inference engine whose internals can be watched."""
-from .errors import (CheckpointFormatError, CheckpointMismatchError, ModelNotFoundError,
-                     PromptTooLongError, UnsupportedArchitectureError, WorkerDiedError)
+from .errors import (CheckpointFormatError, CheckpointMismatchError, EngineFailedError,
+                     EngineShutdownError, EngineUnavailableError, GlassboxError,
+                     InvalidArgumentError, ModelLoadError, ModelNotFoundError,
+                     ModelSwitchingError, OutOfCapacityError, PromptTooLongError,
+                     RequestFailedError, UnsupportedArchitectureError, WorkerDiedError)
 from .llm import LLM
 from .probes.spec import ProbeSpec
-from .sampling import SamplingParams
+from .sampling_params import SamplingParams
 from .sequence import RequestOutput, TokenEvent
 from .records import EngineSnapshot
 from .probes.trace import RequestTrace
@@ -11,4 +14,6 @@ from .probes.trace import RequestTrace
 __all__ = ["LLM", "SamplingParams", "ProbeSpec", "RequestOutput", "TokenEvent", "EngineSnapshot",
            "RequestTrace", "PromptTooLongError", "UnsupportedArchitectureError",
            "CheckpointMismatchError", "CheckpointFormatError", "ModelNotFoundError",
-           "WorkerDiedError"]
+           "WorkerDiedError", "GlassboxError", "InvalidArgumentError", "OutOfCapacityError",
+           "EngineUnavailableError", "EngineShutdownError", "ModelSwitchingError",
+           "EngineFailedError", "RequestFailedError", "ModelLoadError"]

@@ -5,6 +5,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .errors import InvalidArgumentError
+
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
            "fp16": torch.float16, "half": torch.float16, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16}
@@ -16,7 +18,8 @@ def resolve_dtype(dtype, device: str) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype not in _DTYPES:
-        raise ValueError(f"dtype={dtype!r} is not supported; use one of {sorted(_DTYPES)}")
+        raise InvalidArgumentError(f"dtype={dtype!r} is not supported; use one of "
+                                   f"{sorted(_DTYPES)}", "dtype")
     return _DTYPES[dtype]
 
 
@@ -25,10 +28,11 @@ def resolve_device(device) -> str:
         return "cuda" if torch.cuda.is_available() else "cpu"
     device = str(device)
     if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"device={device!r} was asked for but CUDA is not available here; "
-                         "pass device='cpu'")
+        raise InvalidArgumentError(f"device={device!r} was asked for but CUDA is not available "
+                                   "here; pass device='cpu'", "device")
     if not (device == "cpu" or device.startswith("cuda")):
-        raise ValueError(f"device={device!r} is not supported; use 'cpu' or 'cuda'")
+        raise InvalidArgumentError(f"device={device!r} is not supported; use 'cpu' or 'cuda'",
+                                   "device")
     return device
 
 
@@ -56,7 +60,7 @@ class EngineConfig:
         def positive(name):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+                raise InvalidArgumentError(f"{name} must be a positive integer, got {v!r}", name)
         for name in ("tensor_parallel_size", "block_size", "max_num_seqs",
                      "max_num_batched_tokens", "trace_history"):
             positive(name)
@@ -65,15 +69,19 @@ class EngineConfig:
         if self.max_model_len is not None:
             positive("max_model_len")
         if self.block_size > 256:
-            raise ValueError(f"block_size={self.block_size} is too large; use 1..256 (16 is usual)")
+            raise InvalidArgumentError(f"block_size={self.block_size} is too large; use 1..256 "
+                                       "(16 is usual)", "block_size")
         if self.device.startswith("cuda") and self.block_size & (self.block_size - 1):
-            raise ValueError(f"block_size={self.block_size}: the GPU kernels need a power of two "
-                             "(1, 2, 4, ..., 256); any size works on the CPU")
+            raise InvalidArgumentError(f"block_size={self.block_size}: the GPU kernels need a "
+                                       "power of two (1, 2, 4, ..., 256); any size works on the "
+                                       "CPU", "block_size")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError("gpu_memory_utilization must be in (0, 1], got "
-                             f"{self.gpu_memory_utilization}")
+            raise InvalidArgumentError("gpu_memory_utilization must be in (0, 1], got "
+                                       f"{self.gpu_memory_utilization}", "gpu_memory_utilization")
         if self.load_format not in ("auto", "dummy"):
-            raise ValueError(f"load_format={self.load_format!r}; use 'auto' or 'dummy'")
+            raise InvalidArgumentError(f"load_format={self.load_format!r}; use 'auto' or 'dummy'",
+                                       "load_format")
         if self.device.startswith("cuda") and self.tensor_parallel_size > torch.cuda.device_count():
-            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} but only "
-                             f"{torch.cuda.device_count()} GPU(s) are visible")
+            raise InvalidArgumentError(f"tensor_parallel_size={self.tensor_parallel_size} but "
+                                       f"only {torch.cuda.device_count()} GPU(s) are visible",
+                                       "tensor_parallel_size")

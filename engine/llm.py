@@ -15,10 +15,11 @@ from typing import Callable
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .engine_core import EngineCore
-from .errors import EngineShutdownError, PromptTooLongError, RequestFailedError
+from .errors import (EngineFailedError, EngineShutdownError, InvalidArgumentError,
+                     PromptTooLongError, RequestFailedError)
 from .loader import resolve_model_path
 from .probes.spec import ProbeSpec
-from .sampling import SamplingParams
+from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .records import BlockInfo, EngineSnapshot, KVLayout
 from .sequence import RequestOutput, Sequence, TokenEvent
@@ -149,8 +150,9 @@ class LLM:
         self.eos_token_ids = _eos_ids(self.model_path, self.hf_config, self.tokenizer)
         limit = getattr(self.hf_config, "max_position_embeddings", None) or 4096
         if max_model_len is not None and max_model_len > limit:
-            raise ValueError(f"max_model_len={max_model_len} exceeds the model's "
-                             f"max_position_embeddings={limit}; use at most {limit}")
+            raise InvalidArgumentError(f"max_model_len={max_model_len} exceeds the model's "
+                                       f"max_position_embeddings={limit}; use at most {limit}",
+                                       "max_model_len")
         self.max_model_len = max_model_len or limit
         self.engine_id = next(_engine_ids)
         self._rng = random.Random(seed)
@@ -265,42 +267,48 @@ class LLM:
     def _encode(self, prompt) -> tuple[list[int], str | None]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError(f"{self.model_path} has no tokenizer; pass token-id lists")
+                raise InvalidArgumentError(f"{self.model_path} has no tokenizer; pass token-id "
+                                           "lists", "prompt")
             if not prompt:
-                raise ValueError("prompt is empty: give at least one character or token")
+                raise InvalidArgumentError("prompt is empty: give at least one character or "
+                                           "token", "prompt")
             return self.tokenizer.encode(prompt, add_special_tokens=False), prompt
         if _is_conversation(prompt):
             if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
-                raise ValueError("this checkpoint has no chat template; pass a plain prompt")
+                raise InvalidArgumentError("this checkpoint has no chat template; pass a plain "
+                                           "prompt", "prompt")
             from .prompt import encode_chat     # message text stays text: no role injection
             return encode_chat(self.tokenizer, list(prompt))
         if isinstance(prompt, (list, tuple)):
             bad = [t for t in prompt if not _is_token_id(t)]
             if bad:
-                raise ValueError(f"prompt token ids must be integers, got {bad[0]!r} "
-                                 f"({type(bad[0]).__name__})")
+                raise InvalidArgumentError(f"prompt token ids must be integers, got {bad[0]!r} "
+                                           f"({type(bad[0]).__name__})", "prompt")
             return [int(t) for t in prompt], None
-        raise ValueError(f"prompt must be a string, a list of token ids or a list of chat "
-                         f"messages, got {type(prompt).__name__}")
+        raise InvalidArgumentError(f"prompt must be a string, a list of token ids or a list of "
+                                   f"chat messages, got {type(prompt).__name__}", "prompt")
 
     def _make_sequence(self, prompt, params: SamplingParams | None, watch: ProbeSpec | None,
                        request_id: str | None) -> tuple[Sequence, str | None]:
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling must be a SamplingParams or None, "
-                             f"got {type(params).__name__}")
+            raise InvalidArgumentError(f"sampling must be a SamplingParams or None, "
+                                       f"got {type(params).__name__}", "sampling")
         if watch is not None and not isinstance(watch, ProbeSpec):
-            raise ValueError(f"watch must be a ProbeSpec or None, got {type(watch).__name__}")
+            raise InvalidArgumentError(f"watch must be a ProbeSpec or None, got "
+                                       f"{type(watch).__name__}", "watch")
         vocab = self.hf_config.vocab_size
         params.check_for_model(vocab)           # frozen: what is checked is what runs
         if watch is not None:                   # negative layers resolved, out of range refused
             watch = watch.resolve(self.hf_config.num_hidden_layers, vocab)
         ids, text = self._encode(prompt)
         if not ids:
-            raise ValueError("prompt is empty: give at least one character or token")
+            raise InvalidArgumentError("prompt is empty: give at least one character or token",
+                                       "prompt")
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+            raise InvalidArgumentError(f"token ids {bad[:5]} are outside the vocabulary "
+                                       f"[0, {vocab})", "prompt")
         if len(ids) >= self.max_model_len:
             cache_tokens = self.num_kv_blocks * self.block_size
             why = (f"the KV cache holds only {cache_tokens} tokens ({self.num_kv_blocks} blocks "
@@ -312,7 +320,8 @@ class LLM:
                 f"{why}, or shorten the prompt")
         rid = request_id or f"req-{self.engine_id}-{next(self._ids)}"
         if rid in self._seqs:
-            raise ValueError(f"request id {rid!r} is already in use")
+            raise InvalidArgumentError(f"request id {rid!r} is already in use; give a new one "
+                                       "(or None for a generated id)", "request_id")
         seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
         return Sequence(rid, ids, params, seed, watch), text
 
@@ -381,8 +390,8 @@ class LLM:
             if self._stop or not self._thread.is_alive():
                 raise EngineShutdownError("the engine has been shut down; create a new LLM")
             if self._error is not None:
-                raise RuntimeError(f"the engine failed ({self._error!r}) and cannot serve "
-                                   "requests; create a new LLM") from self._error
+                raise EngineFailedError(f"the engine failed ({self._error!r}) and cannot serve "
+                                        "requests; create a new LLM") from self._error
             self._seqs[seq.request_id] = seq
             self._sinks[seq.request_id] = sink
             self.probes.register(seq)
@@ -396,7 +405,8 @@ class LLM:
         if isinstance(ev, (RequestFailedError, EngineShutdownError)):
             raise ev
         if isinstance(ev, BaseException):
-            raise RuntimeError(f"the engine failed while running this request: {ev!r}") from ev
+            raise EngineFailedError(f"the engine failed while running this request: {ev!r}"
+                                    ) from ev
         return ev
 
     # ---- public API ------------------------------------------------------------------------------
@@ -406,14 +416,16 @@ class LLM:
                 isinstance(prompts, (list, tuple)) and prompts and _is_token_id(prompts[0])):
             prompts = [prompts]             # one prompt: a string, token ids, a conversation
         if not isinstance(prompts, (list, tuple)):
-            raise ValueError(f"prompts must be a string, a list of token ids, a list of chat "
-                             f"messages, or a list of those; got {type(prompts).__name__}")
+            raise InvalidArgumentError(f"prompts must be a string, a list of token ids, a list "
+                                       f"of chat messages, or a list of those; got "
+                                       f"{type(prompts).__name__}", "prompts")
         n = len(prompts)
         params = sampling if isinstance(sampling, (list, tuple)) else [sampling] * n
         watches = watch if isinstance(watch, (list, tuple)) else [watch] * n
         if len(params) != n or len(watches) != n:
-            raise ValueError(f"got {n} prompts but {len(params)} sampling params / "
-                             f"{len(watches)} watch specs; give one, or one per prompt")
+            raise InvalidArgumentError(f"got {n} prompts but {len(params)} sampling params / "
+                                       f"{len(watches)} watch specs; give one, or one per prompt",
+                                       "sampling" if len(params) != n else "watch")
         made = [self._make_sequence(p, s, w, None) for p, s, w in zip(prompts, params, watches)]
         queues = [self._submit(seq) for seq, _ in made]
         bar = None
@@ -548,11 +560,12 @@ class LLM:
     def read_kv_block(self, block_id: int, layer: int, head: int, which: str = "k"):
         """K or V of one physical block for one layer and KV head: [block_size, head_dim]."""
         if which not in ("k", "v"):
-            raise ValueError("which must be 'k' or 'v'")
+            raise InvalidArgumentError("which must be 'k' or 'v'", "which")
         if not 0 <= block_id < self.num_kv_blocks:
-            raise ValueError(f"block_id must be in [0, {self.num_kv_blocks})")
+            raise InvalidArgumentError(f"block_id must be in [0, {self.num_kv_blocks})", "block_id")
         if not 0 <= layer < self.hf_config.num_hidden_layers:
-            raise ValueError(f"layer must be in [0, {self.hf_config.num_hidden_layers})")
+            raise InvalidArgumentError(f"layer must be in [0, {self.hf_config.num_hidden_layers})",
+                                       "layer")
         with self._lock:
             self._check_open()
             return self.runner.read_kv_block(block_id, layer, head, 0 if which == "k" else 1)

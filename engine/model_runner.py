@@ -267,6 +267,9 @@ class ModelRunner:
         return [rank_layout(self.hf_config, r, self.tp.size, self.bytes_per_block * self.num_blocks)
                 for r in range(self.tp.size)]
 
+    def check_workers(self) -> None:
+        """The Runner protocol's worker check: one process has no worker to lose."""
+
     def shutdown(self) -> None:
         """Release the weights, the KV cache and the graphs (a later engine in this process
         gets the memory back)."""

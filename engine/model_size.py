@@ -3,6 +3,8 @@ cannot fit is refused with the memory it needs and the tensor-parallel size that
 instead of an out-of-memory error half way through loading."""
 from __future__ import annotations
 
+from .errors import OutOfCapacityError
+
 
 def param_count(cfg) -> int:
     """Parameters of a Qwen2/2.5/3 dense or MoE config (the engine's own layout)."""
@@ -45,7 +47,8 @@ def check_fits(cfg, tp_size: int, dtype_bytes: int, gpu_bytes: int, utilization:
     advice = (f"use tensor parallelism: --tp {fits} (tensor_parallel_size={fits}) holds "
               f"{total / fits / gb:.1f} GB per GPU" if fits else
               "it does not fit this machine's GPUs at any tensor-parallel size")
-    raise ValueError(
+    raise OutOfCapacityError(
         f"the weights need {total / gb:.1f} GB in {dtype_name} ({per_gpu / gb:.1f} GB per GPU "
         f"at tensor_parallel_size={tp_size}), but one GPU has {gpu_bytes / gb:.1f} GB "
-        f"({usable / gb:.1f} GB at gpu_memory_utilization={utilization}); {advice}")
+        f"({usable / gb:.1f} GB at gpu_memory_utilization={utilization}); {advice}",
+        "tensor_parallel_size")

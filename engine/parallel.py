@@ -6,7 +6,8 @@ Rank 0 sends every command (profile, allocate, capture, step) to the workers thr
 shared-memory broadcast ring (shm_broadcast.py: no pickled queue, no feeder thread on the hot
 path) and runs it itself at the same time; the collectives inside the forward keep them in
 step. Every rank samples the same tokens from the gathered logits, so the next step's pending
-input ids are already on every device.
+input ids are already on every device. The driver offers exactly the Runner protocol
+(engine/runner.py), and a worker runs only its commands listed in WORKER_COMMANDS.
 
 Failure handling: a worker reports an exception on a result queue; rank 0 checks the workers
 whenever it waits (start-up, a slot of the ring, the end of a step), so a worker that dies at
@@ -66,13 +67,41 @@ def _exit_with_parent(ppid: int) -> None:
             os._exit(3)
 
 
+# What a worker runs when rank 0 sends the command's name: the part of the Runner protocol
+# (engine/runner.py) whose work every rank does. A fixed table, so a message can only ever run
+# one of these; facts (kv_cache, tp_layout, ...) are read on rank 0 and never sent.
+WORKER_COMMANDS = {
+    "profile_num_blocks": ModelRunner.profile_num_blocks,
+    "allocate_kv_cache": ModelRunner.allocate_kv_cache,
+    "capture_graphs": ModelRunner.capture_graphs,
+    "execute_step": ModelRunner.execute_step,
+}
+REPLYING_COMMANDS = frozenset({"profile_num_blocks"})   # rank 0 waits for every rank's answer
+SHUTDOWN = "shutdown"
+
+
+class UnknownWorkerCommand(ValueError):
+    """Rank 0 sent a command outside WORKER_COMMANDS: a bug in the driver, never run."""
+
+
+def worker_command(cmd: str):
+    """The function a worker runs for `cmd`; UnknownWorkerCommand for anything else."""
+    fn = WORKER_COMMANDS.get(cmd) if isinstance(cmd, str) else None
+    if fn is None:
+        raise UnknownWorkerCommand(f"a TP worker runs only {sorted(WORKER_COMMANDS)} and "
+                                   f"{SHUTDOWN!r}; got {cmd!r}")
+    return fn
+
+
 def _worker_main(rank, size, port, config, hf_config, model_path, max_model_len, handle,
-                 res_q, ppid):
+                 res_q, ppid, hooks=None):
+    """A worker's life. `hooks`: None in production; tests install an object with
+    started(rank) and received(rank, cmd) (tests/tp_hooks.py) to make a worker fail or hang."""
     threading.Thread(target=_exit_with_parent, args=(ppid,), daemon=True,
                      name="glassbox-parent-watch").start()
     try:
-        if os.environ.get("GLASSBOX_TP_FAIL_AT_START") == str(rank):    # tests: start-up death
-            raise RuntimeError("worker start-up failure requested by GLASSBOX_TP_FAIL_AT_START")
+        if hooks is not None:
+            hooks.started(rank)
         torch.set_num_threads(max(1, (os.cpu_count() or size) // size))
         if config.device.startswith("cuda"):
             torch.cuda.set_device(rank)
@@ -82,15 +111,13 @@ def _worker_main(rank, size, port, config, hf_config, model_path, max_model_len,
         res_q.put(("ready", rank, None))
         while True:
             cmd, args = chan.recv(rank)
-            if cmd == "shutdown" and os.environ.get("GLASSBOX_TP_TEST_HANG") == str(rank):
-                import signal                      # tests: a worker deaf to shutdown and SIGTERM
-                signal.signal(signal.SIGTERM, signal.SIG_IGN)
-                time.sleep(3600)
-            if cmd == "shutdown":
+            if hooks is not None:
+                hooks.received(rank, cmd)
+            if cmd == SHUTDOWN:
                 res_q.put(("bye", rank, None))
                 os._exit(0)     # skip process-group destructors, which can block on exit
-            out = getattr(runner, cmd)(*args)
-            if cmd == "profile_num_blocks":
+            out = worker_command(cmd)(runner, *args)
+            if cmd in REPLYING_COMMANDS:
                 res_q.put(("ok", rank, out))
     except BaseException:
         res_q.put(("error", rank, f"rank {rank}: {traceback.format_exc()}"))
@@ -108,12 +135,18 @@ def _slot_bytes(config, max_model_len: int) -> int:
 
 
 class TPDriver:
-    """The ModelRunner interface over N ranks; rank 0's runner is local."""
+    """The Runner protocol (engine/runner.py) over N ranks, and nothing more: rank 0's runner is
+    local; the life-cycle commands go to every rank, the facts come from rank 0."""
+    # tests install hooks here (a picklable object, see _worker_main); production leaves None
+    worker_hooks = None
 
     def __init__(self, config, hf_config, model_path: str, max_model_len: int):
         self.size = n = config.tensor_parallel_size
         self.procs: list = []
         self._results: list = []
+        self.chan: ShmBroadcast | None = None
+        self.res_q = None
+        self.local: ModelRunner | None = None
         port = free_port()
         ctx = mp.get_context("spawn")
         # GPU ranks spin for a while between steps (a sleeping rank delays every collective of
@@ -125,7 +158,8 @@ class TPDriver:
         for rank in range(1, n):
             p = ctx.Process(target=_worker_main, daemon=True, name=f"glassbox-tp{rank}",
                             args=(rank, n, port, config, hf_config, model_path, max_model_len,
-                                  self.chan.handle(), self.res_q, os.getpid()))
+                                  self.chan.handle(), self.res_q, os.getpid(),
+                                  self.worker_hooks))
             p.start()
             self.procs.append(p)
         try:
@@ -159,11 +193,37 @@ class TPDriver:
         self._store = box["store"]
         return box["runner"]
 
-    def __getattr__(self, name):          # facts and read-only state come from rank 0
-        local = self.__dict__.get("local")
-        if local is None:
-            raise AttributeError(name)
-        return getattr(local, name)
+    # ---- facts: rank 0's -----------------------------------------------------------------------
+    @property
+    def model(self):
+        return self.local.model if self.local is not None else None
+
+    @property
+    def kv_cache(self):
+        return self.local.kv_cache if self.local is not None else None
+
+    @property
+    def device(self):
+        return self.local.device
+
+    @property
+    def num_params(self) -> int:
+        return self.local.num_params
+
+    @property
+    def moe_layers(self) -> list[int]:
+        return self.local.moe_layers
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.local.bytes_per_block
+
+    def tp_layout(self) -> list:
+        return self.local.tp_layout()
+
+    def read_kv_block(self, block_id: int, layer: int, head: int, kv: int):
+        """One of rank 0's KV heads (another rank's heads stay on its device)."""
+        return self.local.read_kv_block(block_id, layer, head, kv)
 
     # ---- plumbing ------------------------------------------------------------------------------
     def check_workers(self) -> None:
@@ -193,14 +253,15 @@ class TPDriver:
         self.chan.send((cmd, args), check=self.check_workers)
 
     def _run(self, cmd: str, *args):
+        run = worker_command(cmd)           # refused before anything is sent
         self._broadcast(cmd, *args)
         try:
-            return getattr(self.local, cmd)(*args)
+            return run(self.local, *args)
         except RuntimeError:          # a collective broke: most likely a worker died
             self.check_workers()
             raise
 
-    # ---- the ModelRunner interface --------------------------------------------------------------
+    # ---- life cycle: every rank ---------------------------------------------------------------
     def profile_num_blocks(self, max_num_batched_tokens: int, max_num_seqs: int) -> int:
         mine = self._run("profile_num_blocks", max_num_batched_tokens, max_num_seqs)
         # every rank must hold the same number of blocks: agree on the minimum
@@ -221,8 +282,7 @@ class TPDriver:
         return self._run("execute_step", inp)
 
     def shutdown(self) -> None:
-        procs = self.__dict__.get("procs", [])
-        chan = self.__dict__.get("chan")
+        procs, chan = self.procs, self.chan
         if chan is not None and any(p.is_alive() for p in procs):
             deadline = time.perf_counter() + 2.0
 
@@ -230,7 +290,7 @@ class TPDriver:
                 if time.perf_counter() > deadline or not all(p.is_alive() for p in procs):
                     raise TimeoutError
             try:
-                chan.send(("shutdown", ()), check=give_up)
+                chan.send((SHUTDOWN, ()), check=give_up)
             except (TimeoutError, ValueError):
                 pass
         for p in procs:
@@ -245,11 +305,10 @@ class TPDriver:
         if chan is not None:
             chan.close()
             self.chan = None
-        q = self.__dict__.get("res_q")
+        q = self.res_q
         if q is not None:
             q.close()
             q.join_thread()
             self.res_q = None
-        local = self.__dict__.get("local")
-        if local is not None:
-            local.shutdown()
+        if self.local is not None:
+            self.local.shutdown()

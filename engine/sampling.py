@@ -1,146 +1,24 @@
-"""SamplingParams and the sampler: greedy, temperature, top-k, top-p, min-p, seeds, logprobs.
+"""The device sampler: greedy, temperature, top-k, top-p, min-p, seeds, logprobs.
 
 The sampler is vectorised over the batch: per-request settings become tensors, and seeded
-randomness comes from a counter-based hash of (seed, position, token id), so a request's
-draws do not depend on what else is in the batch and no per-request generator loop is needed.
+randomness comes from a counter-based hash of (seed, position, token id) (sampling_noise.py),
+so a request's draws do not depend on what else is in the batch and no per-request generator
+loop is needed. The user-facing settings are SamplingParams (sampling_params.py), re-exported
+here so `from engine.sampling import SamplingParams` keeps working.
 """
 from __future__ import annotations
 
-import functools
-import math
-import numbers
 from dataclasses import dataclass
 
 import torch
 
-SEED_RANGE = (-(1 << 63), 1 << 63)     # the noise hash takes any int64 seed
-MAX_TOP_K = 1 << 31                      # above any vocabulary; top_k >= vocab keeps every token
-MAX_LOGPROBS = 20
+from .sampling_noise import uniform_noise
+from .sampling_params import MAX_LOGPROBS, MAX_TOP_K, SEED_RANGE, SamplingParams
+
+__all__ = ["SamplingParams", "SamplingTensors", "apply_filters", "sample", "uniform_noise",
+           "MAX_LOGPROBS", "MAX_TOP_K", "SEED_RANGE"]
 
 
-def _is_int(v) -> bool:
-    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
-
-
-def _is_number(v) -> bool:
-    return isinstance(v, numbers.Real) and not isinstance(v, bool)
-
-
-def _number(name: str, v) -> float:
-    if not _is_number(v):
-        raise ValueError(f"{name} must be a number, got {v!r} ({type(v).__name__})")
-    v = float(v)
-    if not math.isfinite(v):
-        raise ValueError(f"{name} must be finite, got {v!r}")
-    return v
-
-
-def _int(name: str, v, lo: int, hi: int | None, what: str) -> int:
-    """v as a Python int in [lo, hi) (hi None: no upper bound), else a ValueError saying `what`."""
-    if not _is_int(v) or v < lo or (hi is not None and v >= hi):
-        raise ValueError(f"{name} must be {what}, got {v!r}")
-    return int(v)
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """Per-request sampling settings, checked at construction and immutable after, so what the
-    engine samples with is what was validated. `check_for_model` adds the checks that need the
-    model (token ids against the vocabulary); the engine calls it when a request is submitted."""
-    temperature: float = 1.0        # 0 means greedy
-    top_k: int = 0                  # 0 means off
-    top_p: float = 1.0
-    min_p: float = 0.0
-    seed: int | None = None
-    max_tokens: int = 64
-    min_tokens: int = 0
-    ignore_eos: bool = False
-    stop: tuple[str, ...] | list[str] = ()
-    stop_token_ids: tuple[int, ...] | list[int] = ()
-    logprobs: int = 0               # k: return the top-k logprobs of every generated token
-
-    def __post_init__(self):
-        put = functools.partial(object.__setattr__, self)     # the dataclass is frozen
-        t = _number("temperature", self.temperature)
-        if t < 0:
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {t!r}")
-        put("temperature", t)
-        p = _number("top_p", self.top_p)
-        if not 0.0 < p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {p!r}")
-        put("top_p", p)
-        m = _number("min_p", self.min_p)
-        if not 0.0 <= m <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {m!r}")
-        put("min_p", m)
-        put("top_k", _int("top_k", self.top_k, 0, MAX_TOP_K,
-                          "an integer in [0, 2**31) (0 = off)"))
-        if self.seed is not None:
-            put("seed", _int("seed", self.seed, *SEED_RANGE,
-                             "None or an integer in [-2**63, 2**63)"))
-        put("max_tokens", _int("max_tokens", self.max_tokens, 1, None, "a positive integer"))
-        put("min_tokens", _int("min_tokens", self.min_tokens, 0, self.max_tokens + 1,
-                               f"an integer in [0, max_tokens={self.max_tokens}]"))
-        put("logprobs", _int("logprobs", self.logprobs, 0, MAX_LOGPROBS + 1,
-                             f"an integer in [0, {MAX_LOGPROBS}]"))
-        if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
-        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
-        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
-            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
-        if any(not s for s in stop):
-            raise ValueError("stop strings must be non-empty")
-        put("stop", tuple(stop))
-        ids = self.stop_token_ids
-        if not isinstance(ids, (list, tuple)) or not all(_is_int(i) and i >= 0 for i in ids):
-            raise ValueError(f"stop_token_ids must be a list of token ids (integers >= 0), "
-                             f"got {ids!r}")
-        put("stop_token_ids", tuple(int(i) for i in ids))
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
-    def check_for_model(self, vocab_size: int) -> None:
-        """The checks that need the model: token ids inside its vocabulary [0, vocab_size)."""
-        bad = [i for i in self.stop_token_ids if i >= vocab_size]
-        if bad:
-            raise ValueError(f"stop_token_ids {bad[:5]} are outside the vocabulary "
-                             f"[0, {vocab_size}); give token ids of this model")
-        if self.logprobs > vocab_size:
-            raise ValueError(f"logprobs={self.logprobs} exceeds the vocabulary size {vocab_size}")
-
-
-# ---- counter-based uniform noise -----------------------------------------------------------
-def _as_signed(c: int) -> int:
-    return c - (1 << 64) if c >= 1 << 63 else c
-
-
-_C0, _C1, _C2 = (_as_signed(0x9E3779B97F4A7C15), _as_signed(0xBF58476D1CE4E5B9),
-                 _as_signed(0x94D049BB133111EB))
-
-
-def _mix64(x: torch.Tensor) -> torch.Tensor:
-    """splitmix64 finaliser on int64 (wrapping multiply; logical shifts emulated by masks)."""
-    x = x ^ ((x >> 30) & ((1 << 34) - 1))
-    x = x * _C1
-    x = x ^ ((x >> 27) & ((1 << 37) - 1))
-    x = x * _C2
-    return x ^ ((x >> 31) & ((1 << 33) - 1))
-
-
-def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
-    """[B, vocab] uniforms in (0, 1), a pure function of (seed, position, token id)."""
-    key = _mix64(seeds.to(torch.int64) * _C0 + positions.to(torch.int64))          # [B]
-    ids = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
-    bits = _mix64(key[:, None] + ids[None, :] * _C0)                               # [B, V]
-    # 23 bits: (2**23 - 1) + 0.5 is exact in fp32, so u < 1 strictly. With 24 bits it rounded
-    # to 2**24, u == 1.0, E = -log u = 0: that token won whatever its probability (~1 draw in
-    # 111 at a 152k vocabulary).
-    return (((bits >> 41) & ((1 << 23) - 1)).float() + 0.5) * (1.0 / (1 << 23))
-
-
-# ---- the sampler ---------------------------------------------------------------------------
 @dataclass
 class SamplingTensors:
     """Per-row settings for one step, as device tensors."""

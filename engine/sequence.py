@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass, field
 
 from .probes.spec import ProbeSpec
-from .sampling import SamplingParams
+from .sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):

@@ -7,17 +7,42 @@ feeder thread, no pickled queue on the hot path (what made TP=2 slower than TP=1
 one memcpy, and a reader sees it within microseconds while it is busy (it yields, then backs
 off to sleeps when the engine is idle, so idle workers cost no CPU).
 
-Ordering relies on x86-64's total store order (payload stores become visible before the
-sequence number's); the sequence number is written last.
+Memory ordering. The protocol is correct only if other processes see the stores in program
+order: the writer stores the payload, then its length, then the sequence number; a reader that
+sees the new sequence number must also see that payload (and the writer, seeing a reader's ack,
+must know that reader has finished loading the slot). x86-64 guarantees this (total store
+order: stores are not reordered with stores, loads not with loads nor with later stores), and
+CPython cannot reorder them either (each store is a separate opaque C call). Weakly ordered
+CPUs (ARM, POWER, RISC-V) may make the sequence number visible before the payload, and Python
+has no memory fence to put between them. So the ring refuses any other machine with a clear
+error (`check_platform`) instead of handing a worker half a message; a port would publish the
+sequence number with a release store and read it with an acquire load (a small C extension).
 """
 from __future__ import annotations
 
 import os
 import pickle
+import platform
 import time
 from multiprocessing import shared_memory
 
 import numpy as np
+
+from .errors import InvalidArgumentError
+
+# machines whose memory model the ring's ordering argument (above) holds on
+PROVEN_MACHINES = frozenset({"x86_64", "amd64", "AMD64"})
+
+
+def check_platform(machine: str | None = None) -> None:
+    """Refuse a CPU whose store ordering the ring was not proven on (see the module's doc)."""
+    machine = platform.machine() if machine is None else machine
+    if machine not in PROVEN_MACHINES:
+        raise InvalidArgumentError(
+            f"tensor parallelism's shared-memory step broadcast relies on x86-64's store "
+            f"ordering and has not been proven on this {machine or 'unknown'} CPU, where a "
+            f"worker could read half a message; use tensor_parallel_size=1 here, or run "
+            f"tensor parallelism on an x86-64 host", "tensor_parallel_size")
 
 _HEADER = 2          # int64s per slot: sequence number, payload length
 
@@ -25,6 +50,7 @@ _HEADER = 2          # int64s per slot: sequence number, payload length
 class ShmBroadcast:
     def __init__(self, num_readers: int, slot_bytes: int = 4 << 20, num_slots: int = 4,
                  name: str | None = None, spin_s: float = 1e-3):
+        check_platform()        # before any shared memory exists: nothing to clean up
         self.num_readers, self.slot_bytes, self.num_slots = num_readers, slot_bytes, num_slots
         self.slot_stride = _HEADER * 8 + slot_bytes
         size = num_slots * self.slot_stride + num_readers * num_slots * 8
@@ -76,7 +102,7 @@ class ShmBroadcast:
         self.shm.buf[off:off + len(data)] = data
         head = self.heads[slot]
         head[1] = len(data)
-        head[0] = self.seq              # publish last
+        head[0] = self.seq              # publish last: in order on x86-64 (module doc)
         self.seq += 1
 
     # ---- reader --------------------------------------------------------------------------------

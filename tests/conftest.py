@@ -7,10 +7,15 @@ import sys
 import pytest
 import torch
 
-# Triton reads TRITON_INTERPRET when a kernel is defined: set it before anything (transformers
-# included) imports triton, so CPU machines run our kernels in the interpreter.
+# Interpret or compile is decided once per process, here: @triton.jit reads TRITON_INTERPRET when
+# a kernel is defined (at its module's import), and engine/kernels/moe_align.py reads it again
+# per call, so it must be set before anything (transformers included) imports triton and never
+# change afterwards. pytest imports this file before any test module, so no test module sets it
+# and the order in which they are imported cannot matter. CPU-only machines interpret; with CUDA
+# the kernels compile (`TRITON_INTERPRET=1 pytest ...` runs the CPU kernel tests there).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+TRITON_INTERPRETS = os.environ.get("TRITON_INTERPRET") == "1"
 
 sys.path.insert(0, os.path.dirname(__file__))
 from tiny_models import build_model_dir  # noqa: E402
@@ -30,6 +35,15 @@ def model_factory(tmp_path_factory):
             _BUILT[key] = build_model_dir(str(d), arch, **kw)
         return _BUILT[key]
     return make
+
+
+@pytest.fixture
+def triton_interpreter():
+    """For tests that run Triton kernels on CPU tensors: skipped in a process whose kernels
+    compile for the GPU (they cannot take CPU tensors, and the mode is fixed per process)."""
+    if not TRITON_INTERPRETS:
+        pytest.skip("Triton kernels compile in this process (CUDA is present); run these CPU "
+                    "kernel tests in their own process with TRITON_INTERPRET=1")
 
 
 @pytest.fixture(scope="session")

@@ -7,8 +7,9 @@ import shutil
 
 import pytest
 
-from engine import (LLM, CheckpointMismatchError, ModelNotFoundError, PromptTooLongError,
-                    SamplingParams, UnsupportedArchitectureError)
+from engine import (LLM, CheckpointMismatchError, EngineShutdownError, InvalidArgumentError,
+                    ModelNotFoundError, ProbeSpec, PromptTooLongError, SamplingParams,
+                    UnsupportedArchitectureError)
 from test_generate_vs_hf import hf_greedy, random_prompts
 
 MAX_MODEL_LEN = 64
@@ -65,6 +66,34 @@ def test_token_id_outside_the_vocabulary_is_rejected(llm, still_serving):
     with pytest.raises(ValueError, match=r"outside the vocabulary \[0, 512\)"):
         llm.generate([[5, 512, 7]], SamplingParams(max_tokens=4))
     still_serving()
+
+
+@pytest.mark.parametrize("call,param", [
+    (lambda llm: llm.generate([""]), "prompt"),
+    (lambda llm: llm.generate([[5, 512]]), "prompt"),
+    (lambda llm: llm.generate([[5, 6]] * 2, [SamplingParams()] * 3), "sampling"),
+    (lambda llm: llm.generate([[5, 6]], {"temperature": 0}), "sampling"),
+    (lambda llm: llm.generate([[5, 6]], watch="yes"), "watch"),
+    (lambda llm: llm.generate([[5, 6]], watch=ProbeSpec(layers=[99])), "watch.layers"),
+    (lambda llm: llm.generate([[5, 6]], SamplingParams(stop_token_ids=[10 ** 6])),
+     "stop_token_ids"),
+    (lambda llm: llm.generate([[5] * MAX_MODEL_LEN]), "prompt"),
+    (lambda llm: llm.read_kv_block(0, 0, 0, "q"), "which"),
+], ids=["empty", "vocab", "count", "type", "watch-type", "watch-layer", "stop-ids", "too-long",
+        "kv-which"])
+def test_a_bad_argument_names_itself_by_type(llm, call, param):
+    """The caller finds the argument in `param`, not by parsing the message."""
+    with pytest.raises(InvalidArgumentError) as err:
+        call(llm)
+    assert err.value.param == param
+    assert isinstance(err.value, ValueError)        # `except ValueError` still catches it
+
+
+def test_a_request_to_a_shut_down_engine_raises_engine_shutdown(qwen3_dir):
+    small = LLM(qwen3_dir, device="cpu", block_size=4, num_kv_blocks=8)
+    small.shutdown()
+    with pytest.raises(EngineShutdownError):
+        small.submit([5, 6], on_event=lambda ev: None)
 
 
 @pytest.mark.parametrize("kw,match", [
@@ -193,8 +222,9 @@ NAN, INF = float("nan"), float("inf")
     (dict(stop_token_ids=b"ab"), "stop_token_ids must be a list of token ids"),
 ], ids=lambda v: repr(v) if isinstance(v, dict) else "")
 def test_sampling_params_name_the_bad_field(kw, match):
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(InvalidArgumentError, match=match) as err:
         SamplingParams(**kw)
+    assert err.value.param == next(iter(kw))     # the field by name, whatever the message says
 
 
 def test_sampling_params_normalise_lists_to_tuples_and_numbers_to_python():

@@ -17,8 +17,7 @@ from engine.records import StepEntry
 from engine.probes.trace import RequestTrace
 from views import figures as F
 from views.canvas_chart import chart_value, empty_chart
-from views.figures_common import (EVICTABLE_COLOUR, FREE_COLOUR, PALETTE, PHASE_COLOURS,
-                                  short_text)
+from views.figures_common import EVICTABLE_COLOUR, FREE_COLOUR, PALETTE, PHASE_COLOURS
 from views.figures_kv import MAP_MIN_CELLS, MAP_ROW, MAX_MAP_CELLS
 from views.figures_layers import MAX_LENS_STEPS
 from views.figures_kv import kv_map_lists
@@ -36,6 +35,29 @@ def trace(rng, **kw):
     kw.setdefault("num_prompt", int(rng.integers(3, 14)))
     kw.setdefault("num_out", int(rng.integers(3, 14)))
     return make_trace(rng, **kw)
+
+
+# ---- expected values, from the figures' specification (never from the code under test) --------
+def expected_state(b) -> str:
+    """The map's legend: a block referenced by several requests is shared, by one owned; an
+    unreferenced block whose tokens stay cached for prefix hits is evictable; the rest free."""
+    if b.ref_count > 1:
+        return "shared"
+    if b.ref_count == 1:
+        return "owned"
+    return "evictable" if b.evictable else "free"
+
+
+def expected_colour(request_id: str) -> str:
+    """Sequential ids `req-N` take the palette's colours in turn."""
+    return PALETTE[int(request_id.rsplit("-", 1)[1]) % len(PALETTE)]
+
+
+def expected_label(text: str, limit: int) -> str:
+    """An axis label: at most `limit` characters, a cut one ending in an ellipsis (the texts
+    here have no whitespace to make visible)."""
+    assert text.strip() == text
+    return text if len(text) <= limit else text[:limit - 1] + "…"
 
 
 # ---- KV cache: the block map ----------------------------------------------------------------
@@ -58,12 +80,12 @@ def test_kv_map_has_one_cell_per_block_with_its_state(rng):
     cells = map_cells(payload)
     assert list(cells) == list(range(n)) and payload["shown"] == n
     assert {i: c.state for i, c in cells.items()} == \
-        {b.block_id: F.block_state(b) for b in snap.blocks}
+        {b.block_id: expected_state(b) for b in snap.blocks}
     # free blocks are implied, never listed; the legend counts every block once
     assert sorted(payload["ids"]) == sorted(b.block_id for b in snap.blocks
-                                            if F.block_state(b) != "free")
+                                            if expected_state(b) != "free")
     assert payload["counts"] == {**dict.fromkeys(["free", "evictable", "owned", "shared"], 0),
-                                 **Counter(F.block_state(b) for b in snap.blocks)}
+                                 **Counter(expected_state(b) for b in snap.blocks)}
     assert (payload["version"], payload["num_blocks"], payload["block_size"]) == \
         (version, n, snap.block_size)
 
@@ -82,7 +104,7 @@ def test_kv_map_derives_fill_and_owners_from_the_block_tables(rng):
         assert [a.owners[i] for i in owners] == b.owners, b
     payload = F.kv_map_data(snap)
     assert sum(payload["counts"].values()) == snap.num_blocks
-    assert payload["counts"]["free"] == sum(F.block_state(b) == "free" for b in snap.blocks)
+    assert payload["counts"]["free"] == sum(expected_state(b) == "free" for b in snap.blocks)
 
 
 def test_kv_map_draws_the_region_in_use_and_every_block_past_it_is_free(rng):
@@ -97,8 +119,8 @@ def test_kv_map_draws_the_region_in_use_and_every_block_past_it_is_free(rng):
     cells = map_cells(payload)
     assert list(cells) == list(range(shown))
     assert {i: c.state for i, c in cells.items()} == \
-        {b.block_id: F.block_state(b) for b in snap.blocks[:shown]}
-    assert all(F.block_state(b) == "free" for b in snap.blocks[shown:])
+        {b.block_id: expected_state(b) for b in snap.blocks[:shown]}
+    assert all(expected_state(b) == "free" for b in snap.blocks[shown:])
     # a big cache with little in use still draws MAP_MIN_CELLS blocks, not a sliver
     small = random_cache(rng, n, busy=3, ids=rng.choice(40, 3, replace=False))
     assert F.kv_map_data(small)["shown"] == MAP_MIN_CELLS
@@ -107,7 +129,7 @@ def test_kv_map_draws_the_region_in_use_and_every_block_past_it_is_free(rng):
 def test_kv_map_colours_owner_fill_and_evictable_grey(rng):
     snap = make_snapshot(rng)
     cells = map_cells(F.kv_map_data(snap))
-    c0, c1 = F.request_colour("req-0"), F.request_colour("req-1")
+    c0, c1 = PALETTE[0], PALETTE[1]
     assert c0 != c1
     assert cells[0].colour == c0 and cells[0].fill == snap.block_size   # full block
     assert cells[2].colour == c0 and cells[2].fill == 3                  # 3 of 4 slots written
@@ -123,11 +145,11 @@ def test_kv_map_colours_owner_fill_and_evictable_grey(rng):
     for b in snap.blocks:
         c = cells[b.block_id]
         if b.ref_count:
-            assert c.colour == F.request_colour(b.owners[0]), b      # coloured by its owner
+            assert c.colour == expected_colour(b.owners[0]), b      # coloured by its owner
             assert (c.owners, c.ref, c.fill) == (b.owners, b.ref_count, b.num_filled)
         else:
             assert c.colour == (EVICTABLE_COLOUR if b.evictable else FREE_COLOUR)
-    assert payload["colours"] == [F.request_colour(r) for r in payload["owners"]]
+    assert payload["colours"] == [expected_colour(r) for r in payload["owners"]]
     assert payload["running"] == [r in snap.running for r in payload["owners"]]
     # sequential ids get distinct colours: same colour only 16 apart (the palette's length)
     for a, ca in zip(payload["owners"], payload["colours"]):
@@ -149,7 +171,7 @@ def test_kv_map_hover_card_shows_id_state_refcount_owners_and_decoded_text(rng):
     cached = next(b for b in snap.blocks if b.evictable)
     tip = F.block_detail(cached, bs, decode)
     assert "evictable · ref 0" in tip and "owners: —" in tip and decode(cached.token_ids) in tip
-    free = next(b for b in snap.blocks if F.block_state(b) == "free")
+    free = next(b for b in snap.blocks if expected_state(b) == "free")
     assert F.block_detail(free, bs, decode) == f"block {free.block_id} · free"
 
 
@@ -167,8 +189,8 @@ def test_kv_map_of_a_10000_block_cache_draws_every_block_of_a_running_request(rn
     assert owned_by_running <= set(cells)
     for b in (snap.blocks[i] for i in owned_by_running):
         c = cells[b.block_id]
-        assert (c.state, c.owners, c.colour) == (F.block_state(b), b.owners,
-                                                 F.request_colour(b.owners[0]))
+        assert (c.state, c.owners, c.colour) == (expected_state(b), b.owners,
+                                                 expected_colour(b.owners[0]))
     assert payload["counts"]["owned"] + payload["counts"]["shared"] == busy
     assert sum(payload["counts"].values()) == n
 
@@ -238,7 +260,7 @@ def test_block_tables_list_physical_ids_and_mark_shared(rng):
         row = html.split(f'data-request="{rid}"')[1].split('data-request=')[0]
         assert re.findall(r'>(\d+)</span>', row) == [str(b) for b in table]
         assert row.count("kv-tshared") == sum(ref[b] > 1 for b in table)
-        assert f"border-color:{F.request_colour(rid)}" in row
+        assert f"border-color:{expected_colour(rid)}" in row
 
 
 def test_kv_usage_figure_has_fixed_axes_and_uirevision(rng):
@@ -334,7 +356,7 @@ def test_logit_lens_chart_layer_by_step_with_top_token_text(rng):
     assert z.shape == (tr.num_layers, len(tr.lens))
     assert np.array_equal(z, np.stack([s.top_probs[:, 0] for s in tr.lens], axis=1))
     assert spec["zmin"] == 0 and spec["zmax"] == 1
-    assert spec["cell_text"] == [[short_text(decode([int(s.top_ids[l, 0])]), 8) for s in tr.lens]
+    assert spec["cell_text"] == [[expected_label(decode([int(s.top_ids[l, 0])]), 8) for s in tr.lens]
                                  for l in range(tr.num_layers)]
     assert spec["x_values"] == [s.position for s in tr.lens]       # a click scrubs to these
     assert [(m["from"], m["to"]) for m in spec["col_outlines"]] == [(pick, pick + 1)]

@@ -95,18 +95,22 @@ def test_shutdown_fails_in_flight_streams_at_once(qwen3_dir):
     llm = LLM(qwen3_dir, device="cpu", block_size=4)
     long = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
     got: dict = {}
+    streaming = [threading.Event() for _ in range(3)]     # set at a stream's first token
 
     def consume(i):
         try:
             for _ in llm.stream(random_prompts([5], seed=40 + i)[0], long):
-                pass
+                streaming[i].set()
             got[i] = "finished"
         except Exception as e:      # noqa: BLE001
             got[i] = e
+        finally:
+            streaming[i].set()      # an early failure must not leave the test waiting
     threads = [threading.Thread(target=consume, args=(i,)) for i in range(3)]
     for t in threads:
         t.start()
-    time.sleep(0.5)
+    assert all(ev.wait(120) for ev in streaming), "a stream never produced a token"
+    assert not got, f"a stream ended before the shutdown: {got}"
     t0 = time.time()
     llm.shutdown()
     for t in threads:
@@ -149,25 +153,28 @@ def test_engines_shut_down_mid_burst_do_not_accumulate(qwen3_dir):
     for cycle in range(4):
         llm = LLM(qwen3_dir, device="cpu", block_size=4)
         ended = []
+        streaming = [threading.Event() for _ in range(6)]     # set at a stream's first token
 
-        def consume(i, llm=llm):
+        def consume(i, llm=llm, streaming=streaming):
             try:
                 for _ in llm.stream(random_prompts([9], seed=60 + i)[0],
                                     SamplingParams(temperature=0.8, max_tokens=400,
                                                    ignore_eos=True)):
-                    pass
+                    streaming[i].set()
             except EngineShutdownError:
                 ended.append(i)
+            finally:
+                streaming[i].set()
         burst = [threading.Thread(target=consume, args=(i,)) for i in range(6)]
         for t in burst:
             t.start()
-        time.sleep(0.3)
+        assert all(ev.wait(120) for ev in streaming), "a stream never produced a token"
         ref = weakref.ref(llm)
         llm.shutdown()
         for t in burst:
             t.join(10)
         assert sorted(ended) == list(range(6))
-        del llm, consume, burst
+        del llm, consume, burst, streaming
         gc.collect()
         assert ref() is None, "something still holds the shut-down engine"
         rss.append(_rss_mb())

@@ -2,22 +2,12 @@
 compiled where CUDA is present), and each reference against an independent dense computation,
 so a wrong reference fails too."""
 import os
-
-import torch  # does not import triton
-
-# On a CPU-only machine the kernels run in Triton's interpreter. TRITON_INTERPRET must be set
-# before triton is first imported (transformers imports it too): @triton.jit reads it at
-# decoration time. With CUDA present the same tests run compiled on the GPU and the environment
-# is left alone, so a `-m gpu` session is not switched to the interpreter by collecting this file.
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-if DEVICE == "cpu":
-    os.environ["TRITON_INTERPRET"] = "1"
-
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 import triton.language.standard as triton_stdlib
 import triton.runtime.jit as triton_jit
 from transformers import Qwen3Config
@@ -25,15 +15,18 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, Qwen3RotaryEm
 
 pytestmark = pytest.mark.filterwarnings("ignore:divide by zero encountered in log2")  # lse of an empty split
 
+# On a CPU-only machine the kernels run in Triton's interpreter, which tests/conftest.py turns on
+# for the whole process before anything imports triton; with CUDA present they run compiled.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
 
 from engine.kernels import activation, rmsnorm as norm, rotary, store_kvcache as kvstore
 from engine.kernels import qk_norm_rope_store as fused
 from engine.kernels import attention_probe as probe, decode_attention as decode, prefill_attention as prefill
 
-# If an earlier test module imported triton with the interpreter off, triton's own library
-# (tl.sum, tl.cdiv, ...) and our kernels are compiled-only and cannot be rebuilt in this process:
-# run this file again in a fresh one instead (a tests/conftest.py that sets TRITON_INTERPRET on
-# CPU-only machines avoids the detour).
+# If triton was imported with the interpreter off on a CPU-only machine (TRITON_INTERPRET=0 given
+# by hand), triton's own library (tl.sum, ...) and our kernels are compiled-only and cannot be
+# rebuilt in this process: run this file again in a fresh one with the interpreter instead.
 TRITON_IMPORTED_COMPILED = DEVICE == "cpu" and any(
     isinstance(fn, triton_jit.JITFunction) for fn in (triton_stdlib.sum, decode._decode_split_kernel))
 

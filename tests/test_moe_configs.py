@@ -2,9 +2,6 @@
 in engine/layers/moe.py choosing the GEMV or grouped path on either side of a tuned threshold, and
 bench/tune_moe.py writing tables the dispatcher then uses (CPU, Triton interpreter)."""
 import json
-import os
-
-os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere
 
 import pytest
 import torch
@@ -18,6 +15,9 @@ from engine.layers import moe as moe_layer
 E, K, H, I = 8, 2, 32, 16
 GEMV = MoEGemvConfig(KernelTile(8, 16, 1), KernelTile(16, 16, 1))
 GROUPED = MoEKernelConfig(16, KernelTile(16, 16, 4, 2), KernelTile(16, 16, 4, 2, group_m=2))
+# CPU tensors through Triton: the interpreter, which tests/conftest.py turns on for the whole
+# process before anything imports triton (never this module: import order must not matter)
+pytestmark = pytest.mark.usefixtures("triton_interpreter")
 
 
 def _inputs(n, seed):

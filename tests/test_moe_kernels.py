@@ -2,9 +2,6 @@
 (Triton interpreter) vs torch and HF transformers."""
 
 import functools
-import os
-
-os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere
 
 import pytest
 import torch
@@ -22,6 +19,9 @@ from engine.kernels.moe_routing import FUSED_MAX_TOKENS, _route_triton, route, r
 
 E, K, H, I = 8, 2, 32, 16
 TOKENS = [1, 7, 33]
+# CPU tensors through Triton: the interpreter, which tests/conftest.py turns on for the whole
+# process before anything imports triton (never this module: import order must not matter)
+pytestmark = pytest.mark.usefixtures("triton_interpreter")
 
 
 def _gen(seed: int) -> torch.Generator:

@@ -12,8 +12,9 @@ pytestmark = pytest.mark.gpu
 
 if os.environ.get("TRITON_INTERPRET") == "1":
     # triton.jit decides interpret-or-compile at decoration time, process-wide
-    pytest.skip("TRITON_INTERPRET=1 in this process (a CPU test module set it); run GPU tests in their own "
-                "pytest process: pytest -m gpu tests/test_moe_kernels_gpu.py", allow_module_level=True)
+    pytest.skip("TRITON_INTERPRET=1 in this process (set by hand: tests/conftest.py leaves it off "
+                "where CUDA is present); run: pytest -m gpu tests/test_moe_kernels_gpu.py",
+                allow_module_level=True)
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 

@@ -32,13 +32,19 @@ def _run(path, prompts, params, overlap, watch=None, **kw):
 
 
 def _same(a, b):
+    assert len(a) == len(b)
     for x, y in zip(a, b):
         assert x.token_ids == y.token_ids
         assert x.finish_reason == y.finish_reason
         assert x.text == y.text
+        assert len(x.logprobs) == len(y.logprobs)
         np.testing.assert_allclose([lp.logprob for lp in x.logprobs],
                                    [lp.logprob for lp in y.logprobs], atol=1e-6)
-        assert [lp.top for lp in x.logprobs].__len__() == len(y.logprobs)
+        for i, (p, q) in enumerate(zip(x.logprobs, y.logprobs)):
+            # the same top-k alternatives with the same logprobs, not only as many of them
+            assert sorted(p.top) == sorted(q.top), (x.request_id, i, p.top, q.top)
+            np.testing.assert_allclose([p.top[t] for t in sorted(p.top)],
+                                       [q.top[t] for t in sorted(p.top)], atol=1e-6)
 
 
 def test_overlap_equals_serial_greedy_and_seeded_sampling(qwen3_dir):

@@ -1,19 +1,13 @@
 """skinny_linear on CPU through Triton's interpreter (compiled where CUDA is present) against
 torch.nn.functional.linear: ragged N and K, both inner products, split-K, bias, weight views."""
-import os
-
-import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (conftest does too)
-
 import pytest
+import torch
 
 from engine.kernels.skinny_gemm import (
     MAX_M, SkinnyConfig, fma_acc_regs, pick_config, skinny_linear, skinny_linear_ref,
 )
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"   # the CPU: conftest's interpreter
 C = SkinnyConfig
 # Small blocks so N = 200 / 64 and K = 96 / 320 leave ragged tiles and partial K chunks, and
 # few programs, since the interpreter pays per program.

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from engine import LLM, ProbeSpec, SamplingParams, WorkerDiedError
+from engine.runner import Runner
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [3, 4, 5], [20, 21, 22, 23, 24, 25]]
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
@@ -19,6 +20,7 @@ def _run(path, tp, watch=None, **kw):
     llm = LLM(path, num_kv_blocks=48, block_size=4, tensor_parallel_size=tp,
               record_expert_load=True, **kw)
     procs = list(getattr(llm.runner, "procs", []))
+    assert isinstance(llm.runner, Runner)
     try:
         outs = llm.generate(PROMPTS, GREEDY, watch=[watch, None, None])
         trace = llm.trace(outs[0].request_id) if watch else None
@@ -125,9 +127,26 @@ def test_killed_worker_raises_on_rank0_within_seconds(model_factory):
         assert shm_name not in os.listdir("/dev/shm"), "the step broadcast ring was left behind"
 
 
+def test_a_worker_refuses_a_command_outside_the_protocol(model_factory):
+    """Sent past the driver's own check, straight into the ring: the worker reports it and
+    exits instead of running whatever the name resolves to."""
+    llm = LLM(model_factory("qwen3"), num_kv_blocks=48, block_size=4, tensor_parallel_size=2)
+    try:
+        llm.runner.chan.send(("__init__", ()))
+        deadline = time.time() + 30
+        with pytest.raises(WorkerDiedError, match="runs only"):
+            while time.time() < deadline:
+                llm.runner.check_workers()
+                time.sleep(0.05)
+    finally:
+        llm.shutdown()
+
+
 def test_worker_that_dies_at_start_up_raises_at_once(model_factory, monkeypatch):
     path = model_factory("qwen3")
-    monkeypatch.setenv("GLASSBOX_TP_FAIL_AT_START", "1")
+    from engine.parallel import TPDriver
+    from tp_hooks import FailAtStart
+    monkeypatch.setattr(TPDriver, "worker_hooks", FailAtStart(rank=1))
     t0 = time.time()
     with pytest.raises(WorkerDiedError, match="start-up failure"):
         LLM(path, num_kv_blocks=48, block_size=4, tensor_parallel_size=2)
@@ -194,7 +213,9 @@ def test_tp_group_binding_is_per_thread():
 
 
 def test_shutdown_kills_a_worker_that_ignores_terminate(model_factory, monkeypatch):
-    monkeypatch.setenv("GLASSBOX_TP_TEST_HANG", "1")
+    from engine.parallel import TPDriver
+    from tp_hooks import DeafToShutdown
+    monkeypatch.setattr(TPDriver, "worker_hooks", DeafToShutdown(rank=1))
     llm = LLM(model_factory("qwen3"), num_kv_blocks=48, block_size=4, tensor_parallel_size=2)
     procs = list(llm.runner.procs)
     t0 = time.time()

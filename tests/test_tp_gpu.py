@@ -138,7 +138,9 @@ def test_killed_worker_raises_within_5s_mid_generation(model_factory):
 
 
 def test_worker_start_up_failure_raises_at_once(model_factory, monkeypatch):
-    monkeypatch.setenv("GLASSBOX_TP_FAIL_AT_START", "1")
+    from engine.parallel import TPDriver
+    from tp_hooks import FailAtStart
+    monkeypatch.setattr(TPDriver, "worker_hooks", FailAtStart(rank=1))
     t0 = time.time()
     with pytest.raises(WorkerDiedError):
         LLM(str(model_factory("qwen3")), device="cuda", tensor_parallel_size=2, num_kv_blocks=64)

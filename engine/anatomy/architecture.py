@@ -41,7 +41,7 @@ class Architecture:
         return self.num_heads // self.num_kv_heads
 
     def as_config(self) -> SimpleNamespace:
-        """The config attributes engine/probes/tp_layout.rank_layout reads."""
+        """The config attributes engine/tp_layout.rank_layout reads."""
         return SimpleNamespace(
             num_attention_heads=self.num_heads, num_key_value_heads=self.num_kv_heads,
             intermediate_size=self.intermediate_size, num_experts=self.num_experts,

@@ -1,6 +1,6 @@
 """What each tensor-parallel rank holds and where the ranks talk, at the running degree and
 "what if" at another: query and KV heads, MLP and expert slices, vocabulary rows
-(engine/probes/tp_layout.rank_layout), parameters and bytes per rank, the collectives of a
+(engine/tp_layout.rank_layout), parameters and bytes per rank, the collectives of a
 forward (read from the modules' code), and whether the weights fit one GPU."""
 from __future__ import annotations
 

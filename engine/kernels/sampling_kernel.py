@@ -1,5 +1,5 @@
 """Fused temperature sampling: per row, argmax_v logits[v] / T - log(-log u[v]) (greedy argmax where
-T == 0), with u[v] the same counter-based uniform as engine.sampling.uniform_noise.
+T == 0), with u[v] the same counter-based uniform as engine.sampling_noise.uniform_noise.
 
 Adding Gumbel noise -log(-log u) to log p = l / T - logZ and taking the argmax is the exponential
 race argmax p / E with E = -log u, written in log space: the same draw the torch sampler makes,
@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from engine.sampling import uniform_noise
+from engine.sampling_noise import uniform_noise
 
 # splitmix64 constants (golden-ratio increment and the two finaliser multipliers), as unsigned;
 # tl.constexpr(...) objects, which Triton lets a kernel read as globals

@@ -2,13 +2,16 @@
 
 Types are checked at construction; `resolve` checks the spec against the model (layer indices,
 the lens top-k against the vocabulary) when the request is submitted, so a spec that does not
-fit fails that caller with a ValueError instead of failing the engine step.
+fit fails that caller with an InvalidArgumentError (a ValueError) whose `param` names the
+field, `watch.<field>`, instead of failing the engine step.
 """
 from __future__ import annotations
 
 import dataclasses
 import numbers
 from dataclasses import dataclass
+
+from ..errors import InvalidArgumentError
 
 
 def _is_int(v) -> bool:
@@ -20,8 +23,8 @@ def _layer_tuple(name: str, v, allow_none: bool) -> tuple[int, ...] | None:
         return None
     if not isinstance(v, (list, tuple)) or not all(_is_int(l) for l in v):
         what = "None or a list of layer indices" if allow_none else "a list of layer indices"
-        raise ValueError(f"ProbeSpec.{name} must be {what} (integers; negative counts from "
-                         f"the last layer), got {v!r}")
+        raise InvalidArgumentError(f"ProbeSpec.{name} must be {what} (integers; negative "
+                                   f"counts from the last layer), got {v!r}", f"watch.{name}")
     return tuple(int(l) for l in v)
 
 
@@ -39,12 +42,13 @@ class ProbeSpec:
     def __post_init__(self):
         for name in ("norms", "logit_lens", "attention", "routing"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"ProbeSpec.{name} must be True or False, "
-                                 f"got {getattr(self, name)!r}")
+                raise InvalidArgumentError(f"ProbeSpec.{name} must be True or False, "
+                                           f"got {getattr(self, name)!r}", f"watch.{name}")
         for name in ("lens_top_k", "prefill_pattern_cap"):
             v = getattr(self, name)
             if not _is_int(v) or v < 1:
-                raise ValueError(f"ProbeSpec.{name} must be an integer >= 1, got {v!r}")
+                raise InvalidArgumentError(f"ProbeSpec.{name} must be an integer >= 1, "
+                                           f"got {v!r}", f"watch.{name}")
             object.__setattr__(self, name, int(v))
         # lists become tuples: the spec stays hashable and cannot change under the engine
         object.__setattr__(self, "layers", _layer_tuple("layers", self.layers, True))
@@ -57,22 +61,25 @@ class ProbeSpec:
 
     def resolve(self, num_layers: int, vocab_size: int) -> "ProbeSpec":
         """This spec for a model with num_layers layers and vocab_size tokens: negative layer
-        indices counted from the end (Python style), duplicates dropped; a ValueError naming
-        the field for a layer outside [-num_layers, num_layers) or lens_top_k > vocab_size."""
+        indices counted from the end (Python style), duplicates dropped; an InvalidArgumentError
+        naming the field for a layer outside [-num_layers, num_layers) or lens_top_k >
+        vocab_size."""
         def fix(name: str, layers: tuple[int, ...]) -> tuple[int, ...]:
             out: list[int] = []
             for l in layers:
                 if not -num_layers <= l < num_layers:
-                    raise ValueError(
+                    raise InvalidArgumentError(
                         f"ProbeSpec.{name}: layer {l} is out of range for this model's "
-                        f"{num_layers} layers; valid indices are [-{num_layers}, {num_layers})")
+                        f"{num_layers} layers; valid indices are [-{num_layers}, {num_layers})",
+                        f"watch.{name}")
                 l %= num_layers
                 if l not in out:
                     out.append(l)
             return tuple(out)
         if self.lens_top_k > vocab_size:
-            raise ValueError(f"ProbeSpec.lens_top_k={self.lens_top_k} exceeds the model's "
-                             f"vocabulary of {vocab_size} tokens; use at most {vocab_size}")
+            raise InvalidArgumentError(f"ProbeSpec.lens_top_k={self.lens_top_k} exceeds the "
+                                       f"model's vocabulary of {vocab_size} tokens; use at most "
+                                       f"{vocab_size}", "watch.lens_top_k")
         return dataclasses.replace(
             self, layers=None if self.layers is None else fix("layers", self.layers),
             prefill_pattern_layers=fix("prefill_pattern_layers", self.prefill_pattern_layers))

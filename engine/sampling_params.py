@@ -1,0 +1,119 @@
+"""SamplingParams: one request's sampling settings as the user gives them (greedy, temperature,
+top-k, top-p, min-p, seed, stop conditions, logprobs), validated at construction.
+
+Apart from the device sampler (engine/sampling.py), which turns a batch of these into tensors:
+what a caller writes needs no torch, and the sampler, its fused kernel and the noise they share
+form no import cycle with it. Every bad value raises InvalidArgumentError whose `param` is the
+field's name.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import numbers
+from dataclasses import dataclass
+
+from .errors import InvalidArgumentError
+
+SEED_RANGE = (-(1 << 63), 1 << 63)     # the noise hash takes any int64 seed
+MAX_TOP_K = 1 << 31                      # above any vocabulary; top_k >= vocab keeps every token
+MAX_LOGPROBS = 20
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, numbers.Real) and not isinstance(v, bool)
+
+
+def _number(name: str, v) -> float:
+    if not _is_number(v):
+        raise InvalidArgumentError(f"{name} must be a number, got {v!r} "
+                                   f"({type(v).__name__})", name)
+    v = float(v)
+    if not math.isfinite(v):
+        raise InvalidArgumentError(f"{name} must be finite, got {v!r}", name)
+    return v
+
+
+def _int(name: str, v, lo: int, hi: int | None, what: str) -> int:
+    """v as a Python int in [lo, hi) (hi None: no upper bound), else an error saying `what`."""
+    if not _is_int(v) or v < lo or (hi is not None and v >= hi):
+        raise InvalidArgumentError(f"{name} must be {what}, got {v!r}", name)
+    return int(v)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling settings, checked at construction and immutable after, so what the
+    engine samples with is what was validated. `check_for_model` adds the checks that need the
+    model (token ids against the vocabulary); the engine calls it when a request is submitted."""
+    temperature: float = 1.0        # 0 means greedy
+    top_k: int = 0                  # 0 means off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 64
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop: tuple[str, ...] | list[str] = ()
+    stop_token_ids: tuple[int, ...] | list[int] = ()
+    logprobs: int = 0               # k: return the top-k logprobs of every generated token
+
+    def __post_init__(self):
+        put = functools.partial(object.__setattr__, self)     # the dataclass is frozen
+        t = _number("temperature", self.temperature)
+        if t < 0:
+            raise InvalidArgumentError(f"temperature must be >= 0 (0 = greedy), got {t!r}",
+                                       "temperature")
+        put("temperature", t)
+        p = _number("top_p", self.top_p)
+        if not 0.0 < p <= 1.0:
+            raise InvalidArgumentError(f"top_p must be in (0, 1], got {p!r}", "top_p")
+        put("top_p", p)
+        m = _number("min_p", self.min_p)
+        if not 0.0 <= m <= 1.0:
+            raise InvalidArgumentError(f"min_p must be in [0, 1], got {m!r}", "min_p")
+        put("min_p", m)
+        put("top_k", _int("top_k", self.top_k, 0, MAX_TOP_K,
+                          "an integer in [0, 2**31) (0 = off)"))
+        if self.seed is not None:
+            put("seed", _int("seed", self.seed, *SEED_RANGE,
+                             "None or an integer in [-2**63, 2**63)"))
+        put("max_tokens", _int("max_tokens", self.max_tokens, 1, None, "a positive integer"))
+        put("min_tokens", _int("min_tokens", self.min_tokens, 0, self.max_tokens + 1,
+                               f"an integer in [0, max_tokens={self.max_tokens}]"))
+        put("logprobs", _int("logprobs", self.logprobs, 0, MAX_LOGPROBS + 1,
+                             f"an integer in [0, {MAX_LOGPROBS}]"))
+        if not isinstance(self.ignore_eos, bool):
+            raise InvalidArgumentError(f"ignore_eos must be True or False, got {self.ignore_eos!r}",
+                                       "ignore_eos")
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
+            raise InvalidArgumentError(f"stop must be a string or a list of strings, got "
+                                       f"{self.stop!r}", "stop")
+        if any(not s for s in stop):
+            raise InvalidArgumentError("stop strings must be non-empty", "stop")
+        put("stop", tuple(stop))
+        ids = self.stop_token_ids
+        if not isinstance(ids, (list, tuple)) or not all(_is_int(i) and i >= 0 for i in ids):
+            raise InvalidArgumentError(f"stop_token_ids must be a list of token ids (integers "
+                                       f">= 0), got {ids!r}", "stop_token_ids")
+        put("stop_token_ids", tuple(int(i) for i in ids))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def check_for_model(self, vocab_size: int) -> None:
+        """The checks that need the model: token ids inside its vocabulary [0, vocab_size)."""
+        bad = [i for i in self.stop_token_ids if i >= vocab_size]
+        if bad:
+            raise InvalidArgumentError(f"stop_token_ids {bad[:5]} are outside the vocabulary "
+                                       f"[0, {vocab_size}); give token ids of this model",
+                                       "stop_token_ids")
+        if self.logprobs > vocab_size:
+            raise InvalidArgumentError(f"logprobs={self.logprobs} exceeds the vocabulary size "
+                                       f"{vocab_size}", "logprobs")
