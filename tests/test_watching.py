@@ -183,8 +183,8 @@ def _handlers(demo: gr.Blocks) -> dict:
     return fns
 
 
-def test_kv_and_anatomy_handlers_meet_a_shut_down_engine_with_a_clear_state(model_factory):
-    from views import anatomy, kv_cache
+def test_every_tab_meets_a_shut_down_engine_with_a_clear_state(model_factory):
+    from views import anatomy, engine_view, kv_cache, layers
     from views.live import EngineHub
     llm = LLM(model_factory("qwen3"), device="cpu", block_size=4, num_kv_blocks=64)
     llm.generate([ids(1, 20)], greedy(3), watch=ProbeSpec())
@@ -192,6 +192,9 @@ def test_kv_and_anatomy_handlers_meet_a_shut_down_engine_with_a_clear_state(mode
     with gr.Blocks() as demo:
         kv_tab = kv_cache.build(hub)
         anatomy.build(hub)
+    with gr.Blocks():
+        layers_tab = layers.build(hub)
+        engine_tab = engine_view.build(hub)
     fns = _handlers(demo)
     request = gr.Request()
     # the switch's window: the old engine is shut down, `switching` set or not yet set
@@ -209,3 +212,6 @@ def test_kv_and_anatomy_handlers_meet_a_shut_down_engine_with_a_clear_state(mode
         assert isinstance(refresh, dict) and any("switched" in str(v) for v in refresh.values())
         on_block = fns["on_block"](2)
         assert "switched" in str(on_block[-1])
+        assert engine_tab.refresh({}) is not None
+        out = layers_tab.refresh({}, None, None, True, None, None, request)
+        assert isinstance(out, (list, tuple, dict))
