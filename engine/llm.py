@@ -521,6 +521,13 @@ class LLM:
                 self._held("trace", t0, c0)
             return tr
 
+    def steps_since(self, cursor: int = 0) -> tuple[tuple, int]:
+        """(the step traces recorded since `cursor` that the bounded ring still holds, the new
+        cursor): a reader that keeps its own longer history folds in only the new steps,
+        O(new steps) under the lock. Start with cursor 0 (or a snapshot's `step_count`)."""
+        with self._lock:
+            return self.core.steps.since(cursor)
+
     def block_info(self, block_id: int) -> BlockInfo:
         """One physical block now, with the token ids it holds and its prefix hash: read on
         demand for this block only (a hover card), under the lock in O(block_size)."""

@@ -163,6 +163,7 @@ class EngineSnapshot:
     collective_time: float | None = None
     collective_time_step: int | None = None
     async_scheduling: bool = False
+    step_count: int = 0                     # steps ever recorded: a cursor for LLM.steps_since
 
     @property
     def prefix_hit_rate(self) -> float:

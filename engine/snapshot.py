@@ -42,4 +42,4 @@ def take_snapshot(llm) -> EngineSnapshot:
         num_kv_heads=llm.hf_config.num_key_value_heads,
         collective_time=timed.collective_time if timed else None,
         collective_time_step=timed.step_id if timed else None,
-        async_scheduling=llm.async_scheduling)
+        async_scheduling=llm.async_scheduling, step_count=llm.core.steps.count)

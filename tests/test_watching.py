@@ -215,3 +215,21 @@ def test_every_tab_meets_a_shut_down_engine_with_a_clear_state(model_factory):
         assert engine_tab.refresh({}) is not None
         out = layers_tab.refresh({}, None, None, True, None, None, request)
         assert isinstance(out, (list, tuple, dict))
+
+
+def test_step_history_is_read_in_order_and_only_new_steps(model_factory):
+    with LLM(model_factory("qwen3"), device="cpu", block_size=4, num_kv_blocks=64,
+             trace_history=8) as llm:
+        first, cursor = llm.steps_since(0)
+        assert first == () and cursor == 0
+        llm.generate([ids(2, 6)], greedy(5))
+        new, cursor = llm.steps_since(cursor)
+        assert [s.step_id for s in new] == list(range(len(new))) and cursor == len(new)
+        again, same = llm.steps_since(cursor)
+        assert again == () and same == cursor            # nothing new: nothing copied
+        llm.generate([ids(3, 30)], greedy(20))           # more steps than the ring holds
+        new, cursor2 = llm.steps_since(cursor)
+        assert len(new) == 8 and new[-1].step_id == cursor2 - 1    # the ring's newest 8
+        snap = llm.inspect()
+        assert snap.step_count == cursor2 and [s.step_id for s in snap.steps] == \
+            [s.step_id for s in new]
