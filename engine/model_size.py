@@ -49,3 +49,37 @@ def check_fits(cfg, tp_size: int, dtype_bytes: int, gpu_bytes: int, utilization:
         f"the weights need {total / gb:.1f} GB in {dtype_name} ({per_gpu / gb:.1f} GB per GPU "
         f"at tensor_parallel_size={tp_size}), but one GPU has {gpu_bytes / gb:.1f} GB "
         f"({usable / gb:.1f} GB at gpu_memory_utilization={utilization}); {advice}")
+
+
+def available_host_bytes() -> int | None:
+    """MemAvailable of /proc/meminfo (Linux), else None (the check is skipped)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def check_fits_host(cfg, dtype_bytes: int, dtype_name: str, available: int | None = None,
+                    fraction: float = 0.9) -> None:
+    """Raise ValueError when the weights alone need more than `fraction` of the host memory
+    available now: a config with absurd sizes (10^6 layers) is refused in a moment, before
+    anything is allocated, instead of running for half a minute into an allocator error."""
+    available = available_host_bytes() if available is None else available
+    if available is None:
+        return
+    try:
+        total = param_count(cfg) * dtype_bytes
+    except (TypeError, AttributeError, ZeroDivisionError) as e:   # a size missing or not a number: say which
+        raise ValueError(f"cannot size the model from its config.json: {e}") from None
+    if total <= available * fraction:
+        return
+    gb = 1e9
+    raise ValueError(
+        f"the weights need {total / gb:.1f} GB in {dtype_name} (num_hidden_layers="
+        f"{cfg.num_hidden_layers}, hidden_size={cfg.hidden_size}, vocab_size={cfg.vocab_size}), "
+        f"but this machine has {available / gb:.1f} GB of memory available; check the "
+        "checkpoint's config.json, or use a smaller model or a GPU")
