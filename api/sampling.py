@@ -92,11 +92,11 @@ def sampling_params(req: SamplingRequest, max_model_len: int) -> SamplingParams:
         return SamplingParams(**kw)
     except (ValueError, TypeError) as e:
         msg = str(e)
-        field = next((f for f in _SAMPLING_FIELDS if msg.startswith(f)), None)
+        # the longest name first: "stop_token_ids ..." starts with "stop" too
+        field = next((f for f in sorted(_SAMPLING_FIELDS, key=len, reverse=True)
+                      if msg.startswith(f)), None)
         param = {"max_tokens": max_param, "logprobs": "top_logprobs"
                  if isinstance(req, ChatCompletionRequest) else "logprobs"}.get(field, field)
-        if field == "stop":
-            param = "stop"
         raise bad_request(msg, param) from None
 
 

@@ -44,6 +44,11 @@ def _load_hf_config(path: str):
     if not isinstance(raw, dict):
         raise CheckpointFormatError(f"{file} must hold a JSON object (the model's settings), "
                                     f"got a JSON {type(raw).__name__}")
+    from .model_size import check_config_sizes
+    try:
+        check_config_sizes(raw, file)        # before transformers builds per-layer lists
+    except ValueError as e:
+        raise CheckpointFormatError(str(e)) from None
     try:
         cfg = AutoConfig.from_pretrained(path, trust_remote_code=False)
     except (ValueError, KeyError, OSError) as e:

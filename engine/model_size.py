@@ -83,3 +83,27 @@ def check_fits_host(cfg, dtype_bytes: int, dtype_name: str, available: int | Non
         f"{cfg.num_hidden_layers}, hidden_size={cfg.hidden_size}, vocab_size={cfg.vocab_size}), "
         f"but this machine has {available / gb:.1f} GB of memory available; check the "
         "checkpoint's config.json, or use a smaller model or a GPU")
+
+
+# sizes no real checkpoint comes near (Qwen3-235B: 94 layers, hidden 4096, 128 experts): a
+# config.json beyond them is refused before transformers reads it (it builds per-layer lists
+# and validates them element by element: 10^6 layers took minutes before any allocation)
+SIZE_CEILINGS = {"num_hidden_layers": 4096, "hidden_size": 1 << 17, "intermediate_size": 1 << 20,
+                 "moe_intermediate_size": 1 << 20, "vocab_size": 1 << 23,
+                 "num_attention_heads": 4096, "num_key_value_heads": 4096, "head_dim": 1 << 14,
+                 "num_experts": 1 << 14, "num_experts_per_tok": 1 << 10,
+                 "max_position_embeddings": 1 << 24}
+
+
+def check_config_sizes(raw: dict, file: str) -> None:
+    """ValueError naming the file and field when a size in config.json is not a positive
+    integer within SIZE_CEILINGS (checked on the raw JSON, before anything reads it)."""
+    for name, ceiling in SIZE_CEILINGS.items():
+        if name not in raw or raw[name] is None:
+            continue
+        v = raw[name]
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"{file}: {name} must be a non-negative integer, got {v!r}")
+        if v > ceiling:
+            raise ValueError(f"{file}: {name}={v:,} is beyond any real model (at most "
+                             f"{ceiling:,} here); the checkpoint's config.json is broken")
