@@ -265,7 +265,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-request-bytes", type=int, default=4 << 20,
                    help="largest request body in bytes (default 4 MiB)")
     p.add_argument("--max-stop-strings", type=int, default=64, help="stop strings per request")
-    p.add_argument("--max-stop-chars", type=int, default=1024, help="characters per stop string")
+    p.add_argument("--max-stop-chars", type=int, default=256, help="characters per stop string")
     p.add_argument("--max-stop-token-ids", type=int, default=1024,
                    help="stop_token_ids per request")
     p.add_argument("--max-sessions", type=int, default=MAX_SESSIONS,

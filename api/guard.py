@@ -33,6 +33,7 @@ COOKIE = "glassbox_session"
 OPEN_PATHS = ("/login", "/health", "/gradio_api/startup-events")
 AUTH_SCOPE_KEY = "glassbox.auth"     # set in the ASGI scope: how the request authenticated
 LOGIN_MAX_BYTES = 4096
+TRIM_AFTER_S = (0.5, 3.0)           # heap trims after a large request (api.limits.trim_heap)
 
 
 def host_name(header: str) -> str:
@@ -124,9 +125,11 @@ class Guard:
         try:
             await self.app(scope, receive, send)
         finally:
-            if heavy:       # a large body was parsed (and maybe tokenized): give it back
+            if heavy:       # a large body was parsed (and maybe tokenized): give it back,
+                # soon and once more later (Gradio's queue runs the work after answering)
                 loop = asyncio.get_running_loop()
-                loop.call_later(0.5, self.pools.control.submit, trim_heap)
+                for delay in TRIM_AFTER_S:
+                    loop.call_later(delay, self.pools.control.submit, trim_heap)
 
     # ---- checks ----------------------------------------------------------------------------
     def _refuse_host(self, headers):

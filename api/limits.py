@@ -37,7 +37,9 @@ T = TypeVar("T")
 class Limits:
     max_request_bytes: int = 4 << 20        # a request body (JSON or form); 413 above
     max_stop_strings: int = 64              # OpenAI allows 4; vLLM does not cap
-    max_stop_chars: int = 1024              # characters of one stop string
+    # characters of one stop string: the request's stop-string automaton has one node per
+    # character (engine/stop_strings.py), built in Python when the request is prepared
+    max_stop_chars: int = 256
     max_stop_token_ids: int = 1024
     prepare_workers: int = 2                # threads parsing and tokenizing requests
     max_pending: int = 256                  # preparations queued or running; 503 above

@@ -125,6 +125,53 @@ class Background:
         return max((g for g, t in self.gaps if t >= since), default=0.0)
 
 
+class Monitor:
+    """Diagnostics printed beside the gaps: when the engine made no step for > 0.25 s, when a
+    10 ms sleep of a plain thread overslept by > 0.25 s (GIL or OS scheduling), and GC pauses
+    over 50 ms; each as (seconds, when: monotonic)."""
+
+    def __init__(self, llm):
+        import gc
+        self.llm, self.stop = llm, threading.Event()
+        self.engine_stalls, self.sleep_lags, self.gc_pauses = [], [], []
+        self._gc_start = 0.0
+        self._gc = gc
+        gc.callbacks.append(self._on_gc)
+        threading.Thread(target=self._run, daemon=True, name="hostile-monitor").start()
+
+    def _on_gc(self, phase, info):
+        if phase == "start":
+            self._gc_start = time.monotonic()
+        elif time.monotonic() - self._gc_start > 0.05:
+            self.gc_pauses.append((time.monotonic() - self._gc_start, time.monotonic()))
+
+    def _run(self):
+        last_id, last_t = self.llm.core.step_id, time.monotonic()
+        while not self.stop.is_set():
+            t = time.monotonic()
+            time.sleep(0.01)
+            now = time.monotonic()
+            if now - t - 0.01 > 0.25:
+                self.sleep_lags.append((now - t - 0.01, now))
+            busy = self.llm.core.has_work()
+            if self.llm.core.step_id != last_id or not busy:
+                if busy and now - last_t > 0.25:
+                    self.engine_stalls.append((now - last_t, now))
+                last_id, last_t = self.llm.core.step_id, now
+
+    def close(self):
+        self.stop.set()
+        self._gc.callbacks.remove(self._on_gc)
+
+    def report(self, t0: float) -> str:
+        def fmt(xs):
+            return [(round(a, 2), round(t - t0, 1)) for a, t in sorted(xs, reverse=True)[:5]]
+        load = os.getloadavg()
+        return (f"engine stalls {fmt(self.engine_stalls)}, thread oversleeps "
+                f"{fmt(self.sleep_lags)}, GC pauses {fmt(self.gc_pauses)}, load average "
+                f"{load[0]:.1f} on {os.cpu_count()} cores")
+
+
 def openai_error(r: httpx.Response, status: int, param: str | None = "_any") -> dict:
     """The response is `status` with an OpenAI error body (naming `param` if given)."""
     assert r.status_code == status, (r.status_code, r.text[:300])
@@ -177,7 +224,15 @@ def chat_body(model: str, content, **kw) -> dict:
 # ---- the cases (each returns nothing; asserts inside) ----------------------------------------
 def unauthenticated(s: Server):
     """No key: every route that generates, switches, bursts or reads traces is refused."""
-    steps_before = s.llm.inspect().steps[-1].step_id if s.llm.inspect().steps else -1
+    # every request that reaches the engine passes LLM._submit: record them (not inspect(),
+    # which holds the engine lock while it copies the engine's state)
+    started: list[str] = []
+    orig = s.llm._submit
+
+    def spy(seq, *a, **kw):
+        started.append(seq.request_id)
+        return orig(seq, *a, **kw)
+    s.llm._submit = spy
     for method, path, body in [
             ("GET", "/", None), ("GET", "/config", None), ("GET", "/gradio_api/info", None),
             ("POST", "/gradio_api/queue/join", {"data": ["MoE demo (demo-qwen3-moe)", None],
@@ -199,9 +254,8 @@ def unauthenticated(s: Server):
     cookie = r.cookies.get("glassbox_session")
     assert cookie and KEY not in cookie and "httponly" in r.headers["set-cookie"].lower()
     assert httpx.get(s.url + "/config", cookies={"glassbox_session": cookie}).status_code == 200
-    snap = s.llm.inspect()
-    foreign = {e.request_id for st in snap.steps if st.step_id > steps_before
-               for e in st.entries if not e.request_id.startswith("chatcmpl-")}
+    del s.llm._submit
+    foreign = [r for r in started if not r.startswith("chatcmpl-")]    # not the background's
     assert not foreign, f"requests ran without the key: {foreign}"
 
 
@@ -223,7 +277,7 @@ def body_size(s: Server):
     assert out.startswith("HTTP/1.1 413") or out.startswith("HTTP/1.1 401"), out[:200]
     assert time.monotonic() - t0 < 5
     # with the key: too large, announced or chunked
-    big = json.dumps(chat_body(s.model, "x" * (5 << 20))).encode()
+    big = PAYLOADS["big"]
     openai_error(httpx.post(s.url + "/v1/chat/completions", content=big,
                             headers={**AUTH, "Content-Type": "application/json"}), 413)
 
@@ -291,20 +345,33 @@ def malformed_bodies(s: Server):
         assert "event: error" in text and "Traceback" not in text, text[:300]
 
 
+PAYLOADS: dict[str, bytes] = {}
+
+
+def build_payloads(model: str) -> None:
+    """Large bodies, encoded before the background streams start: encoding them (json.dumps
+    of 10^6 ints holds the GIL for seconds under load) is the client's cost, and the client
+    shares this process with the server."""
+    PAYLOADS["big"] = json.dumps(chat_body(model, "x" * (5 << 20))).encode()
+    PAYLOADS["ids"] = json.dumps(chat_body(model, "hi", stop_token_ids=list(range(10 ** 6)))
+                                 ).encode()
+    PAYLOADS["stops"] = json.dumps(chat_body(model, "hi", stop=[f"s{i}" for i in range(10_000)])
+                                   ).encode()
+
+
 def stop_lists(s: Server):
     url = s.url + "/v1/chat/completions"
-    openai_error(httpx.post(url, headers=AUTH, json=chat_body(
-        s.model, "hi", stop=[f"s{i}" for i in range(10_000)])), 400, "stop")
+    jh = {**AUTH, "Content-Type": "application/json"}
+    openai_error(httpx.post(url, headers=jh, content=PAYLOADS["stops"]), 400, "stop")
     openai_error(httpx.post(url, headers=AUTH, json=chat_body(
         s.model, "hi", stop=["x" * 5000])), 400, "stop")
     openai_error(httpx.post(url, headers=AUTH, json=chat_body(
         s.model, "hi", stop_token_ids=list(range(2000)))), 400, "stop_token_ids")
-    openai_error(httpx.post(url, headers=AUTH, json=chat_body(
-        s.model, "hi", stop_token_ids=list(range(10 ** 6)))), 413)
+    openai_error(httpx.post(url, headers=jh, content=PAYLOADS["ids"]), 413)
     # at the caps: served, and correct (the same text as without the never-matching stops)
     plain = chat_body(s.model, "What is 47+38?", temperature=0, max_tokens=12)
     want = httpx.post(url, headers=AUTH, json=plain, timeout=60).json()
-    stops = [f"never-{i}-" + "q" * 1000 for i in range(64)]
+    stops = [f"never-{i}-" + "q" * 240 for i in range(64)]
     got = httpx.post(url, headers=AUTH, timeout=60, json={
         **plain, "stop": stops, "stop_token_ids": list(range(3000, 4024)), "min_tokens": 12,
         "ignore_eos": True}).json()
@@ -370,11 +437,13 @@ def test_hostile_clients_get_clear_errors_and_nobody_stalls(server):
         httpx.post(s.url + "/v1/chat/completions", headers=AUTH, timeout=60,
                    json=chat_body(s.model, "warm up " * 200, max_tokens=4))
         gradio_call(s.url, "chat", ["warm up", None, 0, 4, False])
+    build_payloads(s.model)
     bg = Background(s.url, s.model)
     bg.start()
     time.sleep(1.0)
     trim_heap(force=True)
     rss0, threads0 = rss_mb(), threading.active_count()
+    mon = Monitor(s.llm)
     t_attack = time.monotonic()
     for case in CASES:
         t0 = time.monotonic()
@@ -383,10 +452,14 @@ def test_hostile_clients_get_clear_errors_and_nobody_stalls(server):
               f"{bg.max_gap(t_attack):.2f} s")
     time.sleep(0.5)
     bg.finish()
+    mon.close()
     assert not bg.errors, bg.errors
-    worst = sorted(((g, t - t_attack) for g, t in bg.gaps if t >= t_attack), reverse=True)[:5]
+    worst = [(round(g, 2), round(t - t_attack, 1)) for g, t in
+             sorted(((g, t) for g, t in bg.gaps if t >= t_attack), reverse=True)[:5]]
     print("longest gaps (s, at s after the attacks began):", worst)
-    assert bg.max_gap(t_attack) <= MAX_GAP_S, f"a background stream stalled: {worst}"
+    print(mon.report(t_attack))
+    assert bg.max_gap(t_attack) <= MAX_GAP_S, \
+        f"a background stream stalled: {worst}; {mon.report(t_attack)}"
     assert bg.tokens > 200
 
     # afterwards: every KV block free, threads and RSS back near the warm baseline
@@ -395,9 +468,11 @@ def test_hostile_clients_get_clear_errors_and_nobody_stalls(server):
         return not snap.running and not snap.waiting and not any(b.owners for b in snap.blocks)
     wait_until(idle, timeout=60)
     wait_until(lambda: threading.active_count() <= threads0 + 2, timeout=30)
-    time.sleep(1.0)
-    trim_heap(force=True)
+    time.sleep(3.5)         # the server's own heap trims after large requests (api.guard)
     rss1 = rss_mb()
+    # Gradio keeps a bounded number of sessions (each /call/chat makes one)
+    import app
+    assert s.demo.server_app.state_holder.capacity == app.MAX_SESSIONS
     print(f"RSS warm {rss0:.0f} MB, after the attacks {rss1:.0f} MB; threads {threads0} -> "
           f"{threading.active_count()}")
     assert rss1 <= rss0 * 1.2, f"RSS {rss0:.0f} MB -> {rss1:.0f} MB after the hostile burst"
@@ -464,3 +539,31 @@ def test_absurd_config_is_refused_before_allocating(qwen3_dir, tmp_path, field, 
         LLM(str(d), device="cpu", num_kv_blocks=16)
     assert "config.json" in str(e.value) or "memory" in str(e.value)
     assert rss_mb() - rss0 < 200, "it allocated before refusing"
+
+
+# ---- a browser with the key: the login page, then the playground as usual --------------------
+@pytest.mark.slow
+def test_a_browser_types_the_key_once_and_the_playground_works(server):
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError:
+        pytest.skip("playwright is not installed")
+    from test_browser import bot_text, headless_chromium, new_page, send
+    gen = headless_chromium()
+    browser = next(gen)
+    try:
+        page = new_page(browser)
+        page.goto(server.url + "/")
+        assert "/login" in page.url                 # no key yet: the login page, not the app
+        page.fill("#key", "wrong")
+        page.click("#login")
+        page.wait_for_selector("#login-error")
+        page.fill("#key", KEY)
+        page.click("#login")
+        page.wait_for_selector("#chat-input textarea")
+        send(page, "What is 47+38?", max_tokens=8)
+        wait_until(lambda: bot_text(page).strip(), timeout=60)
+        # the session cookie is HttpOnly: the page's scripts cannot read the key's token
+        assert "glassbox_session" not in page.evaluate("document.cookie")
+    finally:
+        next(gen, None)
