@@ -100,8 +100,10 @@ SYNC_S = 2.0   # how often each page checks that the model it shows is still the
 
 
 def build_app(llm, *, banner: str | None = None, choices: dict[str, str] | None = None,
-              llm_kwargs: dict | None = None):
-    """The playground as a gr.Blocks over a running LLM (tests launch it in-process)."""
+              llm_kwargs: dict | None = None, allow_burst: bool = True):
+    """The playground as a gr.Blocks over a running LLM (tests launch it in-process).
+    A shared server turns off the controls that change it for everyone: no `choices` hides
+    (and refuses) the model switch, `allow_burst=False` the shared-prefix burst."""
     import gradio as gr
 
     from views import anatomy, chat, engine_view, kv_cache, layers
@@ -109,6 +111,7 @@ def build_app(llm, *, banner: str | None = None, choices: dict[str, str] | None 
     from views.live_plot import preload_plotly
 
     hub = EngineHub(llm, llm_kwargs=llm_kwargs or {}, choices=choices or {})
+    hub.burst_enabled = allow_burst     # read by views/kv_cache.py
     with gr.Blocks(title="Glassbox") as demo:
         with gr.Row(elem_id="header"):
             gr.Markdown("## Glassbox — an inference engine with glass walls",
@@ -180,24 +183,45 @@ def build_app(llm, *, banner: str | None = None, choices: dict[str, str] | None 
     return demo
 
 
+MAX_SESSIONS = 256      # Gradio sessions kept in memory (~260 KB each); the oldest go first
+
+
 def launch(demo, host: str = "127.0.0.1", port: int | None = None, share: bool = False,
-           prevent_thread_lock: bool = False, api_key: str | None = None):
+           prevent_thread_lock: bool = False, api_key: str | None = None, *,
+           allowed_hosts: tuple[str, ...] = (), limits=None, public_traces: bool = False,
+           allow_unauthenticated: bool = False, max_sessions: int = MAX_SESSIONS):
     """Launch with the app's stylesheet (Gradio 6 takes css at launch, not in Blocks), and the
     OpenAI-compatible routes (/v1/*) on the same server: Gradio builds its FastAPI app from
     `app_kwargs`, so the routes are there before the first request. `api_key`: None reads
-    $GLASSBOX_API_KEY; with a key, /v1/* needs `Authorization: Bearer KEY`. Quiet: main()
-    prints the address and the app's own hints (`--share`, not Gradio's `share=True`)."""
+    $GLASSBOX_API_KEY. One guard (api.guard) stands in front of Gradio's routes and the API
+    alike: Host allow-list, body size cap, and with a key every route needs it (a browser
+    types it once on /login). Quiet: main() prints the address and the app's own hints
+    (`--share`, not Gradio's `share=True`)."""
     from api import build_router, exposure_warning, resolve_api_key
+    from api.auth import exposure_refusal
+    from api.errors import exception_handlers
+    from api.limits import Limits, Pools
+    from api.server import guard_middleware
     from views.live_plot import ALLOWED_PATHS
     api_key = resolve_api_key(api_key)
+    refusal = exposure_refusal(host, api_key, share, allow_unauthenticated)
+    if refusal:
+        raise ValueError(refusal)
     warning = exposure_warning(host, api_key, share)
     if warning:
         print(warning, file=sys.stderr, flush=True)
-    routes = list(build_router(demo.hub, api_key).routes)
+    limits = limits or Limits()
+    pools = Pools(limits)
+    hosts = tuple(allowed_hosts) + (("*.gradio.live",) if share else ())
+    routes = list(build_router(demo.hub, api_key, limits=limits, pools=pools,
+                               public_traces=public_traces).routes)
+    app_kwargs = {"routes": routes, "exception_handlers": exception_handlers(),
+                  "middleware": [guard_middleware(api_key, hosts, limits, pools)]}
     return demo.launch(server_name=host, server_port=port, share=share,
                        prevent_thread_lock=prevent_thread_lock, css=CSS_PATH.read_text(),
                        max_threads=96, show_error=True, footer_links=["api", "gradio"],
-                       quiet=True, allowed_paths=ALLOWED_PATHS, app_kwargs={"routes": routes})
+                       quiet=True, allowed_paths=ALLOWED_PATHS, app_kwargs=app_kwargs,
+                       state_session_capacity=max_sessions)
 
 
 def check_port(host: str, port: int) -> None:
@@ -224,8 +248,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0 to expose)")
     p.add_argument("--port", type=int, default=7860)
     p.add_argument("--share", action="store_true", help="make a public gradio.live link")
-    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on the OpenAI-"
-                                     "compatible API /v1/* (default: $GLASSBOX_API_KEY, else none)")
+    p.add_argument("--api-key", help="require this key on every route: 'Authorization: Bearer "
+                                     "KEY' for the API and scripts, a one-time login page for "
+                                     "browsers (default: $GLASSBOX_API_KEY, else none)")
+    p.add_argument("--allow-unauthenticated", action="store_true",
+                   help="serve beyond localhost (--host 0.0.0.0, --share) without a key")
+    p.add_argument("--allowed-hosts", default="",
+                   help="comma-separated extra Host names to answer (*.example.com, or * for "
+                        "any); localhost and IP addresses always are")
+    p.add_argument("--no-model-switch", action="store_true",
+                   help="hide and refuse the playground's model switch (a shared server)")
+    p.add_argument("--no-burst", action="store_true",
+                   help="hide and refuse the KV tab's shared-prefix burst (a shared server)")
+    p.add_argument("--public-traces", action="store_true",
+                   help="every client may list and read every trace (default: its own only)")
+    p.add_argument("--max-request-bytes", type=int, default=4 << 20,
+                   help="largest request body in bytes (default 4 MiB)")
+    p.add_argument("--max-stop-strings", type=int, default=64, help="stop strings per request")
+    p.add_argument("--max-stop-chars", type=int, default=256, help="characters per stop string")
+    p.add_argument("--max-stop-token-ids", type=int, default=1024,
+                   help="stop_token_ids per request")
+    p.add_argument("--max-sessions", type=int, default=MAX_SESSIONS,
+                   help="browser/API sessions Gradio keeps in memory (the oldest go first)")
     return p.parse_args(argv)
 
 
@@ -263,6 +307,12 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.tp < 1 or args.block_size < 1:
         sys.exit("--tp and --block-size must be positive integers")
+    from api import resolve_api_key
+    from api.auth import exposure_refusal
+    refusal = exposure_refusal(args.host, resolve_api_key(args.api_key), args.share,
+                               args.allow_unauthenticated)
+    if refusal:                 # before the model loads
+        sys.exit(refusal)
     check_port(args.host, args.port)
     model, banner = resolve_model(args.model)
     llm_kwargs = dict(device=args.device, dtype=args.dtype, tensor_parallel_size=args.tp,
@@ -281,12 +331,20 @@ def main(argv: list[str] | None = None) -> None:
         stages.bar.close()
         sys.exit(f"could not load {model}: {e}")
     stages.next()
-    choices = demo_choices() if args.model is None else {}
-    demo = build_app(llm, banner=banner, choices=choices, llm_kwargs=llm_kwargs)
+    choices = demo_choices() if args.model is None and not args.no_model_switch else {}
+    demo = build_app(llm, banner=banner, choices=choices, llm_kwargs=llm_kwargs,
+                     allow_burst=not args.no_burst)
     stages.next()
+    from api.limits import Limits
+    limits = Limits(max_request_bytes=args.max_request_bytes,
+                    max_stop_strings=args.max_stop_strings, max_stop_chars=args.max_stop_chars,
+                    max_stop_token_ids=args.max_stop_token_ids)
     try:
-        _, url, share_url = launch(demo, args.host, args.port, args.share,
-                                   prevent_thread_lock=True, api_key=args.api_key)
+        _, url, share_url = launch(
+            demo, args.host, args.port, args.share, prevent_thread_lock=True,
+            api_key=args.api_key, limits=limits, public_traces=args.public_traces,
+            allow_unauthenticated=args.allow_unauthenticated, max_sessions=args.max_sessions,
+            allowed_hosts=tuple(h.strip() for h in args.allowed_hosts.split(",") if h.strip()))
     except OSError as e:        # lost a race for the port since check_port
         llm.shutdown()
         sys.exit(f"cannot serve on {args.host}:{args.port}: {e}. Pass a free one with --port.")

@@ -28,14 +28,30 @@ def is_loopback(host: str | None) -> bool:
         return False
 
 
+EXPOSED = ("the playground (chat, the model switch, the shared-prefix burst, every tab's "
+           "view of the engine), the OpenAI-compatible API (/v1/*) and Gradio's API (/chat)")
+
+
 def exposure_warning(host: str | None, api_key: str | None, share: bool = False) -> str | None:
-    """The warning to print when the API is reachable from other machines without a key."""
+    """The warning to print when the server is reachable from other machines without a key."""
     if api_key or (is_loopback(host) and not share):
         return None
     where = "a public share link" if share else f"{host}, reachable from other machines"
-    return (f"WARNING: the OpenAI-compatible API (/v1/*) is served on {where} without an API "
-            f"key: anyone who can reach it can run the model. Pass --api-key KEY or set "
-            f"{API_KEY_ENV}, or bind to 127.0.0.1.")
+    return (f"WARNING: serving on {where} without a key: anyone who can reach it can use "
+            f"{EXPOSED}. Pass --api-key KEY or set {API_KEY_ENV} (it then guards every route), "
+            f"or bind to 127.0.0.1.")
+
+
+def exposure_refusal(host: str | None, api_key: str | None, share: bool,
+                     allow_unauthenticated: bool) -> str | None:
+    """Why the server must not start (binding beyond localhost without a key needs an explicit
+    --allow-unauthenticated), or None."""
+    if allow_unauthenticated or exposure_warning(host, api_key, share) is None:
+        return None
+    where = "a public share link" if share else f"{host}"
+    return (f"refusing to serve on {where} without a key: anyone who can reach it could use "
+            f"{EXPOSED}. Pass --api-key KEY (or set {API_KEY_ENV}); or, to expose it on "
+            f"purpose, add --allow-unauthenticated.")
 
 
 def bearer_check(api_key: str | None):
@@ -43,8 +59,8 @@ def bearer_check(api_key: str | None):
     expected = api_key.encode() if api_key else None
 
     async def check(request: Request) -> None:
-        if expected is None:
-            return
+        if expected is None or request.scope.get("glassbox.auth") in ("bearer", "cookie"):
+            return      # no key, or api.guard checked it already (a browser's cookie too)
         header = request.headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
         if scheme.lower() != "bearer" or not token:

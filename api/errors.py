@@ -140,3 +140,30 @@ class OpenAIRoute(APIRoute):
                 log.exception("unhandled error in %s", request.url.path)
                 return APIError(500, f"internal error: {type(e).__name__}: {e}").response()
         return route_handler
+
+
+# ---- unknown routes and methods: OpenAI's shape under /v1 --------------------------------------
+_HTTP_MESSAGES = {404: "Not found: {method} {path} is not a route of this server (GET /v1/models, "
+                       "POST /v1/chat/completions, POST /v1/completions)",
+                  405: "Method not allowed: {method} {path}"}
+
+
+async def http_exception_handler(request, exc):
+    """A FastAPI exception handler for HTTPException: under /v1 an OpenAI error body (404,
+    405, ...), elsewhere FastAPI's own answer (Gradio's routes keep theirs)."""
+    from fastapi.exception_handlers import http_exception_handler as default
+    if not request.url.path.startswith("/v1"):
+        return await default(request, exc)
+    template = _HTTP_MESSAGES.get(exc.status_code)
+    msg = (template.format(method=request.method, path=request.url.path) if template
+           else str(exc.detail))
+    headers = dict(getattr(exc, "headers", None) or {})
+    return APIError(exc.status_code, msg, code={404: "not_found", 405: "method_not_allowed"}
+                    .get(exc.status_code), headers=headers).response()
+
+
+def exception_handlers() -> dict:
+    """For FastAPI(exception_handlers=...): the playground passes it through Gradio's
+    app_kwargs, api.server.create_app to its own app."""
+    from starlette.exceptions import HTTPException
+    return {HTTPException: http_exception_handler}

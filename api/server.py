@@ -9,14 +9,33 @@ import time
 from .routes import EngineHolder, build_router
 
 
-def create_app(engines, api_key: str | None = None):
-    """FastAPI app serving only /v1/*. `engines`: an object with `.llm`, or an LLM itself."""
+def create_app(engines, api_key: str | None = None, *, limits=None,
+               allowed_hosts: tuple[str, ...] = (), public_traces: bool = False):
+    """FastAPI app serving only /v1/*. `engines`: an object with `.llm`, or an LLM itself.
+    The same guard as the playground's (api.guard) stands in front of it."""
     from fastapi import FastAPI
+
+    from .errors import exception_handlers
+    from .limits import Limits, Pools
     if not hasattr(engines, "llm"):
         engines = EngineHolder(engines)
-    app = FastAPI(title="Glassbox OpenAI-compatible API", docs_url=None, redoc_url=None)
-    app.include_router(build_router(engines, api_key))
+    limits = limits or Limits()
+    pools = Pools(limits)
+    app = FastAPI(title="Glassbox OpenAI-compatible API", docs_url=None, redoc_url=None,
+                  middleware=[guard_middleware(api_key, allowed_hosts, limits, pools)],
+                  exception_handlers=exception_handlers())
+    app.include_router(build_router(engines, api_key, limits=limits, pools=pools,
+                                    public_traces=public_traces))
     return app
+
+
+def guard_middleware(api_key: str | None, allowed_hosts: tuple[str, ...], limits, pools):
+    """api.guard.Guard as a Starlette Middleware entry (for FastAPI(middleware=[...]))."""
+    from starlette.middleware import Middleware
+
+    from .guard import Guard
+    return Middleware(Guard, api_key=api_key, allowed_hosts=tuple(allowed_hosts),
+                      limits=limits, pools=pools)
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -8,6 +8,10 @@ cost per token is a deque append, not a thread switch: at 256 concurrent streams
 request (each blocked on its own queue) spent the GIL on hand-offs and starved the engine loop.
 Closing a stream that has not finished aborts its request in the engine (from a worker thread:
 `abort` takes the engine lock, which a step can hold for a while).
+
+Threads: the server's own pools (api.limits.Pools), never Python's default executor. The
+prompt is checked and tokenized on the `prepare` pool; queueing it and aborting it run on the
+`control` pool, so a start or an abort never waits behind another request's long prompt.
 """
 from __future__ import annotations
 
@@ -95,8 +99,10 @@ class LoopWaker:
 
 
 class EngineStream:
-    def __init__(self, llm, prompt, sampling, watch, request_id: str):
+    def __init__(self, llm, prompt, sampling, watch, request_id: str, pools=None):
+        from .limits import default_pools
         self.llm = llm
+        self._pools = pools or default_pools()
         self.request_id = request_id
         self._items: deque = deque()
         self._ready = asyncio.Event()
@@ -110,14 +116,32 @@ class EngineStream:
         self._seen_first = False
         self._waker.opened()
         # tokenizing the prompt and taking the engine lock can take milliseconds: off the loop
-        self._loop.run_in_executor(None, self._submit, prompt, sampling, watch)
+        self._pools.prepare.submit(self._prepare, prompt, sampling, watch)
 
-    # ---- producer side (a worker thread, then the engine thread) ------------------------------
-    def _submit(self, prompt, sampling, watch) -> None:
+    # ---- producer side (worker threads, then the engine thread) -------------------------------
+    def _prepare(self, prompt, sampling, watch) -> None:
+        """On the prepare pool: check and tokenize; then queue it from the control pool."""
+        if not hasattr(self.llm, "prepare"):        # an engine without the split (fakes)
+            return self._submit(lambda: self.llm.submit(
+                prompt, sampling, watch, request_id=self.request_id, on_event=self._push))
         try:
-            self.llm.submit(prompt, sampling, watch, request_id=self.request_id,
-                            on_event=self._push)
-        except BaseException as e:  # bad prompt, engine shut down: the consumer decides
+            seq = self.llm.prepare(prompt, sampling, watch, request_id=self.request_id)
+        except BaseException as e:  # bad prompt: the consumer decides
+            self._push(e)
+            self._submitted.set()
+            return
+        del prompt
+        try:
+            self._pools.control.submit(self._submit, lambda: self.llm.submit_prepared(
+                seq, on_event=self._push))
+        except RuntimeError as e:   # the pools are shut down (server stopping)
+            self._push(e)
+            self._submitted.set()
+
+    def _submit(self, queue_it) -> None:
+        try:
+            queue_it()
+        except BaseException as e:  # engine shut down: the consumer decides
             self._push(e)
         finally:
             self._submitted.set()
@@ -198,7 +222,7 @@ class EngineStream:
             return
         self._cancelled = True
         if not self.ended:
-            self._loop.run_in_executor(None, self._abort)
+            self._pools.control.submit(self._abort)
 
     def _abort(self) -> None:
         self._submitted.wait()      # a request still being submitted is aborted once it is in

@@ -3,6 +3,8 @@ trailing piece that could still start a stop string is held back, so stop string
 reach the user, not even for one event."""
 from __future__ import annotations
 
+from .stop_strings import StopMatcher
+
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, stop: tuple[str, ...]):
@@ -13,6 +15,8 @@ class IncrementalDetokenizer:
         self.text = ""          # decoded output so far (before stop truncation)
         self.emitted = 0        # characters of self.text already handed out
         self.stopped = False
+        # incremental: each step scans only the characters it added (engine/stop_strings.py)
+        self.matcher = StopMatcher(stop) if stop else None
 
     def _decode(self, ids) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -29,12 +33,10 @@ class IncrementalDetokenizer:
         if len(after) > len(before) and not after.endswith("\ufffd"):
             self.text += after[len(before):]
             self.prefix_offset, self.read_offset = self.read_offset, end - start
-        if self.stop:
-            window = max(map(len, self.stop))
-            start = max(0, self.emitted - window)
-            hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
-            if hits:
-                self.text = self.text[:min(hits)]
+        if self.matcher is not None:
+            hit = self.matcher.feed(self.text)
+            if hit is not None:
+                self.text = self.text[:hit]
                 self.stopped = True
 
     def flush_final(self, output_ids: list[int]) -> None:
@@ -44,13 +46,9 @@ class IncrementalDetokenizer:
     def take(self, final: bool) -> str:
         """New text safe to emit now."""
         end = len(self.text)
-        if not final and self.stop:
+        if not final and self.matcher is not None and not self.stopped:
             # hold back a suffix that is a prefix of some stop string
-            for s in self.stop:
-                for k in range(min(len(s) - 1, end - self.emitted), 0, -1):
-                    if self.text.endswith(s[:k]):
-                        end = min(end, len(self.text) - k)
-                        break
+            end = max(self.emitted, end - self.matcher.held)
         delta = self.text[self.emitted:end]
         self.emitted = max(self.emitted, end)
         return delta

@@ -221,8 +221,10 @@ class EngineCore:
         for row, s in enumerate(sampling):
             p = s.seq.params
             if s.seq.num_output_tokens < p.min_tokens:
-                ids = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids)
-                out.extend((row, t) for t in ids)
+                if s.seq.banned_ids is None:    # built once per request, not per step
+                    s.seq.banned_ids = tuple(s.seq.stop_token_set | (
+                        set() if p.ignore_eos else self.eos_token_ids))
+                out.extend((row, t) for t in s.seq.banned_ids)
         return out
 
     def _postprocess(self, f: InFlight, res: StepResult):

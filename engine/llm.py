@@ -45,6 +45,11 @@ def _load_hf_config(path: str):
     if not isinstance(raw, dict):
         raise CheckpointFormatError(f"{file} must hold a JSON object (the model's settings), "
                                     f"got a JSON {type(raw).__name__}")
+    from .model_size import check_config_sizes
+    try:
+        check_config_sizes(raw, file)        # before transformers builds per-layer lists
+    except ValueError as e:
+        raise CheckpointFormatError(str(e)) from None
     try:
         cfg = AutoConfig.from_pretrained(path, trust_remote_code=False)
     except (ValueError, KeyError, OSError) as e:
@@ -95,8 +100,17 @@ def _eos_ids(path: str, hf_config, tokenizer) -> set[int]:
             ids.update(int(x) for x in v)
     gen = os.path.join(path, "generation_config.json")
     if os.path.exists(gen):
-        with open(gen) as f:
-            add(json.load(f).get("eos_token_id"))
+        from .errors import CheckpointFormatError
+        try:
+            with open(gen, encoding="utf-8") as f:
+                raw = json.load(f)
+            if not isinstance(raw, dict):
+                raise ValueError(f"it holds a JSON {type(raw).__name__}, not an object")
+            add(raw.get("eos_token_id"))
+        except (ValueError, TypeError, OSError) as e:  # JSONDecodeError, bad ids, unreadable
+            raise CheckpointFormatError(
+                f"{gen} is not a valid generation config: {e}; fix it (eos_token_id must be an "
+                "integer or a list of integers) or remove the file") from None
     add(getattr(hf_config, "eos_token_id", None))
     if tokenizer is not None:
         add(tokenizer.eos_token_id)
@@ -166,6 +180,12 @@ class LLM:
                        torch.empty(0, dtype=cfg.torch_dtype).element_size(),
                        torch.cuda.get_device_properties(0).total_memory,
                        cfg.gpu_memory_utilization, str(cfg.torch_dtype).replace("torch.", ""))
+        else:                                   # the host's memory, the same way
+            import torch
+
+            from .model_size import check_fits_host
+            check_fits_host(self.hf_config, torch.empty(0, dtype=cfg.torch_dtype).element_size(),
+                            str(cfg.torch_dtype).replace("torch.", ""))
         from .runtime import build_runner
         self.runner = build_runner(cfg, self.hf_config, self.model_path, self.max_model_len)
         # a fact of the checkpoint, kept past shutdown() (which frees the weights): the app's
@@ -265,6 +285,7 @@ class LLM:
 
     # ---- input checks ----------------------------------------------------------------------------
     def _encode(self, prompt) -> tuple[list[int], str | None]:
+        from .prompt import check_prompt_chars, check_text, conversation_chars
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise InvalidArgumentError(f"{self.model_path} has no tokenizer; pass token-id "
@@ -272,14 +293,24 @@ class LLM:
             if not prompt:
                 raise InvalidArgumentError("prompt is empty: give at least one character or "
                                            "token", "prompt")
+            check_prompt_chars(len(prompt), self.max_model_len)     # before tokenizing
+            check_text(prompt)
             return self.tokenizer.encode(prompt, add_special_tokens=False), prompt
         if _is_conversation(prompt):
             if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
                 raise InvalidArgumentError("this checkpoint has no chat template; pass a plain "
                                            "prompt", "prompt")
             from .prompt import encode_chat     # message text stays text: no role injection
+            check_prompt_chars(conversation_chars(prompt), self.max_model_len)
+            for i, m in enumerate(prompt):
+                if isinstance(m, dict) and isinstance(m.get("content"), str):
+                    check_text(m["content"], f"messages[{i}].content")
             return encode_chat(self.tokenizer, list(prompt))
         if isinstance(prompt, (list, tuple)):
+            if len(prompt) >= self.max_model_len:       # before checking every id
+                raise PromptTooLongError(
+                    f"prompt has {len(prompt)} tokens and can never fit with at least one new "
+                    f"token: max_model_len is {self.max_model_len}; shorten the prompt")
             bad = [t for t in prompt if not _is_token_id(t)]
             if bad:
                 raise InvalidArgumentError(f"prompt token ids must be integers, got {bad[0]!r} "
@@ -471,6 +502,18 @@ class LLM:
         queue, wake an event loop): it runs inside the step loop, with the engine lock held.
         A bad prompt raises here, before anything is queued. Stop it with `abort`."""
         seq, _ = self._make_sequence(prompt, sampling, watch, request_id)
+        self._submit(seq, on_event)
+        return seq.request_id
+
+    def prepare(self, prompt, sampling: SamplingParams | None = None,
+                watch: ProbeSpec | None = None, request_id: str | None = None) -> Sequence:
+        """`submit`'s first half: check and tokenize a request without queueing it (the slow
+        part for a long prompt: a server does it on a worker pool of its own, and queues the
+        result with `submit_prepared` from another, so starts and aborts never wait behind it)."""
+        return self._make_sequence(prompt, sampling, watch, request_id)[0]
+
+    def submit_prepared(self, seq: Sequence, *, on_event: Callable[[object], None]) -> str:
+        """`submit`'s second half: queue a Sequence from `prepare` (fast: takes the lock)."""
         self._submit(seq, on_event)
         return seq.request_id
 

@@ -52,3 +52,61 @@ def check_fits(cfg, tp_size: int, dtype_bytes: int, gpu_bytes: int, utilization:
         f"at tensor_parallel_size={tp_size}), but one GPU has {gpu_bytes / gb:.1f} GB "
         f"({usable / gb:.1f} GB at gpu_memory_utilization={utilization}); {advice}",
         "tensor_parallel_size")
+
+
+def available_host_bytes() -> int | None:
+    """MemAvailable of /proc/meminfo (Linux), else None (the check is skipped)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def check_fits_host(cfg, dtype_bytes: int, dtype_name: str, available: int | None = None,
+                    fraction: float = 0.9) -> None:
+    """Raise ValueError when the weights alone need more than `fraction` of the host memory
+    available now: a config with absurd sizes (10^6 layers) is refused in a moment, before
+    anything is allocated, instead of running for half a minute into an allocator error."""
+    available = available_host_bytes() if available is None else available
+    if available is None:
+        return
+    try:
+        total = param_count(cfg) * dtype_bytes
+    except (TypeError, AttributeError, ZeroDivisionError) as e:   # a size missing or not a number: say which
+        raise ValueError(f"cannot size the model from its config.json: {e}") from None
+    if total <= available * fraction:
+        return
+    gb = 1e9
+    raise ValueError(
+        f"the weights need {total / gb:.1f} GB in {dtype_name} (num_hidden_layers="
+        f"{cfg.num_hidden_layers}, hidden_size={cfg.hidden_size}, vocab_size={cfg.vocab_size}), "
+        f"but this machine has {available / gb:.1f} GB of memory available; check the "
+        "checkpoint's config.json, or use a smaller model or a GPU")
+
+
+# sizes no real checkpoint comes near (Qwen3-235B: 94 layers, hidden 4096, 128 experts): a
+# config.json beyond them is refused before transformers reads it (it builds per-layer lists
+# and validates them element by element: 10^6 layers took minutes before any allocation)
+SIZE_CEILINGS = {"num_hidden_layers": 4096, "hidden_size": 1 << 17, "intermediate_size": 1 << 20,
+                 "moe_intermediate_size": 1 << 20, "vocab_size": 1 << 23,
+                 "num_attention_heads": 4096, "num_key_value_heads": 4096, "head_dim": 1 << 14,
+                 "num_experts": 1 << 14, "num_experts_per_tok": 1 << 10,
+                 "max_position_embeddings": 1 << 24}
+
+
+def check_config_sizes(raw: dict, file: str) -> None:
+    """ValueError naming the file and field when a size in config.json is not a positive
+    integer within SIZE_CEILINGS (checked on the raw JSON, before anything reads it)."""
+    for name, ceiling in SIZE_CEILINGS.items():
+        if name not in raw or raw[name] is None:
+            continue
+        v = raw[name]
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"{file}: {name} must be a non-negative integer, got {v!r}")
+        if v > ceiling:
+            raise ValueError(f"{file}: {name}={v:,} is beyond any real model (at most "
+                             f"{ceiling:,} here); the checkpoint's config.json is broken")

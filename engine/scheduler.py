@@ -156,7 +156,7 @@ class Scheduler:
             p = seq.params
             n_out = pos + 1 - seq.num_prompt_tokens
             if (not p.ignore_eos and tok in self.eos_token_ids and n_out >= p.min_tokens) or \
-                    (tok in p.stop_token_ids and n_out >= p.min_tokens):
+                    (tok in seq.stop_token_set and n_out >= p.min_tokens):
                 del seq.token_ids[pos + 1:]      # a later token may already be in flight
                 self.finish(seq, "stop")
             elif n_out >= p.max_tokens or pos + 1 >= self.max_model_len:

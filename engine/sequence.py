@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from .probes.spec import ProbeSpec
 from .sampling_params import SamplingParams
+from .stop_strings import compile_stops
 
 
 class SequenceStatus(enum.Enum):
@@ -32,6 +33,12 @@ class Sequence:
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.params = params
+        # stop ids as a set built once per request (not per step: 10^6 ids made every step slow);
+        # the stop-string automaton built here too, off the engine thread (it is cached)
+        self.stop_token_set: frozenset[int] = frozenset(params.stop_token_ids)
+        self.banned_ids: tuple[int, ...] | None = None  # masked before min_tokens (engine_core)
+        if params.stop:
+            compile_stops(tuple(params.stop))
         self.seed = seed
         self.watch = watch
         self.status = SequenceStatus.WAITING

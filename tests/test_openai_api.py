@@ -243,7 +243,11 @@ def test_a_wrong_api_key_is_a_401(served):
 def test_a_missing_api_key_is_a_401_that_says_how_to_send_it(served):
     r = httpx.post(served.url + "v1/completions", json={"model": served.model, "prompt": "hi"})
     assert r.status_code == 401 and "Authorization: Bearer" in r.json()["error"]["message"]
-    assert httpx.get(served.url).status_code == 200          # the playground itself is open
+    # the key guards the playground too (api.guard): a browser is sent to the login page
+    assert httpx.get(served.url).status_code == 401
+    assert httpx.get(served.url, headers={"Accept": "text/html"}).headers["location"] \
+        .startswith("/login")
+    assert httpx.get(served.url, headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
 
 
 def test_broken_json_is_a_400_in_openais_error_shape(served):
@@ -422,7 +426,7 @@ def test_a_client_that_gives_up_on_a_non_streamed_reply_aborts_it(served):
 
 def test_api_and_browser_chat_requests_batch_in_the_same_steps(served, client):
     from gradio_client import Client
-    gc = Client(served.url, verbose=False)
+    gc = Client(served.url, verbose=False, headers={"Authorization": f"Bearer {KEY}"})
     start = threading.Barrier(2)
     out: dict[str, object] = {}
 

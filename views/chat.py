@@ -50,6 +50,8 @@ def _text_of(content) -> str:
 
 
 def build_messages(system: str, history: list[dict], message: str) -> list[dict]:
+    if system is not None and not isinstance(system, str):    # /chat's API: any JSON arrives
+        raise ValueError(f"the system prompt must be a string, got {type(system).__name__}")
     msgs = [{"role": "system", "content": system.strip()}] if system and system.strip() else []
     msgs += [{"role": m["role"], "content": _text_of(m["content"])} for m in history
              if m.get("role") in ("user", "assistant")]
@@ -70,6 +72,8 @@ def display(history: list[dict]) -> list[dict]:
 
 def check_message(message: str | None) -> str:
     """The message, or a ValueError that says what to fix."""
+    if message is not None and not isinstance(message, str):
+        raise ValueError(f"the message must be a string, got {type(message).__name__}")
     message = (message or "").strip()
     if not message:
         raise ValueError("Type a message first: it is empty.")
@@ -83,7 +87,7 @@ def make_sampling(temperature, top_p, top_k, max_tokens, ignore_eos=False) -> Sa
     """SamplingParams from UI/API values; bad values raise ValueError with the reason."""
     try:
         t, p, k, n = float(temperature), float(top_p), int(top_k), int(max_tokens)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):      # OverflowError: int(inf)
         raise ValueError("temperature, top_p, top_k and max_tokens must be numbers") from None
     if n < 1:
         raise ValueError(f"max tokens must be at least 1, got {n}")

@@ -26,38 +26,57 @@ BURST_QUESTIONS = [
 ]
 
 
+MAX_BURST = 16              # requests in one burst (the slider's maximum)
+MAX_BURST_TOKENS = 1024     # tokens each
+_burst_lock = threading.Lock()
+
+
 def fire_burst(hub: EngineHub, n: int, max_tokens: int = 128, warm_timeout_s: float = 5.0
                ) -> list[str]:
-    """Start `n` requests that share BURST_SYSTEM, each on its own thread.
+    """Start `n` requests that share BURST_SYSTEM.
 
     The first one runs alone until its prompt is in the cache (its first token), then the rest
     start at once: they hit the prefix cache and share its blocks (ref count > 1), the way a
     served system prompt is shared. `ignore_eos` keeps them running long enough to watch.
+    Bounded: at most MAX_BURST requests of MAX_BURST_TOKENS, one burst at a time per server,
+    and no thread per request (the engine calls back; nothing waits on a stream).
     """
+    n, max_tokens = int(n), int(max_tokens)
+    if not 1 <= n <= MAX_BURST or not 1 <= max_tokens <= MAX_BURST_TOKENS:
+        raise ValueError(f"a burst is 1 to {MAX_BURST} requests of 1 to {MAX_BURST_TOKENS} "
+                         f"tokens; got {n} of {max_tokens}")
     llm = hub.llm
-    sp = SamplingParams(temperature=0.8, max_tokens=int(max_tokens), ignore_eos=True)
+    sp = SamplingParams(temperature=0.8, max_tokens=max_tokens, ignore_eos=True)
     warm = threading.Event()
     errors: list[str] = []
-    ids = []
-    for i in range(n):
-        rid = hub.new_request_id("burst")
+    with _burst_lock:
+        live: set = hub.__dict__.setdefault("burst_live", set())
+        if live:
+            raise ValueError(f"a burst is still running ({len(live)} requests): wait for it "
+                             "to finish")
+        ids = [hub.new_request_id("burst") for _ in range(n)]
+        live.update(ids)
+
+    def on_event(ev, rid):         # on the engine thread, with its lock held: quick
+        if isinstance(ev, BaseException):
+            errors.append(str(ev))
+            live.discard(rid)
+        elif ev.finished:
+            live.discard(rid)
+        warm.set()
+
+    for i, rid in enumerate(ids):
         msgs = [{"role": "system", "content": BURST_SYSTEM},
                 {"role": "user", "content": BURST_QUESTIONS[i % len(BURST_QUESTIONS)]}]
-        events = llm.stream(msgs, sp, request_id=rid)
-
-        def run(events=events):
-            try:
-                for _ in events:
-                    warm.set()
-            except Exception as e:   # bad settings, or the model was switched under it
-                errors.append(str(e))
-            finally:
-                warm.set()
-        threading.Thread(target=run, name=f"glassbox-{rid}", daemon=True).start()
-        ids.append(rid)
+        try:
+            llm.submit(msgs, sp, request_id=rid, on_event=lambda ev, rid=rid: on_event(ev, rid))
+        except Exception as e:      # the model was switched under it, or bad settings
+            live.difference_update(ids[i:])
+            raise ValueError(f"the burst could not start: {e}") from None
         if i == 0:
             warm.wait(warm_timeout_s)
             if errors:
+                live.difference_update(ids)
                 raise ValueError(f"the burst could not start: {errors[0]}")
     return ids
 
@@ -99,10 +118,10 @@ def build(hub: EngineHub) -> LiveTab:
     timer = gr.Timer(TICK_IDLE_S, active=False)
     last = gr.State({})
     stats = gr.Markdown("", elem_id="kv-stats")
-    with gr.Row():
-        burst_n = gr.Slider(2, 16, 6, step=1, label="requests in burst", scale=1,
+    with gr.Row(visible=getattr(hub, "burst_enabled", True)):      # --no-burst hides it
+        burst_n = gr.Slider(2, MAX_BURST, 6, step=1, label="requests in burst", scale=1,
                             elem_id="kv-burst-n")
-        burst_tokens = gr.Slider(8, 1024, 128, step=8, label="tokens each", scale=1,
+        burst_tokens = gr.Slider(8, MAX_BURST_TOKENS, 128, step=8, label="tokens each", scale=1,
                                  elem_id="kv-burst-tokens")
         burst = gr.Button("Fire shared-prefix burst", variant="primary", scale=1,
                           elem_id="kv-burst")
@@ -169,6 +188,8 @@ def build(hub: EngineHub) -> LiveTab:
 
     def on_burst(n, max_tokens):
         try:
+            if not getattr(hub, "burst_enabled", True):     # --no-burst: refused, not hidden only
+                raise ValueError("the burst is turned off on this server (--no-burst)")
             ids = fire_burst(hub, int(n), int(max_tokens))
         except ValueError as e:
             gr.Warning(str(e))
