@@ -308,9 +308,7 @@ class LLM:
             return encode_chat(self.tokenizer, list(prompt))
         if isinstance(prompt, (list, tuple)):
             if len(prompt) >= self.max_model_len:       # before checking every id
-                raise PromptTooLongError(
-                    f"prompt has {len(prompt)} tokens and can never fit with at least one new "
-                    f"token: max_model_len is {self.max_model_len}; shorten the prompt")
+                raise self._too_long(len(prompt))
             bad = [t for t in prompt if not _is_token_id(t)]
             if bad:
                 raise InvalidArgumentError(f"prompt token ids must be integers, got {bad[0]!r} "
@@ -318,6 +316,16 @@ class LLM:
             return [int(t) for t in prompt], None
         raise InvalidArgumentError(f"prompt must be a string, a list of token ids or a list of "
                                    f"chat messages, got {type(prompt).__name__}", "prompt")
+
+    def _too_long(self, n: int) -> PromptTooLongError:
+        """The error for a prompt of n tokens that can never fit with one new token."""
+        cache_tokens = self.num_kv_blocks * self.block_size
+        why = (f"the KV cache holds only {cache_tokens} tokens ({self.num_kv_blocks} blocks "
+               f"x {self.block_size}); raise num_kv_blocks (or gpu_memory_utilization)"
+               if self.max_model_len == cache_tokens else
+               f"max_model_len is {self.max_model_len}; raise max_model_len")
+        return PromptTooLongError(f"prompt has {n} tokens and can never fit with at least one "
+                                  f"new token: {why}, or shorten the prompt")
 
     def _make_sequence(self, prompt, params: SamplingParams | None, watch: ProbeSpec | None,
                        request_id: str | None) -> tuple[Sequence, str | None]:
@@ -341,14 +349,7 @@ class LLM:
             raise InvalidArgumentError(f"token ids {bad[:5]} are outside the vocabulary "
                                        f"[0, {vocab})", "prompt")
         if len(ids) >= self.max_model_len:
-            cache_tokens = self.num_kv_blocks * self.block_size
-            why = (f"the KV cache holds only {cache_tokens} tokens ({self.num_kv_blocks} blocks "
-                   f"x {self.block_size}); raise num_kv_blocks (or gpu_memory_utilization)"
-                   if self.max_model_len == cache_tokens else
-                   f"max_model_len is {self.max_model_len}; raise max_model_len")
-            raise PromptTooLongError(
-                f"prompt has {len(ids)} tokens and can never fit with at least one new token: "
-                f"{why}, or shorten the prompt")
+            raise self._too_long(len(ids))
         rid = request_id or f"req-{self.engine_id}-{next(self._ids)}"
         if rid in self._seqs:
             raise InvalidArgumentError(f"request id {rid!r} is already in use; give a new one "
