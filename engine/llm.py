@@ -246,6 +246,12 @@ class LLM:
         self._stop = False
         self._error: BaseException | None = None    # an engine-wide failure (e.g. a dead worker)
         _shorten_gil_switch_interval()
+        # everything built so far (modules, tensors' wrappers, the tokenizer, 65k block
+        # records) lives as long as the engine: out of the collector's reach, a full
+        # collection no longer walks it, in the engine's steps or under its lock
+        import gc
+        gc.collect()
+        gc.freeze()
         self._thread = threading.Thread(target=self._loop, name=f"glassbox-engine-{self.engine_id}",
                                         daemon=True)
         self._thread.start()
