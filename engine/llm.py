@@ -643,6 +643,8 @@ class LLM:
             self._closed = True
         self.probes.release_device()
         self.runner.shutdown()
+        import gc
+        gc.unfreeze()       # what this engine kept frozen (see __init__) can be collected again
     def __enter__(self):
         return self
 
