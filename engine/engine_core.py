@@ -62,11 +62,14 @@ class EngineCore:
         self.failed: list[tuple[Sequence, BaseException]] = []
         # events made outside the normal path (isolation's solo steps): returned by the next step
         self.carry_events: list[TokenEvent] = []
+        self.interventions = None           # interventions.plan.InterventionPlanner (set by LLM)
 
     # ---- requests ----------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         if self.tokenizer is not None:      # token-id-only engines (benchmarks) skip all text work
             self.detok[seq.request_id] = IncrementalDetokenizer(self.tokenizer, seq.params.stop)
+        if self.interventions is not None:
+            self.interventions.add(seq)
         self.scheduler.add(seq)
 
     def has_work(self) -> bool:
@@ -144,8 +147,11 @@ class EngineCore:
                                     [s.seq.seed for s in sampling],
                                     [len(s.seq) for s in sampling],
                                     self._banned(sampling)) if sampling else None
-        return build_step_inputs(step_id, scheduled, self.bm.block_size, batch, plan,
-                                 prev_step_id)
+        inp = build_step_inputs(step_id, scheduled, self.bm.block_size, batch, plan,
+                                prev_step_id)
+        if self.interventions is not None and self.interventions.active:
+            inp.interventions = self.interventions.plan(scheduled)
+        return inp
 
     def _launch(self, scheduled, inp: StepInputs, t0, t_sched, t_prep) -> InFlight | None:
         try:
@@ -228,6 +234,9 @@ class EngineCore:
                     seq = scheduled[entry.batch_index].seq
                     self._fail(seq, RequestFailedError(f"recording this request's probes failed: {e!r}"))
         f.out.extra["expert_load"] = expert_load
+        if f.inp.interventions is not None:     # steering vectors: captured resid_post sums
+            self.interventions.fold(f.inp.interventions, out.extra.get("resid_captures"),
+                                    scheduled)
         row_of = {id(s.seq): r for r, s in enumerate(sampling)}
         now = time.perf_counter()
         events = []
