@@ -69,6 +69,8 @@ def build_router(engines, api_key: str | None = None) -> APIRouter:
         sampling = sampling_params(body, llm.max_model_len)
         prompt = chat_messages(body) if chat else completion_prompt(body)
         watch = probe_spec(body)
+        from .interventions import interventions_of
+        ivs = interventions_of(body, llm)
         want_lp, top_n = logprobs_of(body)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{tag}-{next(counter)}"
         meta = Meta(rid, int(time.time()), llm.model_name, watched=watch is not None)
@@ -77,7 +79,8 @@ def build_router(engines, api_key: str | None = None) -> APIRouter:
         try:
             job = await start(llm, prompt, sampling, watch, meta, request, chat=chat,
                               want_logprobs=want_lp, top_n=top_n, include_usage=include_usage,
-                              prompt_param="messages" if chat else "prompt")
+                              prompt_param="messages" if chat else "prompt",
+                              interventions=ivs)
             if body.stream:
                 return StreamingResponse(sse_events(job), media_type="text/event-stream",
                                          headers=SSE_HEADERS)

@@ -62,10 +62,11 @@ class Job:
         return completion_logprobs(lps, self.top_n, self.strings, offset)
 
 
-async def start(llm, prompt, sampling, watch, meta: Meta, request, **render) -> Job:
+async def start(llm, prompt, sampling, watch, meta: Meta, request, interventions=None,
+                **render) -> Job:
     """Submit the request; returns once the engine produced its first token (or raises the
     400 that its prompt deserves, before any header is sent). `render`: Job's other fields."""
-    stream = EngineStream(llm, prompt, sampling, watch, meta.id)
+    stream = EngineStream(llm, prompt, sampling, watch, meta.id, interventions)
     job = Job(meta=meta, stream=stream, strings=token_strings(llm), **render)
     if not await stream.wait_first(request):
         stream.close()

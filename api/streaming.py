@@ -95,7 +95,7 @@ class LoopWaker:
 
 
 class EngineStream:
-    def __init__(self, llm, prompt, sampling, watch, request_id: str):
+    def __init__(self, llm, prompt, sampling, watch, request_id: str, interventions=None):
         self.llm = llm
         self.request_id = request_id
         self._items: deque = deque()
@@ -110,13 +110,15 @@ class EngineStream:
         self._seen_first = False
         self._waker.opened()
         # tokenizing the prompt and taking the engine lock can take milliseconds: off the loop
+        self._interventions = interventions
         self._loop.run_in_executor(None, self._submit, prompt, sampling, watch)
 
     # ---- producer side (a worker thread, then the engine thread) ------------------------------
     def _submit(self, prompt, sampling, watch) -> None:
         try:
+            kw = {"interventions": self._interventions} if self._interventions else {}
             self.llm.submit(prompt, sampling, watch, request_id=self.request_id,
-                            on_event=self._push)
+                            on_event=self._push, **kw)
         except BaseException as e:  # bad prompt, engine shut down: the consumer decides
             self._push(e)
         finally:
