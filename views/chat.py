@@ -188,6 +188,8 @@ def build(hub: EngineHub) -> ChatParts:
             ignore_eos = gr.Checkbox(False, label="ignore EOS (run to max tokens)",
                                      elem_id="chat-ignore-eos")
             keep_history = gr.Checkbox(True, label=HISTORY_LABEL, elem_id="chat-history")
+    from views import interventions     # "what if": the same message re-run with an edit
+    interventions.build(hub, conversation, box, system, max_tokens)
 
     def respond(message, history, system, temperature, top_p, top_k, max_tokens, ignore_eos,
                 keep, request: gr.Request):

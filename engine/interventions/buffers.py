@@ -136,6 +136,6 @@ class GraphInterventionBuffers(InterventionBuffers):
             pairs += [(self.steer_add[:R], plan.steer_add), (self.steer_on[:R], plan.steer_on)]
         for dst, src in pairs:
             # fresh pinned memory each step: the copy of the step before may not have run yet
-            h = torch.from_numpy(np.ascontiguousarray(src))
+            h = torch.from_numpy(np.ascontiguousarray(src)).to(dst.dtype)   # cast on the host
             h = h.pin_memory() if dst.is_cuda else h
             dst.copy_(h, non_blocking=True)

@@ -1,0 +1,134 @@
+"""Chat tab, "What if" accordion: re-run the latest message with an intervention (ablate heads,
+mask experts, steer the residual) beside the untouched reply, both in one engine batch, and show
+where they part: the first differing token, and how the chosen tokens' logprobs moved.
+
+The handlers are thin; `make_interventions` and `compare` are pure (unit-tested without a
+browser). Not here yet: clicking a head or an expert in the Layers tab to fill this form, and
+the two runs' logit lens and norms overlaid.
+"""
+from __future__ import annotations
+
+import html
+
+import gradio as gr
+
+from engine import Intervention, SamplingParams
+
+KINDS = {"ablate heads": "ablate_heads", "mask experts": "mask_experts", "steer": "steer"}
+
+
+def parse_ids(text: str, what: str) -> list[int]:
+    """'0, 3' -> [0, 3]; a ValueError that says what to type."""
+    try:
+        ids = [int(t) for t in str(text or "").replace(",", " ").split()]
+    except ValueError:
+        raise ValueError(f"{what}: type integers separated by commas, e.g. 0, 3") from None
+    if not ids:
+        raise ValueError(f"{what}: type at least one id, e.g. 0, 3")
+    return ids
+
+
+def make_interventions(llm, kind: str, layer, ids: str, prompt_a: str, prompt_b: str,
+                       scale, positions: str) -> list[Intervention]:
+    """The form's values -> one intervention (the steering vector built from the two prompts)."""
+    k = KINDS.get(kind)
+    if k is None:
+        raise ValueError(f"pick what to do: one of {', '.join(KINDS)}")
+    layer = int(layer)
+    if k == "ablate_heads":
+        return [Intervention.ablate_heads(layer, parse_ids(ids, "heads"))]
+    if k == "mask_experts":
+        return [Intervention.mask_experts(layer, parse_ids(ids, "experts"))]
+    if not (prompt_a or "").strip() or not (prompt_b or "").strip():
+        raise ValueError("steer: type two contrasting prompts (A is steered towards, B away)")
+    v = llm.steering_vector(layer, [{"role": "user", "content": prompt_a.strip()}],
+                            [{"role": "user", "content": prompt_b.strip()}])
+    return [Intervention.steer(layer, v, float(scale), positions)]
+
+
+def _cell(text: str) -> str:
+    """Text safe in a Markdown table cell: no HTML, no column break."""
+    return html.escape(text, quote=False).replace("|", "\\|").replace("\n", " ")
+
+
+def _tok(decode, t: int) -> str:
+    return _cell(repr(decode([t])))
+
+
+def compare(orig, edited, decode, what: str) -> str:
+    """Markdown: both replies, the first token where they part, and the chosen tokens' logprob
+    change (the edited run's logprob of the original's token where its top-k holds it)."""
+    a, b = orig.token_ids, edited.token_ids
+    part = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y),
+                None if len(a) == len(b) else min(len(a), len(b)))
+    lines = [f"**Intervention:** {html.escape(what)}", "",
+             "| untouched | intervened |", "| --- | --- |",
+             f"| {_cell(orig.text) or '∅'} | {_cell(edited.text) or '∅'} |", ""]
+    if part is None:
+        lines.append("Same tokens from start to end.")
+    else:
+        lines.append(f"**They part at token {part}**: untouched "
+                     + (_tok(decode, a[part]) if part < len(a) else "(ended)")
+                     + " vs intervened " + (_tok(decode, b[part]) if part < len(b) else "(ended)"))
+    rows = []
+    for i in range(min(len(orig.logprobs), len(edited.logprobs), (part or len(a)) + 1)):
+        lo, le = orig.logprobs[i], edited.logprobs[i]
+        same = le.top.get(lo.token_id)
+        delta = f"{same - lo.logprob:+.3f}" if same is not None else "not in the top-k"
+        rows.append(f"| {i} | {_tok(decode, lo.token_id)} | {lo.logprob:.3f} | "
+                    f"{_tok(decode, le.token_id)} | {le.logprob:.3f} | {delta} |")
+    if rows:
+        lines += ["", "| # | untouched token | logprob | intervened token | logprob | "
+                      "Δ logprob of the untouched token |", "| --- | --- | --- | --- | --- | --- |"]
+        lines += rows
+    return "\n".join(lines)
+
+
+def build(hub, conversation, box, system, max_tokens) -> None:
+    """The accordion, inside the chat column. Uses the latest user message of the chat (or the
+    text in the message box), the system prompt and max tokens; greedy, so a difference is the
+    intervention's."""
+    llm = hub.llm
+    cfg = llm.hf_config
+    moe = list(getattr(llm.runner, "moe_layers", []))
+    with gr.Accordion("What if: re-run with an intervention", open=False,
+                      elem_id="iv-accordion"):
+        gr.Markdown("Ablate attention heads, mask MoE experts, or steer the residual stream "
+                    "after a layer, then compare with the untouched reply (both run in one "
+                    f"batch). This model: {cfg.num_hidden_layers} layers, "
+                    f"{cfg.num_attention_heads} heads"
+                    + (f", experts 0–{cfg.num_experts - 1} at layers {moe}" if moe else "")
+                    + ".", elem_id="iv-help")
+        with gr.Row():
+            kind = gr.Radio(list(KINDS), value="ablate heads", label="what", elem_id="iv-kind")
+            layer = gr.Number(value=cfg.num_hidden_layers - 1, precision=0, label="layer",
+                              elem_id="iv-layer")
+            ids = gr.Textbox("0", label="heads / experts (e.g. 0, 3)", elem_id="iv-ids")
+        with gr.Row():
+            prompt_a = gr.Textbox("", label="steer: towards prompt A", elem_id="iv-prompt-a")
+            prompt_b = gr.Textbox("", label="steer: away from prompt B", elem_id="iv-prompt-b")
+            scale = gr.Number(value=2.0, label="scale", elem_id="iv-scale")
+            positions = gr.Radio(["all", "prompt", "generated"], value="all",
+                                 label="positions", elem_id="iv-positions")
+        run = gr.Button("Compare", variant="secondary", elem_id="iv-compare")
+        out = gr.Markdown("", elem_id="iv-result")
+
+    def on_compare(conv, typed, system_prompt, n, kind_v, layer_v, ids_v, a, b, s, pos):
+        try:
+            user = (typed or "").strip() or next(
+                (m["content"] for m in reversed(conv or []) if m.get("role") == "user"), "")
+            if not isinstance(user, str) or not user.strip():
+                raise ValueError("Send a message first (or type one in the box): the "
+                                 "comparison re-runs it")
+            msgs = ([{"role": "system", "content": system_prompt.strip()}]
+                    if system_prompt and system_prompt.strip() else [])
+            msgs.append({"role": "user", "content": user.strip()})
+            ivs = make_interventions(hub.llm, kind_v, layer_v, ids_v, a, b, s, pos)
+            sp = SamplingParams(temperature=0, max_tokens=int(n), logprobs=5)
+            orig, edited = hub.llm.generate([msgs, msgs], sp, interventions=[None, ivs])
+            return compare(orig, edited, hub.llm.tokenizer.decode, ivs[0].describe())
+        except (ValueError, RuntimeError) as e:
+            return f"⚠️ {html.escape(str(e))}"
+
+    run.click(on_compare, [conversation, box, system, max_tokens, kind, layer, ids, prompt_a,
+                           prompt_b, scale, positions], out, api_name="compare_intervention")
