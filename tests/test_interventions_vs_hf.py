@@ -225,3 +225,16 @@ def test_steering_vector_is_the_mean_residual_difference(dense):
     assert v.shape == (64,) and v.dtype == torch.float32
     torch.testing.assert_close(v, means[0] - means[1], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(v_neg, v, atol=0, rtol=0)
+
+
+def test_preempted_intervened_requests_recompute_to_hf(dense):
+    """Preemption drops the blocks and recomputes prompt + generated tokens as one prefill: the
+    generated positions keep their "generated" steering."""
+    path, prompts = dense
+    ivs = [Intervention.steer(1, steer_vec(64, 5), 3.0, "generated"),
+           Intervention.ablate_heads(2, [0])]
+    with LLM(path, device="cpu", block_size=4, num_kv_blocks=10) as llm:
+        got = llm.generate(prompts, greedy_params(), interventions=[ivs, None, ivs])
+        assert llm.inspect().preemptions > 0
+    ref = hf_greedy_with(path, prompts, [ivs, None, ivs])
+    assert_same_as_hf(got, ref)
