@@ -104,7 +104,7 @@ def build_app(llm, *, banner: str | None = None, choices: dict[str, str] | None 
     """The playground as a gr.Blocks over a running LLM (tests launch it in-process)."""
     import gradio as gr
 
-    from views import anatomy, chat, engine_view, kv_cache, layers
+    from views import anatomy, chat, engine_view, interventions, kv_cache, layers
     from views.live import EngineHub, LiveTab
     from views.live_plot import preload_plotly
 
@@ -121,17 +121,20 @@ def build_app(llm, *, banner: str | None = None, choices: dict[str, str] | None 
         preload_plotly()
         model_line = gr.Markdown(hub.model_line(), elem_id="model-line")
         seen = gr.State(None)      # (generation, loading) of the model this page shows
-        with gr.Tabs(elem_id="tabs"):
+        with gr.Tabs(elem_id="tabs") as tabs:
             with gr.Tab("Chat", id="chat", elem_id="tab-chat") as tab_chat:
                 chat_parts = chat.build(hub)
             with gr.Tab("KV cache", id="kv", elem_id="tab-kv") as tab_kv:
                 kv_tab = kv_cache.build(hub)
             with gr.Tab("Layers", id="layers", elem_id="tab-layers") as tab_layers:
                 layers_tab = layers.build(hub)
+                rerun_head = interventions.rerun_button()     # "what if" without this head
             with gr.Tab("Engine", id="engine", elem_id="tab-engine") as tab_engine:
                 engine_tab = engine_view.build(hub)
             with gr.Tab("Anatomy", id="anatomy", elem_id="tab-anatomy") as tab_anatomy:
                 anatomy_timer = anatomy.build(hub)
+        layer_dd, head_dd = layers_tab.inputs[4:6]      # the Layers tab's layer and head pickers
+        interventions.wire_from_layers(rerun_head, layer_dd, head_dd, chat_parts.whatif, tabs)
         # only the visible tab polls the engine: hidden tabs cost nothing; a tab refreshes
         # at once when opened instead of waiting for its first tick
         anatomy_tab = LiveTab(anatomy_timer, None, [], [])   # its tick notices a model swap

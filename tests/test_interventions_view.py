@@ -23,6 +23,10 @@ def test_compare_names_the_first_differing_token_and_the_logprob_change():
     assert "| 0 | 't5' | -0.100 | 't5' | -0.400 | -0.300 |" in md
     assert "| 1 | 't6' | -0.200 | 't9' | -0.500 | -1.300 |" in md
     assert "| 2 |" not in md                    # rows stop at the parting token
+    first = compare(orig, _out([8, 6, 7], [-0.9] * 3, [{8: -0.9, 5: -2.0}, {}, {}], "y b c"),
+                    lambda ids: f"t{ids[0]}", "x")
+    assert "They part at token 0" in first and "| 0 | 't5' | -0.100 | 't8' | -0.900 | -1.900 |" \
+        in first and "| 1 |" not in first
     same = compare(orig, orig, lambda ids: "", "x")
     assert "Same tokens from start to end." in same
 

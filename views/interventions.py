@@ -3,12 +3,14 @@ mask experts, steer the residual) beside the untouched reply, both in one engine
 where they part: the first differing token, and how the chosen tokens' logprobs moved.
 
 The handlers are thin; `make_interventions` and `compare` are pure (unit-tested without a
-browser). Not here yet: clicking a head or an expert in the Layers tab to fill this form, and
-the two runs' logit lens and norms overlaid.
+browser). The Layers tab's "Re-run without this head" button (`wire_from_layers`) fills the form with
+its chosen layer and head and runs the comparison. Not here yet: picking an expert from the
+routing view (type it in the form), and the two runs' logit lens and norms overlaid.
 """
 from __future__ import annotations
 
 import html
+from typing import Callable, NamedTuple
 
 import gradio as gr
 
@@ -71,7 +73,9 @@ def compare(orig, edited, decode, what: str) -> str:
                      + (_tok(decode, a[part]) if part < len(a) else "(ended)")
                      + " vs intervened " + (_tok(decode, b[part]) if part < len(b) else "(ended)"))
     rows = []
-    for i in range(min(len(orig.logprobs), len(edited.logprobs), (part or len(a)) + 1)):
+    # up to the parting token: past it, the two runs condition on different tokens
+    last = len(a) if part is None else part + 1
+    for i in range(min(len(orig.logprobs), len(edited.logprobs), last)):
         lo, le = orig.logprobs[i], edited.logprobs[i]
         same = le.top.get(lo.token_id)
         delta = f"{same - lo.logprob:+.3f}" if same is not None else "not in the top-k"
@@ -84,7 +88,18 @@ def compare(orig, edited, decode, what: str) -> str:
     return "\n".join(lines)
 
 
-def build(hub, conversation, box, system, max_tokens) -> None:
+class WhatIf(NamedTuple):
+    """The accordion's parts another tab fills and runs (see wire_from_layers)."""
+    accordion: gr.Accordion
+    kind: gr.Radio
+    layer: gr.Number
+    ids: gr.Textbox
+    compare: Callable
+    inputs: list
+    output: gr.Markdown
+
+
+def build(hub, conversation, box, system, max_tokens) -> WhatIf:
     """The accordion, inside the chat column. Uses the latest user message of the chat (or the
     text in the message box), the system prompt and max tokens; greedy, so a difference is the
     intervention's."""
@@ -92,7 +107,7 @@ def build(hub, conversation, box, system, max_tokens) -> None:
     cfg = llm.hf_config
     moe = list(getattr(llm.runner, "moe_layers", []))
     with gr.Accordion("What if: re-run with an intervention", open=False,
-                      elem_id="iv-accordion"):
+                      elem_id="iv-accordion") as accordion:
         gr.Markdown("Ablate attention heads, mask MoE experts, or steer the residual stream "
                     "after a layer, then compare with the untouched reply (both run in one "
                     f"batch). This model: {cfg.num_hidden_layers} layers, "
@@ -130,5 +145,28 @@ def build(hub, conversation, box, system, max_tokens) -> None:
         except (ValueError, RuntimeError) as e:
             return f"⚠️ {html.escape(str(e))}"
 
-    run.click(on_compare, [conversation, box, system, max_tokens, kind, layer, ids, prompt_a,
-                           prompt_b, scale, positions], out, api_name="compare_intervention")
+    inputs = [conversation, box, system, max_tokens, kind, layer, ids, prompt_a, prompt_b,
+              scale, positions]
+    run.click(on_compare, inputs, out, api_name="compare_intervention")
+    return WhatIf(accordion, kind, layer, ids, on_compare, inputs, out)
+
+
+def rerun_button() -> gr.Button:
+    """For the Layers tab, under its head picker."""
+    return gr.Button("Re-run the chat's last message without this head (compare in Chat)",
+                     size="sm", variant="secondary", elem_id="iv-from-layers")
+
+
+def wire_from_layers(button: gr.Button, layer_dd, head_dd, whatif: WhatIf, tabs: gr.Tabs,
+                     chat_tab_id: str = "chat") -> None:
+    """The Layers tab's chosen (layer, head): fill the What-if form with an ablation of it, open
+    the Chat tab and its accordion, and run the comparison."""
+    def fill(layer_id, head_id):
+        if layer_id is None or head_id is None:
+            raise gr.Error("Pick a layer and a head first (or click one in the heads grid).")
+        return ("ablate heads", int(layer_id), str(int(head_id)), gr.Accordion(open=True),
+                gr.Tabs(selected=chat_tab_id))
+    button.click(fill, [layer_dd, head_dd],
+                 [whatif.kind, whatif.layer, whatif.ids, whatif.accordion, tabs],
+                 api_visibility="private", queue=False).then(
+        whatif.compare, whatif.inputs, whatif.output, api_visibility="private")

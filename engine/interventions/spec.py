@@ -82,8 +82,10 @@ class Intervention:
     def steer(cls, layer: int, vector, scale: float = 1.0,
               positions: str = "all") -> "Intervention":
         """Add vector * scale to the output of decoder layer `layer` (TransformerLens'
-        blocks.{layer}.hook_resid_post) at the prompt's positions, the generated ones (each
-        generated token's own position), or all."""
+        blocks.{layer}.hook_resid_post) at the prompt tokens' positions ("prompt"), at the
+        generated tokens' positions ("generated"), or at both ("all"). The first generated
+        token is predicted from the last prompt position, so "generated" changes the reply
+        from its second token on (as a hook on HF's decode steps does)."""
         if not isinstance(scale, numbers.Real) or isinstance(scale, bool) or \
                 not math.isfinite(scale):
             raise ValueError(f"Intervention.steer: scale must be a finite number, got {scale!r}")
