@@ -196,11 +196,13 @@ def test_tp2_interventions_equal_tp1(dense, moe):
             (dense[0], dense[1], _kinds(64)["mixed"] + [Intervention.ablate_heads(2, [1, 2])]),
             (moe[0], moe[1], [Intervention.mask_experts(1, [0, 7]),
                               Intervention.ablate_heads(0, [3])])]:
-        runs = []
+        runs, vectors = [], []
         for tp in (1, 2):
             with LLM(path, device="cpu", tensor_parallel_size=tp, block_size=4,
                      num_kv_blocks=48) as llm:
                 runs.append(llm.generate(prompts, greedy_params(), interventions=[ivs, None, ivs]))
+                vectors.append(llm.steering_vector(1, prompts[0], prompts[2]))
+        torch.testing.assert_close(vectors[1], vectors[0], atol=1e-5, rtol=1e-5)
         ref = hf_greedy_with(path, [prompts[0], prompts[2]], [ivs, ivs])
         assert_same_as_hf([runs[1][0], runs[1][2]], ref)
         for a, b in zip(*runs):
