@@ -47,6 +47,8 @@ def test_bad_arguments_fail_at_construction(make, words):
     ([Intervention.steer(0, np.ones(15))], DENSE, "15 entries.*hidden_size=16"),
     (Intervention.ablate_heads(0, [0]), DENSE, "must be a list"),
     (["ablate"], DENSE, r"interventions\[0\] must be an Intervention"),
+    ([Intervention("zap", 0)], DENSE, r"unknown kind 'zap'"),
+    ([Intervention._capture(0)], DENSE, r"unknown kind '_capture'"),
 ])
 def test_resolve_refuses_what_does_not_fit_the_model(ivs, facts, words):
     if words.endswith("leave 2"):

@@ -206,8 +206,9 @@ def resolve_interventions(ivs, facts: ModelFacts, allow_internal: bool = False
         if not isinstance(iv, Intervention):
             raise ValueError(f"{where} must be an Intervention (Intervention.ablate_heads / "
                              f".mask_experts / .steer), got {type(iv).__name__}")
-        if iv.kind == CAPTURE and not allow_internal:
-            raise ValueError(f"{where}: capture is internal to steering_vector")
+        if iv.kind not in KINDS and not (iv.kind == CAPTURE and allow_internal):
+            raise ValueError(f"{where}: unknown kind {iv.kind!r}; build interventions with "
+                             "Intervention.ablate_heads / .mask_experts / .steer")
         if not -L <= iv.layer < L:
             raise ValueError(f"{where} ({iv.kind}): layer {iv.layer} is out of range for this "
                              f"model's {L} layers; valid indices are [-{L}, {L})")
