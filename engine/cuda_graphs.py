@@ -13,8 +13,9 @@ non-blocking copy from pinned memory allocated for that step: with overlap sched
 prepares step N+1 before step N's copies have run, so a reused staging buffer would race.
 Pending input ids (sampled by the step before, still on the device) are written after the
 copy. Steps with interventions replay a variant per plan key (interventions/buffers.py), its
-tables refilled before the replay; steps without any replay the graphs they always did. With tensor parallelism every rank captures the same graphs in the same order, NCCL
-all-reduces inside, and replays them in lockstep. One decode step in TIMED_EVERY replays a
+tables refilled before the replay; steps without any replay the graphs they always did. With
+tensor parallelism every rank captures the same graphs in the same order, NCCL all-reduces
+inside, and replays them in lockstep. One decode step in TIMED_EVERY replays a
 "timed" copy of its graph whose collectives are bracketed by CUDA events captured with it: the
 all-reduce time per step is measured where it happens, at the cost of nothing on the others.
 """
