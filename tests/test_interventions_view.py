@@ -48,3 +48,24 @@ def test_form_values_become_interventions(qwen3_dir):
                                     interventions=[None, [iv]])
         md = compare(orig, edited, llm.tokenizer.decode, iv.describe())
         assert "steer layer -1 by 3" in md and "They part" in md
+
+
+def test_overlay_figure_shows_both_runs_norms_and_lens_at_the_parting_token(qwen3_dir):
+    from engine import Intervention, ProbeSpec
+    from views.interventions import overlay_figure, parting
+    with LLM(qwen3_dir, device="cpu", num_kv_blocks=32, block_size=4) as llm:
+        watch = ProbeSpec(attention=False, routing=False)
+        a, b = llm.generate([[1, 2, 3]] * 2, SamplingParams(temperature=0, max_tokens=5),
+                            watch=watch,
+                            interventions=[None, [Intervention.ablate_heads(0, [0, 1, 2])]])
+        ta, tb = llm.trace(a.request_id), llm.trace(b.request_id)
+    step = parting(a, b)
+    assert step is not None
+    fig = overlay_figure(ta, tb, step, llm.tokenizer.decode)
+    norms = [t for t in fig["data"] if t["yaxis"] == "y"]
+    lens = [t for t in fig["data"] if t["yaxis"] == "y2"]
+    assert len(norms) == 2 and len(lens) == 2
+    row = 3 - 1 + step
+    assert norms[0]["y"] == ta.norms()[row].tolist() and norms[1]["y"] == tb.norms()[row].tolist()
+    assert norms[0]["y"][0] == norms[1]["y"][0], "the embedding is before any edit"
+    assert lens[0]["y"] == ta.lens[step].sampled_prob.tolist()

@@ -1,11 +1,12 @@
 """Chat tab, "What if" accordion: re-run the latest message with an intervention (ablate heads,
 mask experts, steer the residual) beside the untouched reply, both in one engine batch, and show
-where they part: the first differing token, and how the chosen tokens' logprobs moved.
+where they part: the first differing token, how the chosen tokens' logprobs moved, and both
+runs' residual norms and logit lens at that token, overlaid.
 
 The handlers are thin; `make_interventions` and `compare` are pure (unit-tested without a
 browser). The Layers tab's "Re-run without this head" button (`wire_from_layers`) fills the form with
 its chosen layer and head and runs the comparison. Not here yet: picking an expert from the
-routing view (type it in the form), and the two runs' logit lens and norms overlaid.
+routing view (type it in the form).
 """
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ import html
 from typing import Callable, NamedTuple
 
 import gradio as gr
+import numpy as np
 
-from engine import Intervention, SamplingParams
+from engine import Intervention, ProbeSpec, SamplingParams
 
 KINDS = {"ablate heads": "ablate_heads", "mask experts": "mask_experts", "steer": "steer"}
 
@@ -61,8 +63,7 @@ def compare(orig, edited, decode, what: str) -> str:
     """Markdown: both replies, the first token where they part, and the chosen tokens' logprob
     change (the edited run's logprob of the original's token where its top-k holds it)."""
     a, b = orig.token_ids, edited.token_ids
-    part = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y),
-                None if len(a) == len(b) else min(len(a), len(b)))
+    part = parting(orig, edited)
     lines = [f"**Intervention:** {html.escape(what)}", "",
              "| untouched | intervened |", "| --- | --- |",
              f"| {_cell(orig.text) or '∅'} | {_cell(edited.text) or '∅'} |", ""]
@@ -96,7 +97,46 @@ class WhatIf(NamedTuple):
     ids: gr.Textbox
     compare: Callable
     inputs: list
-    output: gr.Markdown
+    outputs: list
+
+
+def parting(orig, edited) -> int | None:
+    """Index of the first reply token where the two runs differ (None: identical)."""
+    a, b = orig.token_ids, edited.token_ids
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y),
+                None if len(a) == len(b) else min(len(a), len(b)))
+
+
+def overlay_figure(ta, tb, step: int, decode) -> dict:
+    """Plotly JSON, two panels at reply token `step` (both runs share every token before it, so
+    any difference is the intervention's): left, ||resid|| after each layer of the query that
+    predicts it; right, the logit lens — per layer, the probability of each run's own token,
+    hovering the layer's top token."""
+    names = (("untouched", "#4e79a7"), ("intervened", "#e15759"))
+    data = []
+    row = len(ta.prompt_token_ids) - 1 + step          # the query position of reply token `step`
+    for (name, colour), tr in zip(names, (ta, tb)):
+        n = tr.norms()
+        if row < len(n):
+            data.append(dict(type="scatter", x=["embed"] + [str(i) for i in range(tr.num_layers)],
+                             y=n[row].tolist(), name=f"{name} ‖resid‖", mode="lines+markers",
+                             line=dict(color=colour), xaxis="x", yaxis="y"))
+        if step < len(tr.lens):
+            st = tr.lens[step]
+            tops = [decode([int(t)]) for t in np.asarray(st.top_ids)[:, 0]]
+            data.append(dict(type="scatter", x=list(range(tr.num_layers)),
+                             y=np.asarray(st.sampled_prob).tolist(),
+                             name=f"{name}: p({decode([st.sampled_token])!r})",
+                             mode="lines+markers", line=dict(color=colour, dash="dot"),
+                             text=[f"top: {t!r}" for t in tops], xaxis="x2", yaxis="y2"))
+    layout = dict(
+        height=300, margin=dict(l=50, r=10, t=40, b=40), legend=dict(orientation="h", y=-0.25),
+        title=dict(text=f"reply token {step}: residual norms and logit lens, both runs",
+                   font=dict(size=13)),
+        xaxis=dict(domain=[0, 0.45], title="after layer"), yaxis=dict(title="‖resid‖"),
+        xaxis2=dict(domain=[0.55, 1], title="layer", anchor="y2"),
+        yaxis2=dict(anchor="x2", range=[0, 1], title="p(own token)"))
+    return {"data": data, "layout": layout}
 
 
 def build(hub, conversation, box, system, max_tokens) -> WhatIf:
@@ -127,6 +167,7 @@ def build(hub, conversation, box, system, max_tokens) -> WhatIf:
                                  label="positions", elem_id="iv-positions")
         run = gr.Button("Compare", variant="secondary", elem_id="iv-compare")
         out = gr.Markdown("", elem_id="iv-result")
+        plot = gr.Plot(elem_id="iv-plot", show_label=False)
 
     def on_compare(conv, typed, system_prompt, n, kind_v, layer_v, ids_v, a, b, s, pos):
         try:
@@ -140,15 +181,28 @@ def build(hub, conversation, box, system, max_tokens) -> WhatIf:
             msgs.append({"role": "user", "content": user.strip()})
             ivs = make_interventions(hub.llm, kind_v, layer_v, ids_v, a, b, s, pos)
             sp = SamplingParams(temperature=0, max_tokens=int(n), logprobs=5)
-            orig, edited = hub.llm.generate([msgs, msgs], sp, interventions=[None, ivs])
-            return compare(orig, edited, hub.llm.tokenizer.decode, ivs[0].describe())
+            llm = hub.llm
+            watch = ProbeSpec(attention=False, routing=False)
+            orig, edited = llm.generate([msgs, msgs], sp, watch=watch,
+                                        interventions=[None, ivs])
+            decode = llm.tokenizer.decode
+            md = compare(orig, edited, decode, ivs[0].describe())
+            step = parting(orig, edited)
+            step = max(0, len(orig.token_ids) - 1) if step is None else step
+            try:
+                import plotly.graph_objects as go
+                fig = go.Figure(overlay_figure(llm.trace(orig.request_id),
+                                               llm.trace(edited.request_id), step, decode))
+            except KeyError:        # a trace evicted meanwhile: the table still says it all
+                fig = None
+            return md, fig
         except (ValueError, RuntimeError) as e:
-            return f"⚠️ {html.escape(str(e))}"
+            return f"⚠️ {html.escape(str(e))}", None
 
     inputs = [conversation, box, system, max_tokens, kind, layer, ids, prompt_a, prompt_b,
               scale, positions]
-    run.click(on_compare, inputs, out, api_name="compare_intervention")
-    return WhatIf(accordion, kind, layer, ids, on_compare, inputs, out)
+    run.click(on_compare, inputs, [out, plot], api_name="compare_intervention")
+    return WhatIf(accordion, kind, layer, ids, on_compare, inputs, [out, plot])
 
 
 def rerun_button() -> gr.Button:
@@ -169,4 +223,4 @@ def wire_from_layers(button: gr.Button, layer_dd, head_dd, whatif: WhatIf, tabs:
     button.click(fill, [layer_dd, head_dd],
                  [whatif.kind, whatif.layer, whatif.ids, whatif.accordion, tabs],
                  api_visibility="private", queue=False).then(
-        whatif.compare, whatif.inputs, whatif.output, api_visibility="private")
+        whatif.compare, whatif.inputs, whatif.outputs, api_visibility="private")
