@@ -4,8 +4,8 @@ import time
 
 import pytest
 
-from test_browser import (abort_everything, browser, open_app, running, send,  # noqa: F401
-                          show_tab, wait_js, bot_text)
+from test_browser import (abort_everything, browser, open_app, running, screenshot,  # noqa: F401
+                          send, show_tab, wait_js, bot_text)
 from ui_helpers import wait_until
 
 pytestmark = pytest.mark.slow
@@ -27,5 +27,8 @@ def test_rerun_without_the_chosen_head_compares_in_chat(running, browser):  # no
     text = page.inner_text("#iv-result")
     assert f"ablate heads [{head}] at layer {layer}" in text, text
     assert page.is_visible("#iv-result"), "the Chat tab should be shown"
+    wait_js(page, "() => !!document.querySelector('#iv-plot .js-plotly-plot')",
+            what="the overlaid norms / lens figure")
+    screenshot(page, "interventions")
     abort_everything(running)
     page.context.close()

@@ -134,7 +134,7 @@ def overlay_figure(ta, tb, step: int, decode) -> dict:
         title=dict(text=f"reply token {step}: residual norms and logit lens, both runs",
                    font=dict(size=13)),
         xaxis=dict(domain=[0, 0.45], title="after layer"), yaxis=dict(title="‖resid‖"),
-        xaxis2=dict(domain=[0.55, 1], title="layer", anchor="y2"),
+        xaxis2=dict(domain=[0.55, 1], title="layer", anchor="y2", dtick=1),
         yaxis2=dict(anchor="x2", range=[0, 1], title="p(own token)"))
     return {"data": data, "layout": layout}
 
