@@ -262,3 +262,13 @@ def test_trace_export_records_the_interventions(qwen3_dir, tmp_path):
     import json
     meta = json.loads(path.with_suffix(".json").read_text())
     assert "vector" not in meta["interventions"][1]          # vectors live in the .npz
+
+
+def test_a_step_with_nothing_to_edit_has_no_plan():
+    """Prompt-only steering in a decode step, or a steering-vector request's decode: no tables,
+    so the step runs exactly the plain path (plain graphs included)."""
+    planner = InterventionPlanner(DENSE)
+    s = _Seq([Intervention.steer(1, np.ones(16), 2.0, "prompt")], 4)
+    planner.add(s)
+    assert planner.plan([_Sched(s, 0, 4)]) is not None            # the prompt: steered
+    assert planner.plan([_Sched(s, 6, 1)]) is None                # a decode step: nothing

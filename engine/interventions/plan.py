@@ -77,7 +77,6 @@ class InterventionPlanner:
         all_ivs = [iv for _, s, _ in entries for iv in s.seq.interventions]
         la = tuple(sorted({iv.layer for iv in all_ivs if iv.kind == "ablate_heads"}))
         le = tuple(sorted({iv.layer for iv in all_ivs if iv.kind == "mask_experts"}))
-        ls = tuple(sorted({iv.layer for iv in all_ivs if iv.kind == "steer"}))
         sel = np.zeros(total, dtype=np.int64)
         rows: dict[tuple, int] = {}
         specs: list[tuple[tuple[Intervention, ...], str]] = []
@@ -100,6 +99,11 @@ class InterventionPlanner:
             for iv in ivs:
                 if iv.kind == CAPTURE and start < P:
                     captures.append((b, iv.layer, row0, min(start + n, P) - start))
+        # steering layers that add somewhere this step ("prompt" steering is off in decode)
+        ls = tuple(sorted({iv.layer for ivs, cls_name in specs for iv in ivs
+                           if iv.kind == "steer" and iv.positions in ("all", cls_name)}))
+        if not (la or le or ls or captures):
+            return None     # e.g. a steering-vector request's decode step: nothing to edit
         R = len(specs) + 1
         keep = np.ones((R, len(la), f.num_heads), np.float32) if la else None
         bias = np.zeros((R, len(le), f.num_experts), np.float32) if le else None
