@@ -272,3 +272,20 @@ def test_a_step_with_nothing_to_edit_has_no_plan():
     planner.add(s)
     assert planner.plan([_Sched(s, 0, 4)]) is not None            # the prompt: steered
     assert planner.plan([_Sched(s, 6, 1)]) is None                # a decode step: nothing
+
+
+# ---- the benchmark runs (figures only mean something on a GPU) ----------------------------------
+@pytest.mark.parametrize("model", ["qwen3-0.6b", "qwen3-30b-a3b"])
+def test_interventions_bench_runs_tiny_on_cpu(model):
+    import math
+
+    from bench import interventions
+    rows = interventions.main(model, "cpu", num_requests=2, tput_repeats=1, lat_repeats=1,
+                              tiny=True, floors=False)
+    assert not [r for r in rows if r.get("error") or "error" in str(r.get("metric", ""))], rows
+    got = {r["metric"]: r["value"] for r in rows}
+    kinds = ["ablate_heads", "steer"] + (["mask_experts"] if "30b" in model else [])
+    for k in ["none"] + kinds:
+        assert got[f"ms_per_token[{k}]"] > 0 and got[f"output_tok_s[{k}]"] > 0
+    for k in kinds:
+        assert math.isfinite(got[f"decode_slowdown_pct[{k}]"])
