@@ -129,12 +129,17 @@ def build_app(llm, *, banner: str | None = None, choices: dict[str, str] | None 
             with gr.Tab("Layers", id="layers", elem_id="tab-layers") as tab_layers:
                 layers_tab = layers.build(hub)
                 rerun_head = interventions.rerun_button()     # "what if" without this head
+                rerun_expert = interventions.rerun_expert_button()    # ... or this expert
             with gr.Tab("Engine", id="engine", elem_id="tab-engine") as tab_engine:
                 engine_tab = engine_view.build(hub)
             with gr.Tab("Anatomy", id="anatomy", elem_id="tab-anatomy") as tab_anatomy:
                 anatomy_timer = anatomy.build(hub)
-        layer_dd, head_dd = layers_tab.inputs[4:6]      # the Layers tab's layer and head pickers
-        interventions.wire_from_layers(rerun_head, layer_dd, head_dd, chat_parts.whatif, tabs)
+        # the Layers tab's layer and head pickers and its routing chart, by their elem_ids
+        by_id = {getattr(c, "elem_id", None): c for c in layers_tab.inputs + layers_tab.outputs}
+        interventions.wire_from_layers(rerun_head, by_id["layers-layer"], by_id["layers-head"],
+                                       chat_parts.whatif, tabs)
+        interventions.wire_expert_from_layers(by_id["layers-routing"], rerun_expert,
+                                              chat_parts.whatif, tabs)
         # only the visible tab polls the engine: hidden tabs cost nothing; a tab refreshes
         # at once when opened instead of waiting for its first tick
         anatomy_tab = LiveTab(anatomy_timer, None, [], [])   # its tick notices a model swap

@@ -69,3 +69,11 @@ def test_overlay_figure_shows_both_runs_norms_and_lens_at_the_parting_token(qwen
     assert norms[0]["y"] == ta.norms()[row].tolist() and norms[1]["y"] == tb.norms()[row].tolist()
     assert norms[0]["y"][0] == norms[1]["y"][0], "the embedding is before any edit"
     assert lens[0]["y"] == ta.lens[step].sampled_prob.tolist()
+
+
+def test_a_click_on_the_routing_chart_picks_layer_and_expert():
+    from views.interventions import expert_pick
+    assert expert_pick({"row": 1, "col": 5, "x": 5, "y": "L3"}) == (3, 5)
+    assert expert_pick({"x": 2.0, "y": "L0"}) == (0, 2)
+    assert expert_pick({"x": 2, "y": "moe0"}) is None
+    assert expert_pick({}) is None and expert_pick({"x": "a", "y": "L1"}) is None

@@ -5,8 +5,8 @@ runs' residual norms and logit lens at that token, overlaid.
 
 The handlers are thin; `make_interventions` and `compare` are pure (unit-tested without a
 browser). The Layers tab's "Re-run without this head" button (`wire_from_layers`) fills the form with
-its chosen layer and head and runs the comparison. Not here yet: picking an expert from the
-routing view (type it in the form).
+its chosen layer and head and runs the comparison; a click on a cell of its MoE routing chart
+arms a second button that does the same with that layer's expert masked.
 """
 from __future__ import annotations
 
@@ -209,6 +209,47 @@ def rerun_button() -> gr.Button:
     """For the Layers tab, under its head picker."""
     return gr.Button("Re-run the chat's last message without this head (compare in Chat)",
                      size="sm", variant="secondary", elem_id="iv-from-layers")
+
+
+def expert_pick(point: dict) -> tuple[int, int] | None:
+    """A click on the routing chart ({x: expert, y: "L3"}) -> (layer, expert), or None."""
+    try:
+        label, x = str(point.get("y", "")), point.get("x")
+        if not label.startswith("L") or x is None:
+            return None
+        return int(label[1:]), int(round(float(x)))
+    except (TypeError, ValueError):
+        return None
+
+
+def rerun_expert_button() -> gr.Button:
+    """For the Layers tab: armed by a click on the routing chart."""
+    return gr.Button("Click an expert in the routing chart to re-run without it", size="sm",
+                     variant="secondary", interactive=False, elem_id="iv-expert-from-layers")
+
+
+def wire_expert_from_layers(routing_plot, button: gr.Button, whatif: WhatIf, tabs: gr.Tabs,
+                            chat_tab_id: str = "chat") -> None:
+    """A click on a routing cell arms `button`; the button masks that expert at that layer in
+    the What-if form, opens the Chat tab and runs the comparison."""
+    picked = gr.State(None)
+
+    def on_pick(evt: gr.EventData):
+        pick = expert_pick(getattr(evt, "_data", None) or {})
+        if pick is None:
+            return gr.skip(), gr.skip()
+        return pick, gr.Button(f"Re-run the chat's last message without layer {pick[0]} "
+                               f"expert {pick[1]} (compare in Chat)", interactive=True)
+    routing_plot.click(on_pick, None, [picked, button], api_visibility="private", queue=False)
+
+    def fill(pick):
+        if pick is None:
+            raise gr.Error("Click an expert in the routing chart first.")
+        return ("mask experts", pick[0], str(pick[1]), gr.Accordion(open=True),
+                gr.Tabs(selected=chat_tab_id))
+    button.click(fill, [picked], [whatif.kind, whatif.layer, whatif.ids, whatif.accordion, tabs],
+                 api_visibility="private", queue=False).then(
+        whatif.compare, whatif.inputs, whatif.outputs, api_visibility="private")
 
 
 def wire_from_layers(button: gr.Button, layer_dd, head_dd, whatif: WhatIf, tabs: gr.Tabs,
