@@ -106,7 +106,7 @@ def build_app(llm, *, banner: str | None = None, choices: dict[str, str] | None 
     (and refuses) the model switch, `allow_burst=False` the shared-prefix burst."""
     import gradio as gr
 
-    from views import anatomy, chat, engine_view, kv_cache, layers
+    from views import anatomy, chat, engine_view, interventions, kv_cache, layers
     from views.live import EngineHub, LiveTab
     from views.live_plot import preload_plotly
 
@@ -124,17 +124,25 @@ def build_app(llm, *, banner: str | None = None, choices: dict[str, str] | None 
         preload_plotly()
         model_line = gr.Markdown(hub.model_line(), elem_id="model-line")
         seen = gr.State(None)      # (generation, loading) of the model this page shows
-        with gr.Tabs(elem_id="tabs"):
+        with gr.Tabs(elem_id="tabs") as tabs:
             with gr.Tab("Chat", id="chat", elem_id="tab-chat") as tab_chat:
                 chat_parts = chat.build(hub)
             with gr.Tab("KV cache", id="kv", elem_id="tab-kv") as tab_kv:
                 kv_tab = kv_cache.build(hub)
             with gr.Tab("Layers", id="layers", elem_id="tab-layers") as tab_layers:
                 layers_tab = layers.build(hub)
+                rerun_head = interventions.rerun_button()     # "what if" without this head
+                rerun_expert = interventions.rerun_expert_button()    # ... or this expert
             with gr.Tab("Engine", id="engine", elem_id="tab-engine") as tab_engine:
                 engine_tab = engine_view.build(hub)
             with gr.Tab("Anatomy", id="anatomy", elem_id="tab-anatomy") as tab_anatomy:
                 anatomy_timer = anatomy.build(hub)
+        # the Layers tab's layer and head pickers and its routing chart, by their elem_ids
+        by_id = {getattr(c, "elem_id", None): c for c in layers_tab.inputs + layers_tab.outputs}
+        interventions.wire_from_layers(rerun_head, by_id["layers-layer"], by_id["layers-head"],
+                                       chat_parts.whatif, tabs)
+        interventions.wire_expert_from_layers(by_id["layers-routing"], rerun_expert,
+                                              chat_parts.whatif, tabs)
         # only the visible tab polls the engine: hidden tabs cost nothing; a tab refreshes
         # at once when opened instead of waiting for its first tick
         anatomy_tab = LiveTab(anatomy_timer, None, [], [])   # its tick notices a model swap

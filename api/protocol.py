@@ -73,6 +73,8 @@ class SamplingRequest(BaseModel):
     store: bool | None = None
     service_tier: str | None = None
     glassbox: GlassboxOptions | None = None
+    # Glassbox: per-request edits of the forward pass (api/interventions.py checks them)
+    interventions: list[dict[str, Any]] | None = None
 
 
 class ChatCompletionRequest(SamplingRequest):

@@ -89,11 +89,12 @@ def build_router(engines, api_key: str | None = None, *, limits: Limits | None =
         llm = current_engine(body.model)
         sampling = sampling_params(body, llm.max_model_len)
         prompt = chat_messages(body) if chat else completion_prompt(body)
-        return body, llm, sampling, prompt, probe_spec(body)
+        from .interventions import interventions_of
+        return body, llm, sampling, prompt, probe_spec(body), interventions_of(body, llm)
 
     async def run(request: Request, model_cls, chat: bool) -> Response:
         raw = await request.body()        # bounded by api.guard before it was read
-        body, llm, sampling, prompt, watch = await pools.run_prepare(
+        body, llm, sampling, prompt, watch, ivs = await pools.run_prepare(
             lambda: prepare(raw, model_cls, chat))
         del raw
         want_lp, top_n = logprobs_of(body)
@@ -108,7 +109,8 @@ def build_router(engines, api_key: str | None = None, *, limits: Limits | None =
         try:
             job = await start(llm, prompt, sampling, watch, meta, request, chat=chat,
                               want_logprobs=want_lp, top_n=top_n, include_usage=include_usage,
-                              prompt_param="messages" if chat else "prompt", pools=pools)
+                              prompt_param="messages" if chat else "prompt", pools=pools,
+                              interventions=ivs)
             if body.stream:
                 return StreamingResponse(sse_events(job), media_type="text/event-stream",
                                          headers=SSE_HEADERS)

@@ -55,11 +55,12 @@ class Job:
 
 
 async def start(llm, prompt, sampling, watch, meta: Meta, request, pools=None,
-                **render) -> Job:
+                interventions=None, **render) -> Job:
     """Submit the request; returns once the engine produced its first token (or raises the
     400 that its prompt deserves, before any header is sent). `render`: Job's other fields;
-    `pools`: the server's worker pools (api.limits.Pools)."""
-    stream = EngineStream(llm, prompt, sampling, watch, meta.id, pools)
+    `pools`: the server's worker pools (api.limits.Pools); `interventions`: the request's
+    Intervention specs (engine/interventions)."""
+    stream = EngineStream(llm, prompt, sampling, watch, meta.id, pools, interventions)
     job = Job(meta=meta, stream=stream, strings=token_strings(llm), **render)
     if not await stream.wait_first(request):
         stream.close()

@@ -99,7 +99,8 @@ class LoopWaker:
 
 
 class EngineStream:
-    def __init__(self, llm, prompt, sampling, watch, request_id: str, pools=None):
+    def __init__(self, llm, prompt, sampling, watch, request_id: str, pools=None,
+                 interventions=None):
         from .limits import default_pools
         self.llm = llm
         self._pools = pools or default_pools()
@@ -116,6 +117,7 @@ class EngineStream:
         self._seen_first = False
         self._waker.opened()
         # tokenizing the prompt and taking the engine lock can take milliseconds: off the loop
+        self._interventions = interventions
         self._pools.prepare.submit(self._prepare, prompt, sampling, watch)
 
     # ---- producer side (worker threads, then the engine thread) -------------------------------
@@ -125,7 +127,8 @@ class EngineStream:
             return self._submit(lambda: self.llm.submit(
                 prompt, sampling, watch, request_id=self.request_id, on_event=self._push))
         try:
-            seq = self.llm.prepare(prompt, sampling, watch, request_id=self.request_id)
+            kw = {"interventions": self._interventions} if self._interventions else {}
+            seq = self.llm.prepare(prompt, sampling, watch, request_id=self.request_id, **kw)
         except BaseException as e:  # bad prompt: the consumer decides
             self._push(e)
             self._submitted.set()

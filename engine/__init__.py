@@ -4,6 +4,7 @@ from .errors import (CheckpointFormatError, CheckpointMismatchError, EngineFaile
                      InvalidArgumentError, ModelLoadError, ModelNotFoundError,
                      ModelSwitchingError, OutOfCapacityError, PromptTooLongError,
                      RequestFailedError, UnsupportedArchitectureError, WorkerDiedError)
+from .interventions.spec import Intervention
 from .llm import LLM
 from .probes.spec import ProbeSpec
 from .sampling_params import SamplingParams
@@ -11,7 +12,7 @@ from .sequence import RequestOutput, TokenEvent
 from .records import EngineSnapshot
 from .probes.trace import RequestTrace
 
-__all__ = ["LLM", "SamplingParams", "ProbeSpec", "RequestOutput", "TokenEvent", "EngineSnapshot",
+__all__ = ["LLM", "Intervention", "SamplingParams", "ProbeSpec", "RequestOutput", "TokenEvent", "EngineSnapshot",
            "RequestTrace", "PromptTooLongError", "UnsupportedArchitectureError",
            "CheckpointMismatchError", "CheckpointFormatError", "ModelNotFoundError",
            "WorkerDiedError", "GlassboxError", "InvalidArgumentError", "OutOfCapacityError",

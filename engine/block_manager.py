@@ -69,7 +69,8 @@ class BlockManager:
         served from the cache, so a fully cached prompt still computes its logits."""
         if not self.enable_prefix_caching:
             return []
-        bs, hits, parent = self.block_size, [], None
+        # the chain's root is the request's cache salt (interventions), None for a plain one
+        bs, hits, parent = self.block_size, [], seq.cache_salt
         for i in range((len(seq) - 1) // bs):
             ids = tuple(seq.token_ids[i * bs:(i + 1) * bs])
             h = chain_hash(parent, ids)
@@ -179,7 +180,7 @@ class BlockManager:
             return
         for i in range(len(hashes), full):
             ids = tuple(seq.token_ids[i * bs:(i + 1) * bs])
-            parent = hashes[-1] if hashes else None
+            parent = hashes[-1] if hashes else seq.cache_salt
             h = chain_hash(parent, ids)
             hashes.append(h)
             block = self.blocks[seq.block_table[i]]

@@ -19,6 +19,7 @@ class ForwardContext:
     max_seqlen_q: int
     is_decode: bool                     # every sequence has exactly one new token
     probes: object | None = None        # ProbeBuffers of this step, or None (probes off)
+    interventions: object | None = None  # InterventionBuffers of this step, or None (none)
 
 
 # per thread: each engine runs its forward on its own loop thread, and two engines may live in

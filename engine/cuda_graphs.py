@@ -12,12 +12,16 @@ buffers (int64: ids, positions, slots; int32: context lens, block tables), each 
 non-blocking copy from pinned memory allocated for that step: with overlap scheduling the host
 prepares step N+1 before step N's copies have run, so a reused staging buffer would race.
 Pending input ids (sampled by the step before, still on the device) are written after the
-copy. With tensor parallelism every rank captures the same graphs in the same order, NCCL
-all-reduces inside, and replays them in lockstep. One decode step in TIMED_EVERY replays a
+copy. Steps with interventions replay a variant per plan key (interventions/buffers.py), its
+tables refilled before the replay; steps without any replay the graphs they always did. With
+tensor parallelism every rank captures the same graphs in the same order, NCCL all-reduces
+inside, and replays them in lockstep. One decode step in TIMED_EVERY replays a
 "timed" copy of its graph whose collectives are bracketed by CUDA events captured with it: the
 all-reduce time per step is measured where it happens, at the cost of nothing on the others.
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -26,6 +30,16 @@ from .context import ForwardContext, set_context
 from .parallel_state import CollectiveTimer
 
 TIMED_EVERY = 64        # with TP: one decode step in this many measures its collectives
+# distinct intervention keys (which layers edit what) with captured graphs; past this, eager
+MAX_INTERVENTION_KEYS = 32
+
+
+class Intervened(NamedTuple):
+    """The graph variant of a decode step with interventions: the probe variant it also
+    records, and the plan key (which layers ablate / mask / steer). The tables' values are
+    static buffers refilled each replay, so one graph serves every request with that key."""
+    probe: object
+    key: tuple
 
 
 def graph_buckets(max_num_seqs: int) -> list[int]:
@@ -54,6 +68,7 @@ class DecodeGraphs:
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.logits: dict[tuple, torch.Tensor] = {}
         self.probe_bufs: dict[tuple, object] = {}
+        self.iv_bufs: dict[tuple, object] = {}     # plan key -> GraphInterventionBuffers
         self.timers: dict[tuple, CollectiveTimer] = {}     # (bucket, "timed") -> its events
         self.collectives: dict[tuple, int] = {}     # collectives each graph issues per replay
         self.timing = runner.tp.size > 1                    # off for good if capture refuses
@@ -62,14 +77,15 @@ class DecodeGraphs:
         self._capture_all()
 
     # ---- capture -----------------------------------------------------------------------------
-    def _ctx(self, bs: int, probes) -> ForwardContext:
+    def _ctx(self, bs: int, probes, interventions=None) -> ForwardContext:
         return ForwardContext(slot_mapping=self.slot_mapping[:bs],
                               context_lens=self.context_lens[:bs],
                               block_tables=self.block_tables[:bs], cu_seqlens_q=None,
-                              max_seqlen_q=1, is_decode=True, probes=probes)
+                              max_seqlen_q=1, is_decode=True, probes=probes,
+                              interventions=interventions)
 
-    def _run(self, bs: int, probes) -> torch.Tensor:
-        set_context(self._ctx(bs, probes))
+    def _run(self, bs: int, probes, interventions=None) -> torch.Tensor:
+        set_context(self._ctx(bs, probes, interventions))
         try:
             hidden = self.runner.model(self.input_ids[:bs], self.positions[:bs])
             return self.runner.model.compute_logits(hidden)
@@ -79,12 +95,15 @@ class DecodeGraphs:
     def _capture(self, bs: int, variant) -> None:
         from .probes.buffers import graph_probe_buffers
         timed = variant == "timed"
-        probes = graph_probe_buffers(self.runner, bs, variant) \
-            if variant is not None and not timed else None
+        ivs, probe_variant = None, variant
+        if isinstance(variant, Intervened):
+            probe_variant, ivs = variant.probe, self._iv_buffers(variant.key).view(bs)
+        probes = graph_probe_buffers(self.runner, bs, probe_variant) \
+            if probe_variant is not None and not timed else None
         tp = self.runner.tp
         tp.timer = None                     # the warm-up runs eagerly: no timing there
         with torch.inference_mode():
-            self._run(bs, probes)                   # warm-up: compile, allocate scratch
+            self._run(bs, probes, ivs)              # warm-up: compile, allocate scratch
             torch.cuda.synchronize()
             g = torch.cuda.CUDAGraph()
             # a timed copy records external events (graph event-record nodes) around each
@@ -93,7 +112,7 @@ class DecodeGraphs:
             tp.take_collective_count()
             try:
                 with torch.cuda.graph(g, pool=self.pool):
-                    self.logits[(bs, variant)] = self._run(bs, probes)
+                    self.logits[(bs, variant)] = self._run(bs, probes, ivs)
             finally:
                 tp.timer = None
             self.collectives[(bs, variant)] = tp.take_collective_count()
@@ -102,6 +121,17 @@ class DecodeGraphs:
             self.probe_bufs[(bs, variant)] = probes
         if timer is not None:
             self.timers[(bs, variant)] = timer
+
+    def _iv_buffers(self, key: tuple):
+        """The static intervention tables of one plan key, shared by every bucket."""
+        if key not in self.iv_bufs:
+            from .interventions.buffers import GraphInterventionBuffers, head_slice_of
+            from .interventions.spec import ModelFacts
+            r = self.runner
+            self.iv_bufs[key] = GraphInterventionBuffers(
+                key, self.max_bs, ModelFacts.of(r.hf_config, r.moe_layers), r.device, r.dtype,
+                head_slice_of(r))
+        return self.iv_bufs[key]
 
     def _capture_all(self) -> None:
         self.context_lens.fill_(1)          # a valid context for warm-up and capture
@@ -131,6 +161,10 @@ class DecodeGraphs:
             return False
         if inp.block_tables.shape[1] > self.max_blocks:
             return False
+        ip = inp.interventions
+        if ip is not None and (ip.captures or ip.num_rows > self.max_bs + 1 or (
+                ip.key not in self.iv_bufs and len(self.iv_bufs) >= MAX_INTERVENTION_KEYS)):
+            return False
         from .probes.buffers import graph_supports
         return graph_supports(plan, self.runner)
 
@@ -155,6 +189,8 @@ class DecodeGraphs:
         B = inp.num_seqs
         bs = self.bucket(B)
         variant = graph_variant(plan)
+        if inp.interventions is not None:
+            variant = Intervened(variant, inp.interventions.key)
         self.replays += 1
         if variant is None and self.timing and self.replays % TIMED_EVERY == 1:
             variant = "timed"
@@ -170,6 +206,8 @@ class DecodeGraphs:
         bufs = self.probe_bufs.get((bs, variant))
         if bufs is not None:
             bufs.load_plan(plan)
+        if inp.interventions is not None:
+            self.iv_bufs[inp.interventions.key].load_plan(inp.interventions)
         self.graphs[(bs, variant)].replay()
         key = (bs, variant)
         return (self.logits[key][:B], bufs, bs, self.timers.get(key),

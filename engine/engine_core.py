@@ -76,11 +76,14 @@ class EngineCore:
         self.step_id = 0
         self.detok: dict[str, IncrementalDetokenizer] = {}
         self.inflight: InFlight | None = None
+        self.interventions = None           # interventions.plan.InterventionPlanner (set by LLM)
 
     # ---- requests ----------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         if self.tokenizer is not None:      # token-id-only engines (benchmarks) skip all text work
             self.detok[seq.request_id] = IncrementalDetokenizer(self.tokenizer, seq.params.stop)
+        if self.interventions is not None:
+            self.interventions.add(seq)
         self.scheduler.add(seq)
 
     def has_work(self) -> bool:
@@ -161,8 +164,11 @@ class EngineCore:
                                     [s.seq.seed for s in sampling],
                                     [len(s.seq) for s in sampling],
                                     self._banned(sampling)) if sampling else None
-        return build_step_inputs(step_id, scheduled, self.bm.block_size, batch, plan,
-                                 prev_step_id)
+        inp = build_step_inputs(step_id, scheduled, self.bm.block_size, batch, plan,
+                                prev_step_id)
+        if self.interventions is not None and self.interventions.active:
+            inp.interventions = self.interventions.plan(scheduled)
+        return inp
 
     def _launch(self, scheduled, inp: StepInputs, t0, t_sched, t_prep,
                 res: StepResult) -> InFlight | None:
@@ -250,6 +256,8 @@ class EngineCore:
                     seq = scheduled[entry.batch_index].seq
                     self._fail(seq, RequestFailedError(
                         f"recording this request's probes failed: {e!r}"), res)
+        if f.inp.interventions is not None:     # steering vectors: captured resid_post sums
+            self.interventions.fold(f.inp.interventions, out.resid_captures, scheduled)
         row_of = {id(s.seq): r for r, s in enumerate(sampling)}
         now = time.perf_counter()
         for seq, tok in self.scheduler.on_result(scheduled, tokens, f.inp.step_id):

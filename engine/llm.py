@@ -243,6 +243,10 @@ class LLM:
         self.core = EngineCore(self.runner, self.scheduler, self.block_manager, self.tokenizer,
                                self.eos_token_ids, self.probes, trace_history,
                                overlap=self.async_scheduling, lock=self._lock)
+        from .interventions.plan import InterventionPlanner
+        from .interventions.spec import ModelFacts
+        self.intervention_facts = ModelFacts.of(self.hf_config, self.runner.moe_layers)
+        self.core.interventions = InterventionPlanner(self.intervention_facts)
         self._stop = False
         self._error: BaseException | None = None    # an engine-wide failure (e.g. a dead worker)
         _shorten_gil_switch_interval()
@@ -334,7 +338,7 @@ class LLM:
                                   f"new token: {why}, or shorten the prompt")
 
     def _make_sequence(self, prompt, params: SamplingParams | None, watch: ProbeSpec | None,
-                       request_id: str | None) -> tuple[Sequence, str | None]:
+                       request_id: str | None, interventions=None) -> tuple[Sequence, str | None]:
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise InvalidArgumentError(f"sampling must be a SamplingParams or None, "
@@ -346,6 +350,8 @@ class LLM:
         params.check_for_model(vocab)           # frozen: what is checked is what runs
         if watch is not None:                   # negative layers resolved, out of range refused
             watch = watch.resolve(self.hf_config.num_hidden_layers, vocab)
+        from .interventions.spec import cache_salt, resolve_interventions
+        ivs = resolve_interventions(interventions, self.intervention_facts)
         ids, text = self._encode(prompt)
         if not ids:
             raise InvalidArgumentError("prompt is empty: give at least one character or token",
@@ -361,7 +367,9 @@ class LLM:
             raise InvalidArgumentError(f"request id {rid!r} is already in use; give a new one "
                                        "(or None for a generated id)", "request_id")
         seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
-        return Sequence(rid, ids, params, seed, watch), text
+        seq = Sequence(rid, ids, params, seed, watch)
+        seq.interventions, seq.cache_salt = ivs, cache_salt(ivs)
+        return seq, text
 
     # ---- the engine loop -----------------------------------------------------------------------
     def _loop(self) -> None:
@@ -449,7 +457,7 @@ class LLM:
 
     # ---- public API ------------------------------------------------------------------------------
     def generate(self, prompts, sampling=None, use_tqdm: bool = False,
-                 watch=None) -> list[RequestOutput]:
+                 watch=None, interventions=None) -> list[RequestOutput]:
         if isinstance(prompts, str) or _is_conversation(prompts) or (
                 isinstance(prompts, (list, tuple)) and prompts and _is_token_id(prompts[0])):
             prompts = [prompts]             # one prompt: a string, token ids, a conversation
@@ -464,7 +472,10 @@ class LLM:
             raise InvalidArgumentError(f"got {n} prompts but {len(params)} sampling params / "
                                        f"{len(watches)} watch specs; give one, or one per prompt",
                                        "sampling" if len(params) != n else "watch")
-        made = [self._make_sequence(p, s, w, None) for p, s, w in zip(prompts, params, watches)]
+        from .interventions.spec import per_prompt
+        ivs = per_prompt(interventions, n)      # one list for all prompts, or one per prompt
+        made = [self._make_sequence(p, s, w, None, i)
+                for p, s, w, i in zip(prompts, params, watches, ivs)]
         queues = [self._submit(seq) for seq, _ in made]
         bar = None
         if use_tqdm:
@@ -484,9 +495,9 @@ class LLM:
         return outs
 
     def stream(self, prompt, sampling: SamplingParams | None = None, watch: ProbeSpec | None = None,
-               request_id: str | None = None):
+               request_id: str | None = None, interventions=None):
         """Yield TokenEvents as tokens are produced. Closing the generator aborts the request."""
-        seq, _ = self._make_sequence(prompt, sampling, watch, request_id)
+        seq, _ = self._make_sequence(prompt, sampling, watch, request_id, interventions)
         q = self._submit(seq)
         finished = False
         try:
@@ -502,27 +513,34 @@ class LLM:
 
     def submit(self, prompt, sampling: SamplingParams | None = None,
                watch: ProbeSpec | None = None, request_id: str | None = None, *,
-               on_event: Callable[[object], None]) -> str:
+               on_event: Callable[[object], None], interventions=None) -> str:
         """Start a request without a thread waiting on it; returns its id. `on_event` is called
         on the engine thread with each TokenEvent (the last has finished=True), or once with an
         exception if the request fails. It must return quickly and never block (append to a
         queue, wake an event loop): it runs inside the step loop, with the engine lock held.
         A bad prompt raises here, before anything is queued. Stop it with `abort`."""
-        seq, _ = self._make_sequence(prompt, sampling, watch, request_id)
+        seq, _ = self._make_sequence(prompt, sampling, watch, request_id, interventions)
         self._submit(seq, on_event)
         return seq.request_id
 
     def prepare(self, prompt, sampling: SamplingParams | None = None,
-                watch: ProbeSpec | None = None, request_id: str | None = None) -> Sequence:
+                watch: ProbeSpec | None = None, request_id: str | None = None,
+                interventions=None) -> Sequence:
         """`submit`'s first half: check and tokenize a request without queueing it (the slow
         part for a long prompt: a server does it on a worker pool of its own, and queues the
         result with `submit_prepared` from another, so starts and aborts never wait behind it)."""
-        return self._make_sequence(prompt, sampling, watch, request_id)[0]
+        return self._make_sequence(prompt, sampling, watch, request_id, interventions)[0]
 
     def submit_prepared(self, seq: Sequence, *, on_event: Callable[[object], None]) -> str:
         """`submit`'s second half: queue a Sequence from `prepare` (fast: takes the lock)."""
         self._submit(seq, on_event)
         return seq.request_id
+
+    def steering_vector(self, layer: int, prompt_a, prompt_b):
+        """mean(resid_post of `layer` over prompt_a's tokens) - the same for prompt_b: a
+        [hidden_size] fp32 tensor for Intervention.steer (interventions/steering.py)."""
+        from .interventions.steering import steering_vector
+        return steering_vector(self, layer, prompt_a, prompt_b)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now and free its KV blocks. False if it is unknown or done."""

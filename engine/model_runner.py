@@ -169,13 +169,14 @@ class ModelRunner:
             rows = self.stage(inp.pending_rows)
             input_ids.index_copy_(0, rows, prev.index_select(0, self.stage(inp.pending_src)))
 
-    def execute(self, inp: StepInputs, probes=None) -> torch.Tensor:
+    def execute(self, inp: StepInputs, probes=None, interventions=None) -> torch.Tensor:
         """Run the forward eagerly; returns logits [S, vocab] of the sampled rows."""
         d = self.stage
         ctx = ForwardContext(slot_mapping=d(inp.slot_mapping), context_lens=d(inp.context_lens),
                              block_tables=d(inp.block_tables),
                              cu_seqlens_q=d(inp.cu_seqlens_q), max_seqlen_q=inp.max_seqlen_q,
-                             is_decode=inp.is_decode, probes=probes)
+                             is_decode=inp.is_decode, probes=probes,
+                             interventions=interventions)
         input_ids = d(inp.input_ids)
         if len(inp.pending_rows):
             if self.device.type == "cpu":
@@ -207,6 +208,7 @@ class ModelRunner:
         timer = self.tp.start_step(eager=True)
         out = StepOutput(step_id=inp.step_id, sampled_ids=None)
         replayed = 0
+        ivs = None      # interventions' device tables (None: no request in the step has any)
         if cuda:
             out.gpu_start = torch.cuda.Event(enable_timing=True)
             out.gpu_end = torch.cuda.Event(enable_timing=True)
@@ -219,7 +221,10 @@ class ModelRunner:
                 if plan is not None:
                     from .probes.buffers import ProbeBuffers
                     bufs = ProbeBuffers.for_step(self, inp)
-                logits = self.execute(inp, bufs)
+                if inp.interventions is not None:
+                    from .interventions.buffers import InterventionBuffers
+                    ivs = InterventionBuffers.for_step(self, inp.interventions)
+                logits = self.execute(inp, bufs, ivs)
             if inp.sampling is not None and len(inp.sampling):
                 st = SamplingTensors.from_batch(inp.sampling, self.device)
                 ids, chosen, top_ids, top_lp = sample(logits, st)
@@ -233,6 +238,10 @@ class ModelRunner:
                 from .probes.manager import ProbeManager
                 out.probes = bufs.finish(out.sampled_ids, plan, ProbeManager.sample_index(plan),
                                          self.block_size)
+            if ivs is not None and self.tp.rank == 0:   # steering vectors: summed resid_post
+                sums = ivs.captured_sums()
+                if sums is not None:
+                    out.resid_captures = self._to_host(sums)
         out.collectives = self.tp.take_collective_count() + replayed
         out.collective_timer = timer
         if cuda:

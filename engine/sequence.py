@@ -41,6 +41,10 @@ class Sequence:
             compile_stops(tuple(params.stop))
         self.seed = seed
         self.watch = watch
+        # interventions.spec.Intervention tuple (set by LLM after validation), and the root of
+        # this request's prefix-cache chain: an intervened prefix is never shared with others
+        self.interventions: tuple = ()
+        self.cache_salt: int | None = None
         self.status = SequenceStatus.WAITING
         # position -> (step id, sampled row) of output tokens still on the device: with overlap
         # scheduling a token is appended as PENDING when its step is launched, and resolved

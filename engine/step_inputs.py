@@ -56,6 +56,7 @@ class StepInputs:
     pending_src: np.ndarray         # [P] int64 their index in the previous step's sampled ids
     prev_step_id: int = -1          # the step those sampled ids came from
     probe_plan: object | None = None   # probes.plan.ProbePlan, or None when nothing is watched
+    interventions: object | None = None   # interventions.plan.InterventionPlan, or None (none)
 
     @property
     def num_tokens(self) -> int:

@@ -28,6 +28,8 @@ class StepOutput:
     done: object | None = None              # torch.cuda.Event recorded after the last copy
     gpu_start: object | None = None         # timing events around the forward + sampling
     gpu_end: object | None = None
+    # steering-vector requests (engine/interventions): per-row sums of the captured residual
+    resid_captures: object | None = None
 
     def ready(self) -> bool:
         return self.done is None or self.done.query()

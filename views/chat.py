@@ -36,6 +36,7 @@ class ChatParts(NamedTuple):
     temperature: gr.Slider
     system: gr.Textbox
     examples: gr.Row
+    whatif: object = None       # views.interventions.WhatIf: the "What if" accordion's parts
 
 
 def _text_of(content) -> str:
@@ -192,6 +193,8 @@ def build(hub: EngineHub) -> ChatParts:
             ignore_eos = gr.Checkbox(False, label="ignore EOS (run to max tokens)",
                                      elem_id="chat-ignore-eos")
             keep_history = gr.Checkbox(True, label=HISTORY_LABEL, elem_id="chat-history")
+    from views import interventions     # "what if": the same message re-run with an edit
+    whatif = interventions.build(hub, conversation, box, system, max_tokens)
 
     def respond(message, history, system, temperature, top_p, top_k, max_tokens, ignore_eos,
                 keep, request: gr.Request):
@@ -290,7 +293,7 @@ def build(hub: EngineHub) -> ChatParts:
             raise gr.Error(f"The reply was cut: {e}") from None
 
     gr.api(chat, api_name="chat", concurrency_limit=64)
-    return ChatParts(max_tokens, temperature, system, examples)
+    return ChatParts(max_tokens, temperature, system, examples, whatif)
 
 
 CLEARED = "the chat was cleared"

@@ -167,9 +167,11 @@ def _router_route_kernel(
     logits_ptr,  # [N, E] fp32 scratch
     counts_ptr,  # [token tiles] int32, zero between launches
     probs_ptr, weights_ptr, ids_ptr,
+    bias_ptr,  # [N, E] fp32 added to the logits (interventions: 0 or -inf), if HAS_BIAS
     num_tokens, num_experts, stride_xm, stride_wn,
     H: tl.constexpr, TOP_K: tl.constexpr, E_P2: tl.constexpr, BLOCK_E: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr, NORM: tl.constexpr,
+    HAS_BIAS: tl.constexpr = False,
 ):
     # 1. logits of BLOCK_E experts for BLOCK_T tokens: a GEMV over H, FMA on [BLOCK_E, BLOCK_T, BLOCK_K]
     pid_e = tl.program_id(0)
@@ -191,6 +193,9 @@ def _router_route_kernel(
         acc += w.to(tl.float32) * x.to(tl.float32)
     # rounded to x's dtype, as the router's F.linear output is, then kept in fp32
     logits = tl.sum(acc, axis=2).to(x_ptr.dtype.element_ty).to(tl.float32)  # [BLOCK_E, BLOCK_T]
+    if HAS_BIAS:    # after the rounding: the same logits as route(F.linear(x, w) + bias)
+        logits += tl.load(bias_ptr + tl.minimum(rows, num_tokens - 1)[None, :] * num_experts
+                          + tl.minimum(offs_e, num_experts - 1)[:, None])
     tl.store(logits_ptr + rows[None, :] * num_experts + offs_e[:, None], logits,
              mask=(offs_e < num_experts)[:, None] & (rows < num_tokens)[None, :])
     # 2. the program that finishes a token tile last routes it. The barrier orders every thread's
@@ -206,12 +211,14 @@ def _router_route_kernel(
 def route_hidden(
     x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, norm_topk_prob: bool,
     counts: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """route(F.linear(x, gate_weight), ...) in one launch for decode batches (N <= FUSED_MAX_TOKENS):
     programs over (expert rows, token tiles) compute the logits, and the last program to finish
     a token tile (an atomic count in `counts`, from route_counts) routes it. Saves the router
     GEMM's own launch per MoE layer. x [N, H], gate_weight [E, H] (unit stride along H).
-    Graph-safe: fixed grid, no host sync; the counts reset themselves."""
+    Graph-safe: fixed grid, no host sync; the counts reset themselves. `bias` [N, E] fp32
+    (contiguous) is added to the logits before the softmax (interventions mask experts)."""
     num_tokens, hidden = x.shape
     num_experts = gate_weight.shape[0]
     if not 0 < num_tokens <= FUSED_MAX_TOKENS:
@@ -230,6 +237,9 @@ def route_hidden(
         probs = torch.empty(num_tokens, num_experts, dtype=torch.float32, device=dev)
         weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=dev)
         ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=dev)
+    if bias is not None and (tuple(bias.shape) != (num_tokens, num_experts)
+                             or bias.dtype != torch.float32 or not bias.is_contiguous()):
+        raise ValueError(f"bias must be contiguous fp32 [{num_tokens}, {num_experts}]")
     logits = torch.empty(num_tokens, num_experts, dtype=torch.float32, device=dev)
     e_p2 = triton.next_power_of_2(num_experts)
     block_t = max(2, min(_ROUTER_TOKENS, triton.next_power_of_2(num_tokens)))
@@ -237,8 +247,10 @@ def route_hidden(
     block_k = min(512 if x.element_size() <= 2 else 256, triton.next_power_of_2(hidden))
     _router_route_kernel[(triton.cdiv(num_experts, block_e), triton.cdiv(num_tokens, block_t))](
         x, gate_weight, logits, counts, probs, weights, ids,
+        bias if bias is not None else logits,
         num_tokens, num_experts, x.stride(0), gate_weight.stride(0),
         H=hidden, TOP_K=top_k, E_P2=e_p2, BLOCK_E=block_e, BLOCK_T=block_t, BLOCK_K=block_k,
-        CHUNK=_chunk(block_t, e_p2), NORM=norm_topk_prob, num_warps=4,
+        CHUNK=_chunk(block_t, e_p2), NORM=norm_topk_prob, HAS_BIAS=bias is not None,
+        num_warps=4,
     )
     return probs, weights, ids

@@ -65,9 +65,12 @@ class FusedMoE(nn.Module):
     def forward(self, x: torch.Tensor, gate_weight: torch.Tensor, layer_idx: int,
                 shared_gate: torch.Tensor | None = None) -> torch.Tensor:
         """x [N, H], gate_weight [E, H] (the replicated router) -> partial (un-reduced) output [N, H]."""
-        probes = get_context().probes
+        ctx = get_context()
+        probes = ctx.probes
         out = probes.route_out(layer_idx, x.shape[0]) if probes is not None else None
-        probs, topk_w, topk_ids = self.route(x, gate_weight, out)
+        # interventions: masked experts' logits -inf (bias [N, E] of 0 / -inf), else None
+        bias = ctx.interventions.router_bias(layer_idx) if ctx.interventions is not None else None
+        probs, topk_w, topk_ids = self.route(x, gate_weight, out, bias)
         if probes is not None:
             probes.on_router(layer_idx, probs, topk_ids, topk_w, shared_gate)
         if x.is_cuda:   # the kernels round the fp32 weights to x.dtype themselves: no cast launch
@@ -76,7 +79,7 @@ class FusedMoE(nn.Module):
         return fm.fused_moe_ref(x, self.w13, self.w2, w, topk_ids)
 
 
-    def route(self, x: torch.Tensor, gate_weight: torch.Tensor, out=None):
+    def route(self, x: torch.Tensor, gate_weight: torch.Tensor, out=None, bias=None):
         """Router logits -> (probs [N, E] fp32, topk weights [N, k] fp32, topk ids [N, k] int32).
         Decode batches on the GPU: one launch for the router GEMV and the routing; else the router
         linear (skinny GEMM or cuBLAS), then the routing kernel (route_ref on the CPU: HF's ops)."""
@@ -86,8 +89,11 @@ class FusedMoE(nn.Module):
                 self.route_counts = moe_routing.route_counts(x.device)  # before any capture
             if self.route_counts is not None:
                 return moe_routing.route_hidden(x, gate_weight, self.top_k, self.norm_topk_prob,
-                                                self.route_counts, out)
-        return moe_routing.route(linear(x, gate_weight), self.top_k, self.norm_topk_prob, out)
+                                                self.route_counts, out, bias=bias)
+        logits = linear(x, gate_weight)
+        if bias is not None:        # + 0 leaves a logit as it is; + -inf masks the expert
+            logits = logits + bias
+        return moe_routing.route(logits, self.top_k, self.norm_topk_prob, out)
 
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,

@@ -58,7 +58,7 @@ class QwenAttention(nn.Module):
             norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm \
                 else (None, None, 0.0)
             o = self.attn.forward_qkv(qkv, positions, self.rotary_emb.cos_sin_cache, *norms)
-            return self.o_proj(o.reshape(n, self.num_heads * d))
+            return self.o_proj(self._ablate(o).reshape(n, self.num_heads * d))
         q, k, v = qkv.split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], -1)
         q = q.reshape(n, self.num_heads, d)             # [N, Hq, D]
         k = k.reshape(n, self.num_kv_heads, d)          # [N, Hkv, D]
@@ -68,7 +68,12 @@ class QwenAttention(nn.Module):
             k = self.k_norm(k.reshape(-1, d)).view(n, self.num_kv_heads, d)
         q, k = self.rotary_emb(positions, q, k)
         o = self.attn(q, k, v)                          # [N, Hq, D]
-        return self.o_proj(o.reshape(n, self.num_heads * d))
+        return self.o_proj(self._ablate(o).reshape(n, self.num_heads * d))
+
+    def _ablate(self, o: torch.Tensor) -> torch.Tensor:
+        """Interventions: chosen heads' slice of the attention output zeroed (o [N, Hq, D])."""
+        iv = get_context().interventions
+        return o if iv is None else iv.ablate(self.attn.layer_idx, o)
 
 
 class QwenMLP(nn.Module):
@@ -103,7 +108,11 @@ class QwenDecoderLayer(nn.Module):
             probes.on_resid(self.layer_idx, residual)
         hidden = self.self_attn(positions, hidden)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        out = self.mlp(hidden)
+        iv = get_context().interventions    # steering: out + residual is hook_resid_post
+        if iv is not None:
+            out = iv.layer_out(self.layer_idx, out, residual)
+        return out, residual
 
 
 class QwenModel(nn.Module):

@@ -47,7 +47,8 @@ class ProbeManager:
         if seq.watch is None or not seq.watch.any:
             return
         tr = RequestTrace(seq.request_id, self.num_layers,
-                          prompt_token_ids=list(seq.prompt_token_ids), moe_layers=self.moe_layers)
+                          prompt_token_ids=list(seq.prompt_token_ids), moe_layers=self.moe_layers,
+                          interventions=[iv.to_dict() for iv in seq.interventions])
         self.traces[seq.request_id] = tr
         self._active.add(seq.request_id)
         while len(self.traces) > self.max_traces:

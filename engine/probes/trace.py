@@ -68,6 +68,9 @@ class RequestTrace:
     shared_expert_gate: list[np.ndarray] = field(default_factory=list)  # each [moe_layers]
     moe_layers: list[int] = field(default_factory=list)
     finished: bool = False
+    # what was done to the forward (Intervention.to_dict(): kind, layer, heads / experts /
+    # vector, scale, positions); [] for an untouched run
+    interventions: list[dict] = field(default_factory=list)
     # the engine's own trace is live; what LLM.trace() hands out is a frozen copy
     live: bool = field(default=True, repr=False, compare=False)
     # set when a frozen copy shares this trace's pattern arrays: the engine copies them before
@@ -149,7 +152,11 @@ class RequestTrace:
         path = Path(path)
         if path.suffix != ".npz":
             path = path.with_suffix(".npz")
-        np.savez_compressed(path, **self.to_arrays())
+        arrays = self.to_arrays()
+        for i, iv in enumerate(self.interventions):     # steering vectors: arrays, not JSON
+            if iv.get("vector") is not None:
+                arrays[f"interventions.{i}.vector"] = np.asarray(iv["vector"], np.float32)
+        np.savez_compressed(path, **arrays)
         meta = {
             "request_id": self.request_id, "num_layers": self.num_layers,
             "prompt_token_ids": self.prompt_token_ids, "output_token_ids": self.output_token_ids,
@@ -158,6 +165,8 @@ class RequestTrace:
                            "block_table": s.block_table, "block_size": s.block_size}
                           for s in self.attention],
             "lens": [{"position": s.position, "sampled_token": s.sampled_token} for s in self.lens],
+            "interventions": [{k: v for k, v in iv.items() if k != "vector"}
+                              for iv in self.interventions],
         }
         path.with_suffix(".json").write_text(json.dumps(meta))
         return path
@@ -194,6 +203,9 @@ class RequestTrace:
             if key in arr:
                 t.shared_expert_gate = list(np.stack(
                     [arr[f"blocks.{l}.mlp.hook_shared_expert_gate"] for l in t.moe_layers], 1))
+        for i, iv in enumerate(meta.get("interventions", [])):
+            key = f"interventions.{i}.vector"
+            t.interventions.append({**iv, "vector": arr[key].tolist()} if key in arr else iv)
         for i, s in enumerate(meta["lens"]):
             t.lens.append(LensStep(s["position"], s["sampled_token"],
                                    arr["logit_lens.top_ids"][i], arr["logit_lens.top_probs"][i],

@@ -1,0 +1,141 @@
+"""InterventionBuffers: the device side of one step's interventions on one rank — the tables of
+an InterventionPlan on the device, and the three edits the layers call:
+
+  attention output [N, Hq, D] *= head_keep[sel]      (before o_proj; this rank's heads)
+  router logits    [N, E]     += expert_bias[sel]    (0 or -inf, before softmax and top-k)
+  layer output     [N, H]     += steer_add[sel]      (where steer_on[sel]; = hook_resid_post)
+
+Rows of untouched tokens gather the identity row (x * 1, x + 0, or the `where` keeps x), so
+they compute bit for bit what they would without the intervention. A step without any
+interventions has no buffers at all: the layers test one attribute and skip.
+
+For CUDA graphs the same class holds static buffers sized for the largest bucket (`static`),
+captured once per plan key (which layers edit what) and refilled each replay (`load_plan`).
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .plan import InterventionPlan
+
+
+class InterventionBuffers:
+    def __init__(self, plan: InterventionPlan, device, dtype, head_slice: slice,
+                 capture_out: bool = True):
+        self.plan = plan
+        self.device, self.dtype, self.head_slice = device, dtype, head_slice
+        self.ablate_index = {l: i for i, l in enumerate(plan.ablate_layers)}
+        self.expert_index = {l: i for i, l in enumerate(plan.expert_layers)}
+        self.steer_index = {l: i for i, l in enumerate(plan.steer_layers)}
+        self.capture_layers = {c[1] for c in plan.captures} if capture_out else set()
+        self.captured: list[torch.Tensor] = []      # [hidden] fp32 sums, plan.captures order
+        to = self._to_device
+        self.sel = to(plan.sel)                                         # [N] int64
+        self.head_keep = (to(plan.head_keep[:, :, head_slice], dtype)
+                          if plan.head_keep is not None else None)     # [R, La, Hq_rank]
+        self.expert_bias = to(plan.expert_bias) if plan.expert_bias is not None else None
+        self.steer_add = to(plan.steer_add, dtype) if plan.steer_add is not None else None
+        self.steer_on = to(plan.steer_on) if plan.steer_on is not None else None
+
+    def _to_device(self, a: np.ndarray, dtype=None) -> torch.Tensor:
+        t = torch.from_numpy(np.ascontiguousarray(a))
+        if self.device.type != "cpu":
+            t = t.pin_memory().to(self.device, non_blocking=True)
+        return t if dtype is None else t.to(dtype)
+
+    @classmethod
+    def for_step(cls, runner, plan: InterventionPlan) -> "InterventionBuffers":
+        return cls(plan, runner.device, runner.dtype, head_slice_of(runner),
+                   capture_out=runner.tp.rank == 0)
+
+    # ---- the edits (called from the forward) ----------------------------------------------
+    def ablate(self, layer: int, o: torch.Tensor) -> torch.Tensor:
+        """o [N, Hq, D] (this rank's heads) -> o with ablated heads zeroed."""
+        i = self.ablate_index.get(layer)
+        if i is None:
+            return o
+        keep = self.head_keep[:, i].index_select(0, self.sel)          # [N, Hq]
+        return o * keep.unsqueeze(-1)
+
+    def router_bias(self, layer: int) -> torch.Tensor | None:
+        """[N, E] fp32 to add to the router logits at `layer`, or None."""
+        i = self.expert_index.get(layer)
+        if i is None:
+            return None
+        return self.expert_bias[:, i].index_select(0, self.sel)
+
+    def layer_out(self, layer: int, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """hidden [N, H] is decoder layer `layer`'s last sublayer output; hidden + residual is
+        its resid_post. Returns hidden with the steering added (and captures the prompt's
+        resid_post for steering vectors)."""
+        if layer in self.capture_layers:
+            resid = hidden + residual                                   # what the next norm adds
+            for _, l, start, n in self.plan.captures:
+                if l == layer:
+                    self.captured.append(resid[start:start + n].float().sum(0))
+        i = self.steer_index.get(layer)
+        if i is None:
+            return hidden
+        add = self.steer_add[:, i].index_select(0, self.sel)           # [N, H]
+        on = self.steer_on[:, i].index_select(0, self.sel)             # [N]
+        return torch.where(on.unsqueeze(-1), hidden + add, hidden)
+
+    # ---- after the forward (rank 0) ------------------------------------------------------------
+    def captured_sums(self) -> torch.Tensor | None:
+        """[C, hidden] fp32 in plan.captures order (still on the device), or None."""
+        return torch.stack(self.captured) if self.captured else None
+
+
+def head_slice_of(runner) -> slice:
+    """The query heads this rank holds (QKVParallelLinear splits them contiguously)."""
+    n = runner.num_heads
+    return slice(runner.tp.rank * n, (runner.tp.rank + 1) * n)
+
+
+# ---- CUDA-graph variant ----------------------------------------------------------------------
+class GraphInterventionBuffers(InterventionBuffers):
+    """Static tables for one plan key, `max_rows` token rows and table rows: captured into
+    a decode graph, refilled before each replay by one copy per table."""
+
+    def __init__(self, key: tuple, max_rows: int, facts, device, dtype, head_slice: slice):
+        la, le, ls = key
+        R, hq = max_rows + 1, head_slice.stop - head_slice.start
+        plan = InterventionPlan(
+            la, le, ls, np.zeros(max_rows, np.int64),
+            np.ones((R, len(la), facts.num_heads), np.float32) if la else None,
+            np.zeros((R, len(le), facts.num_experts), np.float32) if le else None,
+            np.zeros((R, len(ls), facts.hidden_size), np.float32) if ls else None,
+            np.zeros((R, len(ls)), bool) if ls else None)
+        super().__init__(plan, device, dtype, head_slice, capture_out=False)
+        self.max_rows = max_rows
+        assert self.head_keep is None or self.head_keep.shape[-1] == hq
+
+    def view(self, bs: int) -> "GraphInterventionBuffers":
+        """The buffers a graph of bucket `bs` captures: sel cut to its rows."""
+        v = object.__new__(GraphInterventionBuffers)
+        v.__dict__.update(self.__dict__)
+        v.sel = self.sel[:bs]
+        return v
+
+    def load_plan(self, plan: InterventionPlan) -> None:
+        """Copy this step's tables into the static buffers (rows past the plan's keep what
+        they held: no token selects them). Padded token rows select row 0, the identity."""
+        assert plan.key == self.plan.key, "a graph replayed with another plan key"
+        n, R = len(plan.sel), plan.num_rows
+        if R > self.max_rows + 1:
+            raise ValueError("more intervention rows than the graph holds")
+        sel = np.zeros(self.max_rows, np.int64)
+        sel[:n] = plan.sel
+        pairs = [(self.sel, sel)]
+        if self.head_keep is not None:
+            pairs.append((self.head_keep[:R], plan.head_keep[:, :, self.head_slice]))
+        if self.expert_bias is not None:
+            pairs.append((self.expert_bias[:R], plan.expert_bias))
+        if self.steer_add is not None:
+            pairs += [(self.steer_add[:R], plan.steer_add), (self.steer_on[:R], plan.steer_on)]
+        for dst, src in pairs:
+            # fresh pinned memory each step: the copy of the step before may not have run yet
+            h = torch.from_numpy(np.ascontiguousarray(src)).to(dst.dtype)   # cast on the host
+            h = h.pin_memory() if dst.is_cuda else h
+            dst.copy_(h, non_blocking=True)

@@ -1,0 +1,272 @@
+"""Intervention: one edit of the forward pass for one request — ablate attention heads, mask
+MoE experts, or steer the residual stream.
+
+Types are checked at construction; `resolve_interventions` checks a request's list against the
+model (layer range, head and expert ids, which layers are MoE, the vector's size) when the
+request is submitted, so a spec that does not fit fails that caller with a ValueError naming
+the field, never the engine step. Layer indices count like ProbeSpec's: negative from the end.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+import numbers
+from dataclasses import dataclass
+
+import numpy as np
+
+KINDS = ("ablate_heads", "mask_experts", "steer")
+POSITIONS = ("all", "prompt", "generated")
+CAPTURE = "_capture"        # internal: sum of resid_post over the prompt (steering vectors)
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def _ids(kind: str, field: str, v) -> tuple[int, ...]:
+    if hasattr(v, "tolist") and not isinstance(v, (list, tuple)):
+        v = v.tolist()
+    if _is_int(v):
+        v = [v]
+    if not isinstance(v, (list, tuple)) or not v or not all(_is_int(i) for i in v):
+        raise ValueError(f"Intervention.{kind}: {field} must be a non-empty list of integer "
+                         f"indices, got {v!r}")
+    return tuple(sorted({int(i) for i in v}))
+
+
+def _vector(v) -> np.ndarray:
+    if hasattr(v, "detach"):                    # a torch tensor, on any device
+        v = v.detach().float().cpu().numpy()
+    try:
+        a = np.array(v, dtype=np.float32)
+    except (TypeError, ValueError):
+        raise ValueError(f"Intervention.steer: vector must be a 1-D list of numbers (or a "
+                         f"numpy array / torch tensor), got {type(v).__name__}") from None
+    if a.ndim != 1 or a.size == 0:
+        raise ValueError(f"Intervention.steer: vector must be 1-D with hidden_size entries, "
+                         f"got shape {a.shape}")
+    if not np.isfinite(a).all():
+        raise ValueError("Intervention.steer: vector holds NaN or infinite entries")
+    a.setflags(write=False)                     # the spec cannot change under the engine
+    return a
+
+
+@dataclass(frozen=True, eq=False)
+class Intervention:
+    """One edit. Build with the constructors below, not directly."""
+    kind: str
+    layer: int
+    heads: tuple[int, ...] = ()
+    experts: tuple[int, ...] = ()
+    vector: np.ndarray | None = None            # [hidden] fp32, steer only
+    scale: float = 1.0
+    positions: str = "all"
+
+    # ---- constructors (the public API) ----------------------------------------------------
+    @classmethod
+    def ablate_heads(cls, layer: int, heads) -> "Intervention":
+        """Zero these attention heads' slice of the attention output (before o_proj) at
+        `layer`, for every token of the request."""
+        return cls("ablate_heads", _layer("ablate_heads", layer), heads=_ids("ablate_heads", "heads", heads))
+
+    @classmethod
+    def mask_experts(cls, layer: int, experts) -> "Intervention":
+        """Set these experts' router logits to -inf before the softmax and top-k at MoE layer
+        `layer`: they are never picked; the rest of the routing (renormalisation included)
+        is the model's own."""
+        return cls("mask_experts", _layer("mask_experts", layer),
+                   experts=_ids("mask_experts", "experts", experts))
+
+    @classmethod
+    def steer(cls, layer: int, vector, scale: float = 1.0,
+              positions: str = "all") -> "Intervention":
+        """Add vector * scale to the output of decoder layer `layer` (TransformerLens'
+        blocks.{layer}.hook_resid_post) at the prompt tokens' positions ("prompt"), at the
+        generated tokens' positions ("generated"), or at both ("all"). The first generated
+        token is predicted from the last prompt position, so "generated" changes the reply
+        from its second token on (as a hook on HF's decode steps does)."""
+        if not isinstance(scale, numbers.Real) or isinstance(scale, bool) or \
+                not math.isfinite(scale):
+            raise ValueError(f"Intervention.steer: scale must be a finite number, got {scale!r}")
+        if positions not in POSITIONS:
+            raise ValueError(f"Intervention.steer: positions must be one of {POSITIONS}, "
+                             f"got {positions!r}")
+        return cls("steer", _layer("steer", layer), vector=_vector(vector), scale=float(scale),
+                   positions=positions)
+
+    @classmethod
+    def _capture(cls, layer: int) -> "Intervention":
+        return cls(CAPTURE, _layer("capture", layer))
+
+    # ---- serialisation (API bodies, trace exports) -----------------------------------------
+    @classmethod
+    def from_dict(cls, d) -> "Intervention":
+        """{"kind": "ablate_heads", "layer": 1, "heads": [0, 3]} | {"kind": "mask_experts",
+        "layer": 0, "experts": [2]} | {"kind": "steer", "layer": 2, "vector": [...],
+        "scale": 4.0, "positions": "generated"}."""
+        if not isinstance(d, dict):
+            raise ValueError(f"an intervention must be an object with a 'kind', got {d!r:.80}")
+        kind = d.get("kind")
+        allowed = {"ablate_heads": {"kind", "layer", "heads"},
+                   "mask_experts": {"kind", "layer", "experts"},
+                   "steer": {"kind", "layer", "vector", "scale", "positions"}}
+        if kind not in allowed:
+            raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+        extra = set(d) - allowed[kind]
+        if extra:
+            raise ValueError(f"unknown field(s) {sorted(extra)} for kind {kind!r}; "
+                             f"allowed: {sorted(allowed[kind])}")
+        missing = {"ablate_heads": ("layer", "heads"), "mask_experts": ("layer", "experts"),
+                   "steer": ("layer", "vector")}[kind]
+        for m in missing:
+            if m not in d:
+                raise ValueError(f"kind {kind!r} needs the field {m!r}")
+        if kind == "ablate_heads":
+            return cls.ablate_heads(d["layer"], d["heads"])
+        if kind == "mask_experts":
+            return cls.mask_experts(d["layer"], d["experts"])
+        return cls.steer(d["layer"], d["vector"], d.get("scale", 1.0), d.get("positions", "all"))
+
+    def to_dict(self, with_vector: bool = True) -> dict:
+        out: dict = {"kind": self.kind, "layer": self.layer}
+        if self.kind == "ablate_heads":
+            out["heads"] = list(self.heads)
+        elif self.kind == "mask_experts":
+            out["experts"] = list(self.experts)
+        elif self.kind == "steer":
+            out.update(scale=self.scale, positions=self.positions,
+                       vector_norm=float(np.linalg.norm(self.vector)),
+                       vector_sha256=hashlib.sha256(self.vector.tobytes()).hexdigest()[:16])
+            if with_vector:
+                out["vector"] = self.vector.tolist()
+        return out
+
+    def describe(self) -> str:
+        if self.kind == "ablate_heads":
+            return f"ablate heads {list(self.heads)} at layer {self.layer}"
+        if self.kind == "mask_experts":
+            return f"mask experts {list(self.experts)} at layer {self.layer}"
+        if self.kind == "steer":
+            return (f"steer layer {self.layer} by {self.scale:g} x a vector of norm "
+                    f"{float(np.linalg.norm(self.vector)):.3g} at {self.positions} positions")
+        return f"capture resid_post of layer {self.layer}"
+
+    def key(self) -> bytes:
+        """Canonical bytes of what this edit does (the prefix-cache key hashes these)."""
+        parts = [self.kind, str(self.layer), ",".join(map(str, self.heads)),
+                 ",".join(map(str, self.experts)), repr(self.scale), self.positions]
+        b = "|".join(parts).encode()
+        if self.vector is not None:
+            b += hashlib.sha256(self.vector.tobytes()).digest()
+        return b
+
+    def __repr__(self) -> str:
+        return f"Intervention({self.describe()})"
+
+
+def _layer(kind: str, layer) -> int:
+    if not _is_int(layer):
+        raise ValueError(f"Intervention.{kind}: layer must be an integer (negative counts from "
+                         f"the last layer), got {layer!r}")
+    return int(layer)
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What validation and the per-step tables need to know about the model."""
+    num_layers: int
+    num_heads: int              # attention (query) heads, all ranks together
+    hidden_size: int
+    moe_layers: tuple[int, ...]
+    num_experts: int
+    top_k: int
+
+    @classmethod
+    def of(cls, hf_config, moe_layers) -> "ModelFacts":
+        return cls(hf_config.num_hidden_layers, hf_config.num_attention_heads,
+                   hf_config.hidden_size, tuple(moe_layers),
+                   getattr(hf_config, "num_experts", 0) or 0,
+                   getattr(hf_config, "num_experts_per_tok", 0) or 0)
+
+
+def resolve_interventions(ivs, facts: ModelFacts, allow_internal: bool = False
+                          ) -> tuple[Intervention, ...]:
+    """A request's interventions checked against the model, layers made non-negative. None or
+    [] -> (). A ValueError says which entry is wrong and what is valid."""
+    if ivs is None:
+        return ()
+    if isinstance(ivs, Intervention) or not isinstance(ivs, (list, tuple)):
+        raise ValueError(f"interventions must be a list of Intervention (e.g. "
+                         f"[Intervention.ablate_heads(1, [0])]), got {type(ivs).__name__}")
+    L, out = facts.num_layers, []
+    masked: dict[int, set[int]] = {}
+    for i, iv in enumerate(ivs):
+        where = f"interventions[{i}]"
+        if not isinstance(iv, Intervention):
+            raise ValueError(f"{where} must be an Intervention (Intervention.ablate_heads / "
+                             f".mask_experts / .steer), got {type(iv).__name__}")
+        if iv.kind not in KINDS and not (iv.kind == CAPTURE and allow_internal):
+            raise ValueError(f"{where}: unknown kind {iv.kind!r}; build interventions with "
+                             "Intervention.ablate_heads / .mask_experts / .steer")
+        if not -L <= iv.layer < L:
+            raise ValueError(f"{where} ({iv.kind}): layer {iv.layer} is out of range for this "
+                             f"model's {L} layers; valid indices are [-{L}, {L})")
+        layer = iv.layer % L
+        if iv.kind == "ablate_heads":
+            bad = [h for h in iv.heads if not 0 <= h < facts.num_heads]
+            if bad:
+                raise ValueError(f"{where} (ablate_heads): heads {bad} are out of range; this "
+                                 f"model has {facts.num_heads} attention heads per layer, "
+                                 f"valid ids are [0, {facts.num_heads})")
+        elif iv.kind == "mask_experts":
+            if layer not in facts.moe_layers:
+                what = (f"its MoE layers are {list(facts.moe_layers)}" if facts.moe_layers
+                        else "it is a dense model")
+                raise ValueError(f"{where} (mask_experts): layer {layer} has no experts "
+                                 f"(not a MoE layer); {what}")
+            bad = [e for e in iv.experts if not 0 <= e < facts.num_experts]
+            if bad:
+                raise ValueError(f"{where} (mask_experts): experts {bad} are out of range; "
+                                 f"valid ids are [0, {facts.num_experts})")
+            m = masked.setdefault(layer, set())
+            m.update(iv.experts)
+            if facts.num_experts - len(m) < facts.top_k:
+                raise ValueError(f"{where} (mask_experts): {len(m)} experts masked at layer "
+                                 f"{layer} leave {facts.num_experts - len(m)}, fewer than the "
+                                 f"{facts.top_k} each token routes to; mask at most "
+                                 f"{facts.num_experts - facts.top_k}")
+        elif iv.kind == "steer":
+            if iv.vector.shape[0] != facts.hidden_size:
+                raise ValueError(f"{where} (steer): vector has {iv.vector.shape[0]} entries, "
+                                 f"but the residual stream has hidden_size="
+                                 f"{facts.hidden_size}")
+        out.append(Intervention(iv.kind, layer, iv.heads, iv.experts, iv.vector, iv.scale,
+                                iv.positions))
+    return tuple(out)
+
+
+def cache_salt(ivs: tuple[Intervention, ...]) -> int | None:
+    """The prefix-cache key's root for a request with these interventions (None: none).
+    A stable 63-bit digest, so it never equals the chain's root of a plain request."""
+    if not ivs:
+        return None
+    h = hashlib.blake2b(b"glassbox-interventions", digest_size=8)
+    for iv in ivs:
+        h.update(len(iv.key()).to_bytes(4, "little"))
+        h.update(iv.key())
+    return int.from_bytes(h.digest(), "little") >> 1
+
+
+def per_prompt(interventions, n: int) -> list:
+    """generate()'s argument -> one list per prompt: None, one list of Intervention for every
+    prompt, or a list of n lists (None or [] for a prompt without any)."""
+    if interventions is None:
+        return [None] * n
+    if isinstance(interventions, (list, tuple)) and interventions and all(
+            x is None or isinstance(x, (list, tuple)) for x in interventions):
+        if len(interventions) != n:
+            raise ValueError(f"got {n} prompts but {len(interventions)} intervention lists; "
+                             "give one list for all prompts, or one list per prompt")
+        return list(interventions)
+    return [interventions] * n
