@@ -13,7 +13,8 @@ def api(model_factory):
 
     from api.server import create_app
     llm = LLM(model_factory("qwen3"), device="cpu", num_kv_blocks=64, block_size=4)
-    with TestClient(create_app(llm)) as client:
+    # the Host allow-list (api/guard.py) answers localhost names only
+    with TestClient(create_app(llm), base_url="http://localhost") as client:
         yield llm, client
     llm.shutdown()
 
