@@ -2,6 +2,7 @@
 loop thread that batches every in-flight request together (continuous batching)."""
 from __future__ import annotations
 
+import atexit
 import itertools
 import json
 import numbers
@@ -10,6 +11,7 @@ import queue
 import random
 import threading
 import time
+import weakref
 from typing import Callable
 
 from .block_manager import BlockManager
@@ -25,6 +27,22 @@ from .records import BlockInfo, EngineSnapshot, KVLayout
 from .sequence import RequestOutput, Sequence, TokenEvent
 
 _engine_ids = itertools.count()
+_running: "weakref.WeakSet[LLM]" = weakref.WeakSet()     # engines whose loop thread may run
+
+
+@atexit.register
+def _shutdown_at_exit() -> None:
+    """Stop every engine still running when the interpreter exits. The loop thread is a daemon,
+    and a daemon thread caught inside a torch call by the interpreter's teardown aborts the
+    process: Python < 3.14 ends it with pthread_exit when the call returns and retakes the GIL,
+    and that unwinding through pybind11's GIL guard (a noexcept destructor) calls
+    std::terminate — "terminate called without an active exception", exit status 134, after
+    the program itself had finished."""
+    for llm in list(_running):
+        try:
+            llm.shutdown()
+        except Exception:   # noqa: BLE001 — exiting anyway: the next engine must still stop
+            pass
 
 
 def _load_hf_config(path: str):
@@ -259,6 +277,7 @@ class LLM:
         self._thread = threading.Thread(target=self._loop, name=f"glassbox-engine-{self.engine_id}",
                                         daemon=True)
         self._thread.start()
+        _running.add(self)
 
     # ---- model facts ---------------------------------------------------------------------------
     @property

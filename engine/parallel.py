@@ -183,7 +183,12 @@ class TPDriver:
                 box["runner"] = ModelRunner(config, hf_config, model_path, max_model_len, tp)
             except BaseException as e:      # noqa: BLE001 — re-raised on the caller's thread
                 box["error"] = e
-        t = threading.Thread(target=build, daemon=True, name="glassbox-tp0-build")
+        # not a daemon: when a worker dies at start-up this raises at once, but the thread may
+        # stay in a native call (the store waiting for the dead rank, up to its timeout; rank
+        # 0's weights loading). The interpreter must wait for it at exit: a daemon thread that
+        # comes back from a native call during teardown aborts the process (see llm.py's
+        # _shutdown_at_exit)
+        t = threading.Thread(target=build, daemon=False, name="glassbox-tp0-build")
         t.start()
         while t.is_alive():
             t.join(0.05)

@@ -54,24 +54,3 @@ def qwen3_dir(model_factory):
 @pytest.fixture(scope="session")
 def qwen2_dir(model_factory):
     return model_factory("qwen2")
-
-
-# ---- exit status -------------------------------------------------------------------------------
-# About one full run in five ended with "terminate called without an active exception" (SIGABRT,
-# exit 134) *after* every test passed and the summary was printed: a native library's std::thread
-# (not one of ours: every engine, server and TP worker the tests start is shut down) is destroyed
-# joinable during interpreter teardown. Not root-caused; so that CI reports the tests' own result,
-# the process leaves with pytest's exit status once pytest is done, skipping that teardown.
-_EXIT_STATUS: list[int] = []
-
-
-@pytest.hookimpl(trylast=True)
-def pytest_sessionfinish(session, exitstatus):
-    _EXIT_STATUS.append(int(exitstatus))
-
-
-def pytest_unconfigure(config):
-    if _EXIT_STATUS and os.environ.get("GLASSBOX_NORMAL_EXIT") != "1":
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(_EXIT_STATUS[-1])

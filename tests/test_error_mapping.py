@@ -92,7 +92,7 @@ def test_a_value_error_without_a_param_blames_the_prompt():
     assert (err.status, err.param) == (400, "messages")
 
 
-# ---- request fields -> SamplingParams errors naming the request's field ---------------------------
+# ---- request fields -> SamplingParams errors naming the request's field -------------------------
 def _chat(**kw):
     """Built without pydantic's checks, so the engine's own check is the one that refuses."""
     return ChatCompletionRequest.model_construct(

@@ -151,6 +151,10 @@ def test_worker_that_dies_at_start_up_raises_at_once(model_factory, monkeypatch)
     with pytest.raises(WorkerDiedError, match="start-up failure"):
         LLM(path, num_kv_blocks=48, block_size=4, tensor_parallel_size=2)
     assert time.time() - t0 < 30          # not the 60 s store timeout
+    # rank 0's build may still wait in the store for the dead rank: the interpreter must wait
+    # for it at exit (a daemon thread back from native code during teardown aborts it)
+    builds = [t for t in threading.enumerate() if t.name == "glassbox-tp0-build"]
+    assert not any(t.daemon for t in builds)
 
 
 _ORPHAN_SCRIPT = """
