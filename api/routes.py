@@ -67,10 +67,7 @@ def build_router(engines, api_key: str | None = None, *, limits: Limits | None =
     counter = itertools.count()     # sequential requests distinct colours in the playground
 
     def current_engine(model: str | None = None):
-        if getattr(engines, "switching", False):
-            raise APIError(503, "the model is being switched in the playground; retry in a few "
-                                "seconds", code="model_switching", headers={"Retry-After": "5"})
-        llm = engines.llm
+        llm = engines.current()     # ModelSwitchingError -> 503 with Retry-After (api/errors)
         if model is not None and model not in served_names(llm):
             raise APIError(404, f"The model '{model}' does not exist: this server serves "
                                 f"'{llm.model_name}' (GET /v1/models lists it)", "model",

@@ -216,7 +216,7 @@ class EngineCore:
 
     def _complete(self, f: InFlight, res: StepResult) -> None:
         """Wait for a launched step, then postprocess it (under the lock) into `res`."""
-        t_wait = f.out.wait(getattr(self.runner, "check_workers", None))
+        t_wait = f.out.wait(self.runner.check_workers)
         with self.lock:
             t3 = time.perf_counter()
             expert_load = self._postprocess(f, res)

@@ -16,7 +16,7 @@ from collections import OrderedDict, deque
 from functools import lru_cache
 from typing import Callable, Sequence
 
-from .errors import EngineShutdownError
+from .errors import EngineShutdownError, ModelSwitchingError
 from .records import EngineSnapshot
 
 SNAPSHOT_MAX_AGE_S = 0.2
@@ -41,6 +41,14 @@ class ServingHub:
         self._snap_time = 0.0
         self._decode = self._make_decoder()
         self._on_switch: list[Callable[[], None]] = []
+
+    def current(self):
+        """The engine serving now; ModelSwitchingError while a switch loads the next one (the
+        API answers it with 503 and Retry-After)."""
+        if self.switching:
+            raise ModelSwitchingError(f"the model is being switched to {self.switching}; "
+                                      "retry in a few seconds")
+        return self.llm
 
     # ---- snapshots ------------------------------------------------------------------------
     def snapshot(self, max_age: float = SNAPSHOT_MAX_AGE_S) -> EngineSnapshot:
