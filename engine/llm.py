@@ -263,9 +263,7 @@ class LLM:
             return encode_chat(self.tokenizer, list(prompt))
         if isinstance(prompt, (list, tuple)):
             if len(prompt) >= self.max_model_len:       # before checking every id
-                raise PromptTooLongError(
-                    f"prompt has {len(prompt)} tokens and can never fit with at least one new "
-                    f"token: max_model_len is {self.max_model_len}; shorten the prompt")
+                raise self._too_long(len(prompt))
             bad = [t for t in prompt if not _is_token_id(t)]
             if bad:
                 raise ValueError(f"prompt token ids must be integers, got {bad[0]!r} "
@@ -273,6 +271,16 @@ class LLM:
             return [int(t) for t in prompt], None
         raise ValueError(f"prompt must be a string, a list of token ids or a list of chat "
                          f"messages, got {type(prompt).__name__}")
+
+    def _too_long(self, n: int) -> PromptTooLongError:
+        cache_tokens = self.num_kv_blocks * self.block_size
+        why = (f"the KV cache holds only {cache_tokens} tokens ({self.num_kv_blocks} blocks "
+               f"x {self.block_size}); raise num_kv_blocks (or gpu_memory_utilization)"
+               if self.max_model_len == cache_tokens else
+               f"max_model_len is {self.max_model_len}; raise max_model_len")
+        return PromptTooLongError(
+            f"prompt has {n} tokens and can never fit with at least one new token: "
+            f"{why}, or shorten the prompt")
 
     def _make_sequence(self, prompt, params: SamplingParams | None, watch: ProbeSpec | None,
                        request_id: str | None) -> tuple[Sequence, str | None]:
@@ -293,14 +301,7 @@ class LLM:
         if bad:
             raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
         if len(ids) >= self.max_model_len:
-            cache_tokens = self.num_kv_blocks * self.block_size
-            why = (f"the KV cache holds only {cache_tokens} tokens ({self.num_kv_blocks} blocks "
-                   f"x {self.block_size}); raise num_kv_blocks (or gpu_memory_utilization)"
-                   if self.max_model_len == cache_tokens else
-                   f"max_model_len is {self.max_model_len}; raise max_model_len")
-            raise PromptTooLongError(
-                f"prompt has {len(ids)} tokens and can never fit with at least one new token: "
-                f"{why}, or shorten the prompt")
+            raise self._too_long(len(ids))
         rid = request_id or f"req-{self.engine_id}-{next(self._ids)}"
         if rid in self._seqs:
             raise ValueError(f"request id {rid!r} is already in use")
