@@ -100,7 +100,8 @@ SYNC_S = 2.0   # how often each page checks that the model it shows is still the
 
 
 def build_app(llm, *, banner: str | None = None, choices: dict[str, str] | None = None,
-              llm_kwargs: dict | None = None, allow_burst: bool = True):
+              llm_kwargs: dict | None = None, allow_burst: bool = True,
+              public_traces: bool = False):
     """The playground as a gr.Blocks over a running LLM (tests launch it in-process).
     A shared server turns off the controls that change it for everyone: no `choices` hides
     (and refuses) the model switch, `allow_burst=False` the shared-prefix burst."""
@@ -112,6 +113,8 @@ def build_app(llm, *, banner: str | None = None, choices: dict[str, str] | None 
 
     hub = EngineHub(llm, llm_kwargs=llm_kwargs or {}, choices=choices or {})
     hub.burst_enabled = allow_burst     # read by views/kv_cache.py
+    # --public-traces: may a page show other pages' and API clients' traces (views/layers.py)
+    hub.public_traces = public_traces
     with gr.Blocks(title="Glassbox") as demo:
         with gr.Row(elem_id="header"):
             gr.Markdown("## Glassbox — an inference engine with glass walls",
@@ -333,7 +336,7 @@ def main(argv: list[str] | None = None) -> None:
     stages.next()
     choices = demo_choices() if args.model is None and not args.no_model_switch else {}
     demo = build_app(llm, banner=banner, choices=choices, llm_kwargs=llm_kwargs,
-                     allow_burst=not args.no_burst)
+                     allow_burst=not args.no_burst, public_traces=args.public_traces)
     stages.next()
     from api.limits import Limits
     limits = Limits(max_request_bytes=args.max_request_bytes,
@@ -353,6 +356,9 @@ def main(argv: list[str] | None = None) -> None:
                                           "  (add --share for a public gradio.live link)"),
           flush=True)
     print(f"OpenAI-compatible API: {url.rstrip('/')}/v1", flush=True)
+    if resolve_api_key(args.api_key):
+        print("Every route needs the key: scripts send 'Authorization: Bearer KEY'; a browser "
+              "types it once on the login page.", flush=True)
     try:
         demo.block_thread()
     finally:
