@@ -100,7 +100,8 @@ SYNC_S = 2.0   # how often each page checks that the model it shows is still the
 
 
 def build_app(llm, *, banner: str | None = None, choices: dict[str, str] | None = None,
-              llm_kwargs: dict | None = None, allow_burst: bool = True):
+              llm_kwargs: dict | None = None, allow_burst: bool = True,
+              public_traces: bool = False):
     """The playground as a gr.Blocks over a running LLM (tests launch it in-process).
     A shared server turns off the controls that change it for everyone: no `choices` hides
     (and refuses) the model switch, `allow_burst=False` the shared-prefix burst."""
@@ -112,6 +113,9 @@ def build_app(llm, *, banner: str | None = None, choices: dict[str, str] | None 
 
     hub = EngineHub(llm, llm_kwargs=llm_kwargs or {}, choices=choices or {})
     hub.burst_enabled = allow_burst     # read by views/kv_cache.py
+    hub.switch = _refreezing(hub.switch)
+    # --public-traces: may a page show other pages' and API clients' traces (views/layers.py)
+    hub.public_traces = public_traces
     with gr.Blocks(title="Glassbox") as demo:
         with gr.Row(elem_id="header"):
             gr.Markdown("## Glassbox — an inference engine with glass walls",
@@ -194,6 +198,30 @@ def build_app(llm, *, banner: str | None = None, choices: dict[str, str] | None 
 MAX_SESSIONS = 256      # Gradio sessions kept in memory (~260 KB each); the oldest go first
 
 
+def freeze_heap() -> None:
+    """Move everything loaded so far (torch, transformers, gradio, the model and the UI: ~600k
+    objects) out of the cyclic GC's reach: a full collection then walks only what requests
+    made, instead of stopping every thread for up to a second (measured: 1.0 s -> 0 s on the
+    2-core machine under load), which every stream saw as a gap between two tokens."""
+    import gc
+    gc.collect()
+    gc.freeze()
+
+
+def _refreezing(switch):
+    """hub.switch with the heap unfrozen around it: the old engine's objects (frozen at start)
+    must be collectable once it is swapped out, and the new one's are frozen after."""
+    import gc
+
+    def run(choice: str) -> None:
+        gc.unfreeze()
+        try:
+            switch(choice)
+        finally:
+            freeze_heap()
+    return run
+
+
 def launch(demo, host: str = "127.0.0.1", port: int | None = None, share: bool = False,
            prevent_thread_lock: bool = False, api_key: str | None = None, *,
            allowed_hosts: tuple[str, ...] = (), limits=None, public_traces: bool = False,
@@ -225,6 +253,7 @@ def launch(demo, host: str = "127.0.0.1", port: int | None = None, share: bool =
                                public_traces=public_traces).routes)
     app_kwargs = {"routes": routes, "exception_handlers": exception_handlers(),
                   "middleware": [guard_middleware(api_key, hosts, limits, pools)]}
+    freeze_heap()
     return demo.launch(server_name=host, server_port=port, share=share,
                        prevent_thread_lock=prevent_thread_lock, css=CSS_PATH.read_text(),
                        max_threads=96, show_error=True, footer_links=["api", "gradio"],
@@ -341,7 +370,7 @@ def main(argv: list[str] | None = None) -> None:
     stages.next()
     choices = demo_choices() if args.model is None and not args.no_model_switch else {}
     demo = build_app(llm, banner=banner, choices=choices, llm_kwargs=llm_kwargs,
-                     allow_burst=not args.no_burst)
+                     allow_burst=not args.no_burst, public_traces=args.public_traces)
     stages.next()
     from api.limits import Limits
     limits = Limits(max_request_bytes=args.max_request_bytes,
@@ -361,6 +390,9 @@ def main(argv: list[str] | None = None) -> None:
                                           "  (add --share for a public gradio.live link)"),
           flush=True)
     print(f"OpenAI-compatible API: {url.rstrip('/')}/v1", flush=True)
+    if resolve_api_key(args.api_key):
+        print("Every route needs the key: scripts send 'Authorization: Bearer KEY'; a browser "
+              "types it once on the login page.", flush=True)
     try:
         demo.block_thread()
     finally:

@@ -356,6 +356,16 @@ class LLM:
         return PromptTooLongError(f"prompt has {n} tokens and can never fit with at least one "
                                   f"new token: {why}, or shorten the prompt")
 
+    def _too_long(self, n: int) -> PromptTooLongError:
+        cache_tokens = self.num_kv_blocks * self.block_size
+        why = (f"the KV cache holds only {cache_tokens} tokens ({self.num_kv_blocks} blocks "
+               f"x {self.block_size}); raise num_kv_blocks (or gpu_memory_utilization)"
+               if self.max_model_len == cache_tokens else
+               f"max_model_len is {self.max_model_len}; raise max_model_len")
+        return PromptTooLongError(
+            f"prompt has {n} tokens and can never fit with at least one new token: "
+            f"{why}, or shorten the prompt")
+
     def _make_sequence(self, prompt, params: SamplingParams | None, watch: ProbeSpec | None,
                        request_id: str | None, interventions=None) -> tuple[Sequence, str | None]:
         params = SamplingParams() if params is None else params
