@@ -272,8 +272,7 @@ class LLM:
         # records) lives as long as the engine: out of the collector's reach, a full
         # collection no longer walks it, in the engine's steps or under its lock
         import gc
-        gc.collect()
-        gc.freeze()
+        gc.freeze()         # O(1): a splice of the collector's lists (app.py collects first)
         self._thread = threading.Thread(target=self._loop, name=f"glassbox-engine-{self.engine_id}",
                                         daemon=True)
         self._thread.start()
@@ -355,16 +354,6 @@ class LLM:
                f"max_model_len is {self.max_model_len}; raise max_model_len")
         return PromptTooLongError(f"prompt has {n} tokens and can never fit with at least one "
                                   f"new token: {why}, or shorten the prompt")
-
-    def _too_long(self, n: int) -> PromptTooLongError:
-        cache_tokens = self.num_kv_blocks * self.block_size
-        why = (f"the KV cache holds only {cache_tokens} tokens ({self.num_kv_blocks} blocks "
-               f"x {self.block_size}); raise num_kv_blocks (or gpu_memory_utilization)"
-               if self.max_model_len == cache_tokens else
-               f"max_model_len is {self.max_model_len}; raise max_model_len")
-        return PromptTooLongError(
-            f"prompt has {n} tokens and can never fit with at least one new token: "
-            f"{why}, or shorten the prompt")
 
     def _make_sequence(self, prompt, params: SamplingParams | None, watch: ProbeSpec | None,
                        request_id: str | None, interventions=None) -> tuple[Sequence, str | None]:
