@@ -6,7 +6,10 @@ while true). Each request reads `.llm` once and keeps that engine to its end.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import logging
+import re
 import secrets
 import time
 
@@ -15,13 +18,17 @@ from starlette.concurrency import run_in_threadpool
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from .auth import bearer_check
-from .errors import APIError, OpenAIRoute
-from .protocol import ChatCompletionRequest, CompletionRequest
+from .errors import APIError, OpenAIRoute, bad_request
+from .generation_config import model_defaults
+from .protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from .responses import Meta
-from .sampling import chat_messages, completion_prompt, logprobs_of, probe_spec, sampling_params
-from .serving import ClientGone, collect, sse_events, start
+from .sampling import chat_messages, completion_prompts, logprobs_of, probe_spec, sampling_params
+from .serving import ChoiceSpec, ClientGone, collect, engine_error, sse_events, start
 from .streaming import SSE_HEADERS
 from .traces import trace_zip
+
+log = logging.getLogger("glassbox.api")
+_REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")     # printable ASCII, no spaces
 
 
 class EngineHolder:
@@ -64,24 +71,58 @@ def build_router(engines, api_key: str | None = None) -> APIRouter:
                 "owned_by": "glassbox", "root": str(getattr(llm, "model_path", llm.model_name)),
                 "max_model_len": llm.max_model_len}
 
+    def request_id_of(request: Request, body: SamplingRequest, chat: bool) -> str:
+        """X-Request-Id (vLLM honours it and echoes it), else the body's `request_id` (vLLM's
+        extension), else a fresh one. It is the engine's id: the playground shows it."""
+        given = request.headers.get("x-request-id") or body.request_id
+        if given is None:
+            return f"{'chatcmpl' if chat else 'cmpl'}-{tag}-{next(counter)}"
+        if not isinstance(given, str) or not _REQUEST_ID.fullmatch(given):
+            raise bad_request("X-Request-Id must be 1 to 128 printable ASCII characters without "
+                              f"spaces, got {given!r}", "X-Request-Id")
+        return given
+
+    def choice_specs(body, llm, rid: str, prompts: list[list[int]], watch) -> list[ChoiceSpec]:
+        """One ChoiceSpec per (prompt, n): index = prompt * n + j, as vLLM numbers them."""
+        n, defaults, specs = body.n, model_defaults(llm), []
+        for i, ids in enumerate(prompts):
+            params = sampling_params(body, llm.max_model_len, len(ids), defaults)
+            for j in range(n):
+                idx = i * n + j
+                p = params
+                if j and params.seed is not None:   # seeded copies must not all draw the same
+                    p = dataclasses.replace(params, seed=(params.seed + j + 2**63) % 2**64 - 2**63)
+                specs.append(ChoiceSpec(idx, i, ids, p, rid if n * len(prompts) == 1
+                                        else f"{rid}-{idx}", watch if idx == 0 else None,
+                                        copy=j > 0))
+        return specs
+
     async def run(body, request: Request, chat: bool) -> Response:
         llm = current_engine(body.model)
-        sampling = sampling_params(body, llm.max_model_len)
-        prompt = chat_messages(body) if chat else completion_prompt(body)
+        ignored = body.ignored_fields()
+        if ignored:
+            log.warning("%s: ignoring unknown fields %s", request.url.path, ", ".join(ignored))
+        rid = request_id_of(request, body, chat)
+        prompts = [chat_messages(body)] if chat else completion_prompts(body)
+        param = "messages" if chat else "prompt"
+        try:        # tokenizing takes milliseconds: off the event loop
+            ids = await run_in_threadpool(lambda: [llm.encode(p) for p in prompts])
+        except ValueError as e:
+            raise engine_error(e, param) from None
         watch = probe_spec(body)
+        specs = choice_specs(body, llm, rid, ids, watch)
         want_lp, top_n = logprobs_of(body)
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{tag}-{next(counter)}"
         meta = Meta(rid, int(time.time()), llm.model_name, watched=watch is not None)
         include_usage = bool(body.stream and body.stream_options
                              and body.stream_options.include_usage)
+        headers = {"X-Request-Id": rid}
         try:
-            job = await start(llm, prompt, sampling, watch, meta, request, chat=chat,
-                              want_logprobs=want_lp, top_n=top_n, include_usage=include_usage,
-                              prompt_param="messages" if chat else "prompt")
+            job = await start(llm, specs, meta, request, chat=chat, want_logprobs=want_lp,
+                              top_n=top_n, include_usage=include_usage, prompt_param=param)
             if body.stream:
                 return StreamingResponse(sse_events(job), media_type="text/event-stream",
-                                         headers=SSE_HEADERS)
-            return JSONResponse(await collect(job, request))
+                                         headers={**SSE_HEADERS, **headers})
+            return JSONResponse(await collect(job, request), headers=headers)
         except ClientGone:
             return Response(status_code=499)    # nobody reads it: the client closed the socket
 

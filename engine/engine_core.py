@@ -90,7 +90,11 @@ class EngineCore:
         d = self.detok.pop(seq.request_id, None)
         if d is not None:
             if not d.stopped:
-                d.flush_final(seq.output_token_ids)
+                out_ids = seq.output_token_ids
+                if seq.finish_reason == "stop" and out_ids and \
+                        out_ids[-1] in seq.params.stop_token_ids:
+                    out_ids = out_ids[:-1]      # vLLM: a stop token's text is not in the reply
+                d.flush_final(out_ids)
             delta = d.take(final=True)
             seq.output_text = d.text
         else:

@@ -177,6 +177,8 @@ class LLM:
         # where each request's events go: a queue's put (generate/stream) or a caller's
         # on_event (submit); called on the engine thread, with the engine lock held
         self._sinks: dict[str, Callable[[object], None]] = {}
+        # called with every request's final TokenEvent (engine thread, lock held: be quick)
+        self.finish_listeners: list[Callable[[TokenEvent], None]] = []
         self._lock = threading.RLock()
         self._wake = threading.Condition(self._lock)
         self.core = EngineCore(self.runner, self.scheduler, self.block_manager, self.tokenizer,
@@ -222,6 +224,11 @@ class LLM:
         return self.block_manager.num_blocks
 
     # ---- input checks ----------------------------------------------------------------------------
+    def encode(self, prompt) -> list[int]:
+        """The token ids the engine runs for `prompt` (a string, token ids, or chat messages);
+        a ValueError for a prompt it refuses. The API counts and checks prompts with it."""
+        return self._encode(prompt)[0]
+
     def _encode(self, prompt) -> tuple[list[int], str | None]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
@@ -307,6 +314,8 @@ class LLM:
         if ev.finished:
             self._sinks.pop(ev.request_id, None)
             self._seqs.pop(ev.request_id, None)
+            for listener in self.finish_listeners:     # e.g. the API's /metrics histograms
+                self._call_sink(listener, ev)
         if sink is not None:
             self._call_sink(sink, ev)
 
@@ -431,6 +440,16 @@ class LLM:
                 return False
             self._deliver(self.core.abort(seq))
             return True
+
+    def stats(self) -> dict:
+        """Engine-wide counters, cheap (no per-block copies): for /metrics and health checks."""
+        with self._lock:
+            bm, sched = self.block_manager, self.scheduler
+            return {"num_running": len(sched.running), "num_waiting": len(sched.waiting),
+                    "kv_usage": (bm.num_blocks - bm.num_free_blocks) / bm.num_blocks,
+                    "prefix_hits": bm.prefix_hits, "prefix_queries": bm.prefix_queries,
+                    "num_preemptions": sched.num_preemptions, "block_size": bm.block_size,
+                    "alive": not self._stop and self._error is None and self._thread.is_alive()}
 
     def inspect(self) -> EngineSnapshot:
         from .probes.inspect import take_snapshot

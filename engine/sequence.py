@@ -106,7 +106,8 @@ class Sequence:
                 "num_output_tokens": n,
                 "tok_s": (n - 1) / decode_s if n > 1 and decode_s > 0 else None,
                 "prefix_cached_blocks": self.prefix_cached_blocks,
-                "preemptions": self.num_preemptions}
+                "preemptions": self.num_preemptions,
+                "e2e_s": now - self.arrival_time, "decode_s": decode_s}
 
 
 @dataclass

@@ -199,7 +199,7 @@ def test_completion_logprobs_list_every_token_with_its_offset(served, client):
     (dict(temperature=-1), "temperature"),
     (dict(top_p=1.5), "top_p"),
     (dict(max_tokens=0), "max_tokens"),
-    (dict(n=2), "n"),
+    (dict(n=65), "n"),
     (dict(stop=[""]), "stop"),
     (dict(top_logprobs=3), "top_logprobs"),            # needs logprobs=true
     (dict(frequency_penalty=0.5), "frequency_penalty"),
