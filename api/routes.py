@@ -20,6 +20,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from .auth import bearer_check
 from .errors import APIError, OpenAIRoute, bad_request
 from .generation_config import model_defaults
+from .metrics import EngineMetrics
+from .ops import build_ops_routers
 from .protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from .responses import Meta
 from .sampling import chat_messages, completion_prompts, logprobs_of, probe_spec, sampling_params
@@ -50,7 +52,9 @@ def served_names(llm) -> list[str]:
 
 
 def build_router(engines, api_key: str | None = None) -> APIRouter:
-    router = APIRouter(route_class=OpenAIRoute, dependencies=[Depends(bearer_check(api_key))])
+    auth = bearer_check(api_key)
+    metrics = EngineMetrics(engines)        # /metrics: listens to each engine it sees
+    router = APIRouter(route_class=OpenAIRoute, dependencies=[Depends(auth)])
     started = int(time.time())
     tag = secrets.token_hex(4)      # ids unique across restarts; the trailing counter gives
     counter = itertools.count()     # sequential requests distinct colours in the playground
@@ -59,7 +63,7 @@ def build_router(engines, api_key: str | None = None) -> APIRouter:
         if getattr(engines, "switching", False):
             raise APIError(503, "the model is being switched in the playground; retry in a few "
                                 "seconds", code="model_switching", headers={"Retry-After": "5"})
-        llm = engines.llm
+        llm = metrics.attach()      # after a model switch: the new engine's requests count
         if model is not None and model not in served_names(llm):
             raise APIError(404, f"The model '{model}' does not exist: this server serves "
                                 f"'{llm.model_name}' (GET /v1/models lists it)", "model",
@@ -156,4 +160,7 @@ def build_router(engines, api_key: str | None = None) -> APIRouter:
         return Response(data, media_type="application/zip", headers={
             "Content-Disposition": f'attachment; filename="{request_id}.zip"'})
 
+    open_ops, keyed_ops = build_ops_routers(engines, current_engine, auth, metrics)
+    # each route carries its own router's dependencies (the key or none): one list of routes
+    router.routes[:0] = open_ops.routes + keyed_ops.routes
     return router

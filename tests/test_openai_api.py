@@ -266,6 +266,18 @@ def test_the_api_answers_503_while_the_model_switches(served, client):
         served.demo.hub.switching = False
 
 
+def test_ops_routes_answer_on_the_playgrounds_server(served):
+    from prometheus_client.parser import text_string_to_metric_families
+    assert httpx.get(served.url + "health").status_code == 200
+    names = {f.name for f in text_string_to_metric_families(httpx.get(served.url + "metrics").text)}
+    assert {"vllm:num_requests_running", "vllm:time_to_first_token_seconds"} <= names
+    served.demo.hub.switching = True
+    try:
+        assert httpx.get(served.url + "health").status_code == 503
+    finally:
+        served.demo.hub.switching = False
+
+
 # ---- watched requests ------------------------------------------------------------------------
 def test_a_watched_request_has_a_trace_the_client_can_export(served, client, tmp_path):
     from engine import RequestTrace
