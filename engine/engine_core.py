@@ -27,7 +27,7 @@ from .errors import RequestFailedError, WorkerDiedError
 from .probes.snapshot import StepEntry, StepTrace
 from .scheduler import ScheduledSeq, Scheduler
 from .sequence import Sequence, TokenEvent, TokenLogprobs
-from .step_inputs import SamplingBatch, StepInputs, build_step_inputs
+from .step_inputs import SamplingBatch, StepInputs, build_step_inputs, prompt_logprob_rows
 from .step_output import StepOutput
 
 
@@ -222,6 +222,8 @@ class EngineCore:
                 k = s.seq.params.logprobs
                 if k:
                     lps[r] = TokenLogprobs(tokens[r], c[r], dict(zip(ti[r][:k], tl[r][:k])))
+        if out.prompt_logprobs_host is not None:
+            self._store_prompt_logprobs(scheduled, out.prompt_logprobs_host)
         expert_load = None
         if f.inp.probe_plan is not None and self.probes is not None:
             try:
@@ -243,10 +245,22 @@ class EngineCore:
                 self._fail(seq, RequestFailedError(f"postprocessing this request failed: {e!r}"))
         return events
 
+    @staticmethod
+    def _store_prompt_logprobs(scheduled, host) -> None:
+        """Each computed prompt token's logprob into its request, by position (the rows are in
+        prompt_logprob_rows' order; a recomputed prefill overwrites with the same values)."""
+        c, rank, ti, tl = (x.tolist() for x in host)
+        for i, (_, seq, pos) in enumerate(prompt_logprob_rows(scheduled)):
+            k = seq.params.prompt_logprobs
+            if seq.prompt_logprobs is not None:
+                seq.prompt_logprobs[pos] = TokenLogprobs(seq.token_ids[pos], c[i],
+                                                         dict(zip(ti[i][:k], tl[i][:k])), rank[i])
+
     def _token_event(self, seq: Sequence, tok: int, lp, now: float) -> TokenEvent:
         if lp is not None:
             seq.logprobs.append(lp)
-        if seq.first_token_time is None:
+        first = seq.first_token_time is None
+        if first:
             seq.first_token_time = now
         d = self.detok.get(seq.request_id)
         if d is not None:
@@ -254,10 +268,14 @@ class EngineCore:
             if d.stopped and not seq.is_finished:
                 self.scheduler.finish(seq, "stop")
         if seq.is_finished:
-            return self._final_event(seq, tok, lp)
-        delta = d.take(final=False) if d is not None else ""
-        seq.output_text = d.text[:d.emitted] if d is not None else ""
-        return TokenEvent(seq.request_id, tok, delta, seq.output_text, False, None, lp)
+            ev = self._final_event(seq, tok, lp)
+        else:
+            delta = d.take(final=False) if d is not None else ""
+            seq.output_text = d.text[:d.emitted] if d is not None else ""
+            ev = TokenEvent(seq.request_id, tok, delta, seq.output_text, False, None, lp)
+        if first and seq.prompt_logprobs is not None:
+            ev.prompt_logprobs = list(seq.prompt_logprobs)
+        return ev
 
     def _record(self, f: InFlight, t_wait: float, t_post: float) -> None:
         entries, n_pre, n_dec = [], 0, 0

@@ -398,7 +398,7 @@ class LLM:
                 bar.update(1)
             outs.append(RequestOutput(seq.request_id, text, seq.prompt_token_ids,
                                       seq.output_token_ids, seq.output_text, seq.finish_reason,
-                                      seq.logprobs, seq.metrics()))
+                                      seq.logprobs, seq.metrics(), seq.prompt_logprobs))
         if bar is not None:
             bar.close()
         return outs

@@ -58,6 +58,7 @@ class SamplingParams:
     stop: tuple[str, ...] | list[str] = ()
     stop_token_ids: tuple[int, ...] | list[int] = ()
     logprobs: int = 0               # k: return the top-k logprobs of every generated token
+    prompt_logprobs: int | None = None  # k: each prompt token's logprob (+ top-k), from the prefill
 
     def __post_init__(self):
         put = functools.partial(object.__setattr__, self)     # the dataclass is frozen
@@ -83,6 +84,9 @@ class SamplingParams:
                                f"an integer in [0, max_tokens={self.max_tokens}]"))
         put("logprobs", _int("logprobs", self.logprobs, 0, MAX_LOGPROBS + 1,
                              f"an integer in [0, {MAX_LOGPROBS}]"))
+        if self.prompt_logprobs is not None:
+            put("prompt_logprobs", _int("prompt_logprobs", self.prompt_logprobs, 0,
+                                        MAX_LOGPROBS + 1, f"None or an integer in [0, {MAX_LOGPROBS}]"))
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop

@@ -20,6 +20,7 @@ class TokenLogprobs:
     token_id: int
     logprob: float
     top: dict[int, float]          # top-k token id -> logprob (k = SamplingParams.logprobs)
+    rank: int | None = None        # 1 + how many tokens were more likely (prompt logprobs)
 
 
 class Sequence:
@@ -45,6 +46,10 @@ class Sequence:
         self.prefix_cached_blocks = 0       # total blocks reused from the prefix cache
         self.finish_reason: str | None = None
         self.logprobs: list[TokenLogprobs] = []
+        # SamplingParams.prompt_logprobs: one entry per prompt token (the first has none),
+        # filled by position as the prefill computes them (a recompute overwrites)
+        self.prompt_logprobs: list[TokenLogprobs | None] | None = (
+            [None] * len(prompt_token_ids) if params.prompt_logprobs is not None else None)
         self.output_text = ""
         self.num_preemptions = 0
         self.arrival_time = time.perf_counter()
@@ -121,6 +126,7 @@ class RequestOutput:
     finish_reason: str
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     metrics: dict = field(default_factory=dict)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 @dataclass
@@ -134,3 +140,4 @@ class TokenEvent:
     finish_reason: str | None = None
     logprobs: TokenLogprobs | None = None
     metrics: dict | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None   # on a request's first event
