@@ -77,7 +77,7 @@ class SamplingRequest(Lenient):
     model: str | None = None            # vLLM: optional, the served model
     stream: bool = False
     stream_options: StreamOptions | None = None
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=0)        # 0: only with echo (the prompt alone)
     temperature: float | None = Field(None, ge=0)       # None: OpenAI's default, 1.0
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1)              # vLLM: -1 or 0 = off
@@ -100,6 +100,7 @@ class SamplingRequest(Lenient):
     service_tier: str | None = None
     glassbox: GlassboxOptions | None = None
     request_id: str | None = None       # vLLM's: the request's id (X-Request-Id wins)
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)   # vLLM's: the prompt's logprobs
 
 
 class ChatCompletionRequest(SamplingRequest):

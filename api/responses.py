@@ -17,8 +17,11 @@ class Reply:
     token_ids: list = field(default_factory=list)
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    prompt_logprobs: list | None = None     # TokenLogprobs per prompt token (None first)
 
     def add(self, ev) -> None:
+        if ev.prompt_logprobs is not None:
+            self.prompt_logprobs = ev.prompt_logprobs
         self.text += ev.text
         if ev.token_id is not None:
             self.token_ids.append(ev.token_id)

@@ -86,19 +86,26 @@ def build_router(engines, api_key: str | None = None) -> APIRouter:
                               f"spaces, got {given!r}", "X-Request-Id")
         return given
 
-    def choice_specs(body, llm, rid: str, prompts: list[list[int]], watch) -> list[ChoiceSpec]:
+    def choice_specs(body, llm, rid: str, prompts: list, ids_of: list[list[int]], watch
+                     ) -> list[ChoiceSpec]:
         """One ChoiceSpec per (prompt, n): index = prompt * n + j, as vLLM numbers them."""
         n, defaults, specs = body.n, model_defaults(llm), []
-        for i, ids in enumerate(prompts):
+        echo = isinstance(body, CompletionRequest) and body.echo
+        for i, ids in enumerate(ids_of):
             params = sampling_params(body, llm.max_model_len, len(ids), defaults)
+            echo_text = None
+            if echo:        # the prompt as sent; token ids as the tokenizer reads them
+                echo_text = prompts[i] if isinstance(prompts[i], str) else (
+                    llm.tokenizer.decode(ids) if llm.tokenizer is not None else "")
             for j in range(n):
                 idx = i * n + j
                 p = params
                 if j and params.seed is not None:   # seeded copies must not all draw the same
                     p = dataclasses.replace(params, seed=(params.seed + j + 2**63) % 2**64 - 2**63)
-                specs.append(ChoiceSpec(idx, i, ids, p, rid if n * len(prompts) == 1
+                specs.append(ChoiceSpec(idx, i, ids, p, rid if n * len(ids_of) == 1
                                         else f"{rid}-{idx}", watch if idx == 0 else None,
-                                        copy=j > 0))
+                                        copy=j > 0, echo_text=echo_text,
+                                        echo_only=echo and body.max_tokens == 0))
         return specs
 
     async def run(body, request: Request, chat: bool) -> Response:
@@ -114,7 +121,7 @@ def build_router(engines, api_key: str | None = None) -> APIRouter:
         except ValueError as e:
             raise engine_error(e, param) from None
         watch = probe_spec(body)
-        specs = choice_specs(body, llm, rid, ids, watch)
+        specs = choice_specs(body, llm, rid, prompts, ids, watch)
         want_lp, top_n = logprobs_of(body)
         meta = Meta(rid, int(time.time()), llm.model_name, watched=watch is not None)
         include_usage = bool(body.stream and body.stream_options
@@ -122,7 +129,8 @@ def build_router(engines, api_key: str | None = None) -> APIRouter:
         headers = {"X-Request-Id": rid}
         try:
             job = await start(llm, specs, meta, request, chat=chat, want_logprobs=want_lp,
-                              top_n=top_n, include_usage=include_usage, prompt_param=param)
+                              top_n=top_n, include_usage=include_usage, prompt_param=param,
+                              want_prompt_logprobs=body.prompt_logprobs is not None)
             if body.stream:
                 return StreamingResponse(sse_events(job), media_type="text/event-stream",
                                          headers={**SSE_HEADERS, **headers})

@@ -49,8 +49,6 @@ def refuse_unsupported(req: SamplingRequest) -> None:
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
     else:
-        if req.echo:
-            raise bad_request("echo is not supported by Glassbox", "echo")
         if req.suffix:
             raise bad_request("suffix is not supported by Glassbox", "suffix")
         if req.best_of not in (None, 1):
@@ -70,6 +68,11 @@ def max_tokens_of(req: SamplingRequest, max_model_len: int, prompt_len: int,
                               "set one", "max_completion_tokens")
         if a is not None:
             asked, param = a, "max_completion_tokens"
+    if asked == 0:
+        if isinstance(req, CompletionRequest) and req.echo:
+            return 1, param         # the prompt alone: one token is run, and not shown
+        raise bad_request(f"{param} must be at least 1 (0 only with echo: the prompt alone)",
+                          param)
     if asked is None:
         base = room if isinstance(req, ChatCompletionRequest) else COMPLETIONS_DEFAULT_MAX_TOKENS
         return min(room, base, default or room), param
@@ -86,6 +89,15 @@ def logprobs_of(req: SamplingRequest) -> tuple[bool, int]:
     if isinstance(req, ChatCompletionRequest):
         return req.logprobs, (req.top_logprobs or 0) if req.logprobs else 0
     return req.logprobs is not None, req.logprobs or 0
+
+
+def prompt_logprobs_of(req: SamplingRequest) -> int | None:
+    """How many top alternatives the engine computes per prompt token (None: no prompt
+    logprobs): vLLM's `prompt_logprobs`, and echo with logprobs (lm-eval's loglikelihood)."""
+    k = req.prompt_logprobs
+    if isinstance(req, CompletionRequest) and req.echo and req.logprobs is not None:
+        k = max(k or 0, req.logprobs)
+    return k
 
 
 def sampling_params(req: SamplingRequest, max_model_len: int, prompt_len: int,
@@ -106,7 +118,8 @@ def sampling_params(req: SamplingRequest, max_model_len: int, prompt_len: int,
               max_tokens=max_tokens, min_tokens=req.min_tokens, ignore_eos=req.ignore_eos,
               stop=tuple(stop), stop_token_ids=tuple(req.stop_token_ids or ()),
               # the engine returns the sampled token's logprob with its top-k: ask for >= 1
-              logprobs=max(1, top_n) if wanted else 0)
+              logprobs=max(1, top_n) if wanted else 0,
+              prompt_logprobs=prompt_logprobs_of(req))
     try:
         return SamplingParams(**kw)
     except (ValueError, TypeError) as e:

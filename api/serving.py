@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from engine import PromptTooLongError
 
 from .errors import APIError, bad_request
-from .logprobs import TokenStrings, chat_entry, completion_logprobs
+from .logprobs import (TokenStrings, chat_entry, completion_logprobs, echo_logprobs,
+                       join_logprobs, vllm_prompt_logprobs)
 from .responses import (Meta, Reply, TokenChunks, chat_chunk, chat_choice, chat_completion,
                         completion, completion_chunk, completion_choice, usage, usage_chunk)
 from .streaming import SSE_DONE, EngineStream, sse
@@ -59,6 +60,8 @@ class ChoiceSpec:
     request_id: str             # the engine's id (the playground shows it)
     watch: object = None
     copy: bool = False          # n > 1: submitted once the first choice's prompt is cached
+    echo_text: str | None = None    # completions' echo: the prompt's text, shown before the reply
+    echo_only: bool = False     # echo with max_tokens 0: the one token run is not shown
 
 
 @dataclass
@@ -94,6 +97,7 @@ class Job:
     strings: TokenStrings
     include_usage: bool = False
     prompt_param: str = "messages"
+    want_prompt_logprobs: bool = False      # vLLM's `prompt_logprobs` field was set
     choices: list[Choice] = field(default_factory=list)
 
     def logprobs_for(self, lps: list, offset: int = 0) -> dict | None:
@@ -105,7 +109,39 @@ class Job:
         return completion_logprobs(lps, self.top_n, self.strings, offset)
 
     def finish(self, ch: Choice) -> None:
-        ch.reply.stop_reason = stop_reason_of(ch.reply, ch.spec.params, self.strings.tokenizer)
+        r = ch.reply
+        r.stop_reason = stop_reason_of(r, ch.spec.params, self.strings.tokenizer)
+        if ch.spec.echo_only:       # max_tokens 0: the token run to get there is not shown
+            r.text, r.logprobs, r.completion_tokens = "", [], 0
+            r.finish_reason, r.stop_reason = "length", None
+
+    def echo_part(self, ch: Choice) -> tuple[str, dict | None]:
+        """(the echoed prompt's text, its logprobs) of a completions choice with echo."""
+        spec, r = ch.spec, ch.reply
+        if spec.echo_text is None:
+            return "", None
+        lps = None
+        if self.want_logprobs:
+            lps = echo_logprobs(spec.prompt, r.prompt_logprobs or [None] * len(spec.prompt),
+                                self.top_n, self.strings)
+        return spec.echo_text, lps
+
+    def prompt_logprobs(self, ch: Choice) -> list | None:
+        if not self.want_prompt_logprobs or ch.reply.prompt_logprobs is None:
+            return None
+        return vllm_prompt_logprobs(ch.reply.prompt_logprobs, self.strings)
+
+    def render(self, ch: Choice) -> dict:
+        """One choice of the whole response body."""
+        r = ch.reply
+        if self.chat:
+            return chat_choice(ch.spec.index, r, self.logprobs_for(r.logprobs))
+        echo, echo_lps = self.echo_part(ch)
+        lps = join_logprobs(echo_lps, self.logprobs_for(r.logprobs, len(echo)))
+        out = completion_choice(ch.spec.index, r, lps, echo + r.text)
+        if self.want_prompt_logprobs:
+            out["prompt_logprobs"] = self.prompt_logprobs(ch)
+        return out
 
     def usage(self) -> dict:
         """Prompt tokens once per prompt (not per choice), completion tokens of every choice."""
@@ -152,10 +188,11 @@ async def collect(job: Job, request) -> dict:
                 raise engine_error(item, job.prompt_param)
             ch.reply.add(item)
         job.finish(ch)
-        lps = job.logprobs_for(ch.reply.logprobs)
-        out.append(chat_choice(ch.spec.index, ch.reply, lps) if job.chat
-                   else completion_choice(ch.spec.index, ch.reply, lps))
-    return (chat_completion if job.chat else completion)(job.meta, out, job.usage())
+        out.append(job.render(ch))
+    body = (chat_completion if job.chat else completion)(job.meta, out, job.usage())
+    if job.chat and job.want_prompt_logprobs:      # vLLM: chat's is on the response
+        body["prompt_logprobs"] = job.prompt_logprobs(job.choices[0])
+    return body
 
 
 async def merged(job: Job):
@@ -205,30 +242,47 @@ async def sse_events(job: Job):
                 first.append(sse(c))
             yield b"".join(first)
         async for ch, items in merged(job):
-            out, reply, idx = [], ch.reply, ch.spec.index
+            out, reply, spec = [], ch.reply, ch.spec
+            idx = spec.index
             for ev in items:
                 if isinstance(ev, BaseException):
                     out.append(sse(engine_error(ev, job.prompt_param).body()))
                     out.append(SSE_DONE)
                     yield b"".join(out)
                     return
-                lps = job.logprobs_for([ev.logprobs] if ev.logprobs is not None else [],
-                                       len(reply.text))
+                echo_len = len(spec.echo_text or "")
+                lps = None if spec.echo_only else job.logprobs_for(
+                    [ev.logprobs] if ev.logprobs is not None else [], echo_len + len(reply.text))
+                first_event = not reply.token_ids
                 reply.add(ev)
-                if not (ev.finished or ev.text or lps or every_token):
+                text = "" if spec.echo_only else ev.text
+                if first_event and (spec.echo_text is not None or job.want_prompt_logprobs):
+                    echo, echo_lps = job.echo_part(ch)      # the prompt first, as vLLM streams
+                    c = completion_chunk(meta, echo, None, echo_lps, with_usage, idx) \
+                        if not job.chat else chat_chunk(meta, {}, with_usage=with_usage,
+                                                        index=idx)
+                    if job.want_prompt_logprobs:
+                        c["choices"][0]["prompt_logprobs"] = job.prompt_logprobs(ch)
+                    if first_token[id(ch)]:
+                        c["glassbox"] = meta.glassbox()
+                        first_token[id(ch)] = False
+                    out.append(sse(c))
+                if not (ev.finished or text or lps or every_token):
                     continue        # text held back (a possible stop string, a partial char)
                 if not (ev.finished or lps or first_token[id(ch)]):  # the common case, fast
-                    out.append(token_chunk[id(ch)](ev.text))
+                    out.append(token_chunk[id(ch)](text))
                     continue
                 reason = stop = None
                 if ev.finished:
                     job.finish(ch)
                     reason, stop = ev.finish_reason, reply.stop_reason
+                if ev.finished and spec.echo_only:
+                    reason = reply.finish_reason
                 if job.chat:
-                    delta = {"content": ev.text} if ev.text or not ev.finished else {}
+                    delta = {"content": text} if text or not ev.finished else {}
                     chunk = chat_chunk(meta, delta, reason, lps, with_usage, idx, stop)
                 else:
-                    chunk = completion_chunk(meta, ev.text, reason, lps, with_usage, idx, stop)
+                    chunk = completion_chunk(meta, text, reason, lps, with_usage, idx, stop)
                 if first_token[id(ch)]:
                     chunk["glassbox"] = meta.glassbox()
                     first_token[id(ch)] = False
