@@ -93,6 +93,12 @@ def build_router(engines, api_key: str | None = None) -> APIRouter:
         echo = isinstance(body, CompletionRequest) and body.echo
         for i, ids in enumerate(ids_of):
             params = sampling_params(body, llm.max_model_len, len(ids), defaults)
+            try:
+                params.check_for_model(llm.hf_config.vocab_size)
+            except ValueError as e:
+                raise bad_request(str(e), "logit_bias" if str(e).startswith("logit_bias")
+                                  else "stop_token_ids" if "stop_token_ids" in str(e)
+                                  else "logprobs") from None
             echo_text = None
             if echo:        # the prompt as sent; token ids as the tokenizer reads them
                 echo_text = prompts[i] if isinstance(prompts[i], str) else (

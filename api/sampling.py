@@ -16,7 +16,8 @@ from .protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 _SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "seed", "max_tokens", "min_tokens",
-                    "stop", "stop_token_ids", "logprobs")
+                    "stop_token_ids", "stop", "logprobs", "presence_penalty", "frequency_penalty",
+                    "repetition_penalty", "logit_bias")
 
 
 MAX_N = 64                  # choices per request (n x prompts): each is a request in the engine
@@ -26,14 +27,6 @@ def refuse_unsupported(req: SamplingRequest) -> None:
     if req.n > MAX_N:
         raise bad_request(f"n={req.n} is more than {MAX_N} choices per request; send several "
                           "requests instead (they batch together)", "n")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(req, name) not in (None, 0, 0.0):
-            raise bad_request(f"{name} is not supported by Glassbox; leave it unset or 0", name)
-    if req.repetition_penalty not in (None, 1, 1.0):
-        raise bad_request("repetition_penalty is not supported by Glassbox; leave it unset or 1",
-                          "repetition_penalty")
-    if req.logit_bias:
-        raise bad_request("logit_bias is not supported by Glassbox", "logit_bias")
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
     if isinstance(req, ChatCompletionRequest):
@@ -119,7 +112,11 @@ def sampling_params(req: SamplingRequest, max_model_len: int, prompt_len: int,
               stop=tuple(stop), stop_token_ids=tuple(req.stop_token_ids or ()),
               # the engine returns the sampled token's logprob with its top-k: ask for >= 1
               logprobs=max(1, top_n) if wanted else 0,
-              prompt_logprobs=prompt_logprobs_of(req))
+              prompt_logprobs=prompt_logprobs_of(req),
+              presence_penalty=req.presence_penalty or 0.0,
+              frequency_penalty=req.frequency_penalty or 0.0,
+              repetition_penalty=pick("repetition_penalty", 1.0),
+              logit_bias=dict(req.logit_bias or {}))
     try:
         return SamplingParams(**kw)
     except (ValueError, TypeError) as e:

@@ -148,6 +148,10 @@ class EngineCore:
                                     [s.seq.seed for s in sampling],
                                     [len(s.seq) for s in sampling],
                                     self._banned(sampling)) if sampling else None
+        if batch is not None:
+            from .penalties import PenaltyBatch
+            if any(PenaltyBatch.needed(s.seq.params) for s in sampling):
+                batch.penalties = PenaltyBatch.build([s.seq for s in sampling], prev_step_id)
         return build_step_inputs(step_id, scheduled, self.bm.block_size, batch, plan,
                                  prev_step_id)
 

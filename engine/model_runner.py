@@ -232,7 +232,9 @@ class ModelRunner:
                     bufs = ProbeBuffers.for_step(self, inp)
                 logits = self.execute(inp, bufs, out)
             if inp.sampling is not None and len(inp.sampling):
-                st = SamplingTensors.from_batch(inp.sampling, self.device)
+                prev = self._last_sampled
+                st = SamplingTensors.from_batch(inp.sampling, self.device, prev[1] if
+                                                prev[0] == inp.prev_step_id else None)
                 ids, chosen, top_ids, top_lp = sample(logits, st)
                 out.sampled_ids = ids
                 self._last_sampled = (inp.step_id, ids)

@@ -59,6 +59,10 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] | list[int] = ()
     logprobs: int = 0               # k: return the top-k logprobs of every generated token
     prompt_logprobs: int | None = None  # k: each prompt token's logprob (+ top-k), from the prefill
+    presence_penalty: float = 0.0   # OpenAI's, in [-2, 2] (engine/penalties.py defines them)
+    frequency_penalty: float = 0.0  # OpenAI's, in [-2, 2]
+    repetition_penalty: float = 1.0     # HF's / vLLM's, > 0 (1 = off)
+    logit_bias: tuple[tuple[int, float], ...] | dict = ()   # token id -> bias in [-100, 100]
 
     def __post_init__(self):
         put = functools.partial(object.__setattr__, self)     # the dataclass is frozen
@@ -87,6 +91,26 @@ class SamplingParams:
         if self.prompt_logprobs is not None:
             put("prompt_logprobs", _int("prompt_logprobs", self.prompt_logprobs, 0,
                                         MAX_LOGPROBS + 1, f"None or an integer in [0, {MAX_LOGPROBS}]"))
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = _number(name, getattr(self, name))
+            if not -2.0 <= v <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2] (0 = off), got {v!r}")
+            put(name, v)
+        r = _number("repetition_penalty", self.repetition_penalty)
+        if not 0.0 < r <= 100.0:
+            raise ValueError(f"repetition_penalty must be in (0, 100] (1 = off), got {r!r}")
+        put("repetition_penalty", r)
+        bias = self.logit_bias
+        items = bias.items() if isinstance(bias, dict) else bias
+        try:
+            pairs = tuple((int(k), _number("logit_bias value", v)) for k, v in items
+                          if _is_int(k) or (isinstance(k, str) and k.lstrip("-").isdigit()))
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"logit_bias must map token ids to numbers in [-100, 100]: {e}") from None
+        if len(pairs) != len(bias) or any(t < 0 or not -100 <= v <= 100 for t, v in pairs):
+            raise ValueError(f"logit_bias must map token ids (>= 0) to numbers in [-100, 100], "
+                             f"got {bias!r}")
+        put("logit_bias", pairs)
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
@@ -107,6 +131,10 @@ class SamplingParams:
 
     def check_for_model(self, vocab_size: int) -> None:
         """The checks that need the model: token ids inside its vocabulary [0, vocab_size)."""
+        bad_bias = [t for t, _ in self.logit_bias if t >= vocab_size]
+        if bad_bias:
+            raise ValueError(f"logit_bias token ids {bad_bias[:5]} are outside the vocabulary "
+                             f"[0, {vocab_size}); give token ids of this model")
         bad = [i for i in self.stop_token_ids if i >= vocab_size]
         if bad:
             raise ValueError(f"stop_token_ids {bad[:5]} are outside the vocabulary "
@@ -159,6 +187,7 @@ class SamplingTensors:
     need_min_p: bool
     max_logprobs: int
     banned: list[tuple[int, int]]   # (row, token) pairs masked for min_tokens
+    penalties: object = None        # penalties.PenaltyTensors, None when no row uses one
 
     @classmethod
     def build(cls, params: list[SamplingParams], seeds: list[int], positions: list[int],
@@ -167,8 +196,9 @@ class SamplingTensors:
         return cls.from_batch(SamplingBatch.build(params, seeds, positions, banned), device)
 
     @classmethod
-    def from_batch(cls, b, device) -> "SamplingTensors":
-        """A step_inputs.SamplingBatch (host lists) -> tensors on `device`."""
+    def from_batch(cls, b, device, prev_sampled: torch.Tensor | None = None) -> "SamplingTensors":
+        """A step_inputs.SamplingBatch (host lists) -> tensors on `device`. `prev_sampled`: the
+        previous step's sampled ids on the device (a penalised row's newest token)."""
         f32 = dict(dtype=torch.float32, device="cpu")
         temps = b.temperature
         t = cls(temperature=torch.tensor(temps, **f32),
@@ -180,6 +210,9 @@ class SamplingTensors:
                 need_sort=any(k > 0 for k in b.top_k) or any(p < 1.0 for p in b.top_p),
                 need_min_p=any(m > 0 for m in b.min_p), max_logprobs=b.max_logprobs,
                 banned=b.banned)
+        if getattr(b, "penalties", None) is not None:
+            from .penalties import PenaltyTensors
+            t.penalties = PenaltyTensors.from_batch(b.penalties, device, prev_sampled)
         if t.all_greedy:        # argmax needs none of the per-row tensors: skip the copies
             return t
         nb = torch.device(device).type == "cuda"
@@ -211,6 +244,9 @@ def sample(logits: torch.Tensor, t: SamplingTensors):
     """logits [B, V] -> (token ids [B] int64, logprobs [B] fp32, top ids [B,k], top lps [B,k]).
     The logprob outputs are None when no request in the batch asked for logprobs."""
     logits = logits.float()
+    if t.penalties is not None:     # before min_tokens' -inf: a penalty must not revive a ban
+        from .penalties import apply_penalties
+        logits = apply_penalties(logits, t.penalties)
     if t.banned:
         rows, toks = zip(*t.banned)
         # a copy: fp32 logits from the runner are inference tensors and must not be written

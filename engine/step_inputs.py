@@ -27,6 +27,7 @@ class SamplingBatch:
     positions: list[int]        # index of the token being sampled (for the seeded noise)
     banned: list[tuple[int, int]]   # (row, token id) masked for min_tokens
     max_logprobs: int
+    penalties: object = None        # penalties.PenaltyBatch when some row uses one
 
     @classmethod
     def build(cls, params, seeds, positions, banned) -> "SamplingBatch":

@@ -36,10 +36,12 @@ def test_read_defaults_takes_vllms_keys_only(tmp_path):
 def test_a_field_left_out_takes_the_cards_value_and_a_set_one_wins():
     from api.protocol import ChatCompletionRequest, CompletionRequest
     from api.sampling import sampling_params
-    card = {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "min_p": 0.05, "max_tokens": 33}
+    card = {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "min_p": 0.05, "max_tokens": 33,
+            "repetition_penalty": 1.05}
     left_out = CompletionRequest(prompt="hi")
     p = sampling_params(left_out, 512, 2, card)
     assert (p.temperature, p.top_p, p.top_k, p.min_p) == (0.7, 0.8, 20, 0.05)
+    assert p.repetition_penalty == 1.05
     assert p.max_tokens == 16           # completions: OpenAI's 16 is below the card's 33
     chat = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}])
     assert sampling_params(chat, 512, 2, card).max_tokens == 33

@@ -188,3 +188,19 @@ def test_min_tokens_holds_back_the_stop_token(served):
     plain = served.post("/v1/chat/completions", {"messages": msgs, "temperature": 0,
                                                  "max_tokens": 30})
     assert plain.json()["usage"]["completion_tokens"] < 6
+
+
+def test_penalties_and_logit_bias_reach_the_sampler(served):
+    from engine import SamplingParams
+    tok = served.llm.tokenizer
+    forced = tok.encode(" fox")[0]
+    r = served.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 4, "temperature": 0,
+                                        "logit_bias": {str(forced): 100}})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == tok.decode([forced] * 4)
+    kw = dict(presence_penalty=1.5, frequency_penalty=0.5, repetition_penalty=1.3)
+    r = served.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 12, "temperature": 0,
+                                        **kw})
+    want = served.llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=12, **kw))[0]
+    assert r.json()["choices"][0]["text"] == want.text
+    assert want.text != _greedy(served.llm, PROMPT, max_tokens=12).text

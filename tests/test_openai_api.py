@@ -202,7 +202,8 @@ def test_completion_logprobs_list_every_token_with_its_offset(served, client):
     (dict(n=65), "n"),
     (dict(stop=[""]), "stop"),
     (dict(top_logprobs=3), "top_logprobs"),            # needs logprobs=true
-    (dict(frequency_penalty=0.5), "frequency_penalty"),
+    (dict(frequency_penalty=2.5), "frequency_penalty"),
+    (dict(logit_bias={"999999": 5}), "logit_bias"),
     (dict(messages=[]), "messages"),
     (dict(messages=[{"role": "wizard", "content": "hi"}]), "messages[0].role"),
 ])
