@@ -112,6 +112,11 @@ class ChatCompletionRequest(SamplingRequest):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
+    # vLLM's chat extensions: the template's own variables (enable_thinking, ...), and an
+    # assistant prefill (the last assistant message continued, not closed)
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
 
 class CompletionRequest(SamplingRequest):

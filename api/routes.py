@@ -18,13 +18,15 @@ from starlette.concurrency import run_in_threadpool
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from .auth import bearer_check
+from .chat_template import encode_chat_request, reply_parsing
 from .errors import APIError, OpenAIRoute, bad_request
 from .generation_config import model_defaults
 from .metrics import EngineMetrics
 from .ops import build_ops_routers
 from .protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from .responses import Meta
-from .sampling import chat_messages, completion_prompts, logprobs_of, probe_spec, sampling_params
+from .sampling import (chat_messages, completion_prompts, logprobs_of, probe_spec,
+                       refuse_unsupported, sampling_params)
 from .serving import ChoiceSpec, ClientGone, collect, engine_error, sse_events, start
 from .streaming import SSE_HEADERS
 from .traces import trace_zip
@@ -119,11 +121,18 @@ def build_router(engines, api_key: str | None = None) -> APIRouter:
         ignored = body.ignored_fields()
         if ignored:
             log.warning("%s: ignoring unknown fields %s", request.url.path, ", ".join(ignored))
+        refuse_unsupported(body)        # before the prompt is rendered: clearer errors first
         rid = request_id_of(request, body, chat)
         prompts = [chat_messages(body)] if chat else completion_prompts(body)
         param = "messages" if chat else "prompt"
+        parsing = None
         try:        # tokenizing takes milliseconds: off the event loop
-            ids = await run_in_threadpool(lambda: [llm.encode(p) for p in prompts])
+            if chat:
+                chat_ids, rendered = await run_in_threadpool(encode_chat_request, llm, body,
+                                                             prompts[0])
+                ids, parsing = [chat_ids], reply_parsing(llm, body, rendered)
+            else:
+                ids = await run_in_threadpool(lambda: [llm.encode(p) for p in prompts])
         except ValueError as e:
             raise engine_error(e, param) from None
         watch = probe_spec(body)
@@ -136,7 +145,8 @@ def build_router(engines, api_key: str | None = None) -> APIRouter:
         try:
             job = await start(llm, specs, meta, request, chat=chat, want_logprobs=want_lp,
                               top_n=top_n, include_usage=include_usage, prompt_param=param,
-                              want_prompt_logprobs=body.prompt_logprobs is not None)
+                              want_prompt_logprobs=body.prompt_logprobs is not None,
+                              parsing=parsing if parsing is not None and parsing.active else None)
             if body.stream:
                 return StreamingResponse(sse_events(job), media_type="text/event-stream",
                                          headers={**SSE_HEADERS, **headers})

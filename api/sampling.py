@@ -30,11 +30,17 @@ def refuse_unsupported(req: SamplingRequest) -> None:
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
     if isinstance(req, ChatCompletionRequest):
-        if req.tools:
-            raise bad_request("tools are not supported by Glassbox (no tool-call parsing)",
-                              "tools")
         if req.tool_choice not in (None, "none", "auto"):
-            raise bad_request("tool_choice is not supported by Glassbox", "tool_choice")
+            raise bad_request("tool_choice 'required' or a named function needs guided decoding, "
+                              "which Glassbox does not do yet; use 'auto' (the model chooses) "
+                              "or 'none'", "tool_choice")
+        if req.continue_final_message and req.add_generation_prompt:
+            raise bad_request("continue_final_message continues the last assistant message: "
+                              "set add_generation_prompt to false with it",
+                              "continue_final_message")
+        if req.continue_final_message and req.messages[-1].role != "assistant":
+            raise bad_request("continue_final_message needs the last message to be the "
+                              "assistant's (the text to continue)", "continue_final_message")
         fmt = (req.response_format or {}).get("type", "text")
         if fmt != "text":
             raise bad_request(f"response_format {fmt!r} is not supported by Glassbox (no "
@@ -160,8 +166,15 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict]:
             content = "".join(texts)
         else:
             content = m.content or ""
-        out.append({"role": "system" if m.role == "developer" else m.role, "content": content})
+        msg = {"role": "system" if m.role == "developer" else m.role, "content": content}
+        for key in _MESSAGE_EXTRAS:         # tool-call history, as the chat templates read it
+            if (m.model_extra or {}).get(key) is not None:
+                msg[key] = m.model_extra[key]
+        out.append(msg)
     return out
+
+
+_MESSAGE_EXTRAS = ("tool_calls", "tool_call_id", "name", "reasoning_content")
 
 
 def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from engine import PromptTooLongError
 
 from .errors import APIError, bad_request
+from .chat_parsing import ChatDeltaParser, split_reply
 from .logprobs import (TokenStrings, chat_entry, completion_logprobs, echo_logprobs,
                        join_logprobs, vllm_prompt_logprobs)
 from .responses import (Meta, Reply, TokenChunks, chat_chunk, chat_choice, chat_completion,
@@ -98,6 +99,7 @@ class Job:
     include_usage: bool = False
     prompt_param: str = "messages"
     want_prompt_logprobs: bool = False      # vLLM's `prompt_logprobs` field was set
+    parsing: object = None      # chat_template.ReplyParsing: reasoning / tool-call split, or None
     choices: list[Choice] = field(default_factory=list)
 
     def logprobs_for(self, lps: list, offset: int = 0) -> dict | None:
@@ -135,7 +137,20 @@ class Job:
         """One choice of the whole response body."""
         r = ch.reply
         if self.chat:
-            return chat_choice(ch.spec.index, r, self.logprobs_for(r.logprobs))
+            out = chat_choice(ch.spec.index, r, self.logprobs_for(r.logprobs))
+            if self.parsing is not None:
+                p = self.parsing
+                reasoning, content, calls = split_reply(r.text, p.reasoning, p.tools,
+                                                        p.in_reasoning)
+                msg = out["message"]
+                msg["content"] = content
+                if p.reasoning:
+                    msg["reasoning_content"] = reasoning
+                if p.tools:
+                    msg["tool_calls"] = calls
+                if calls and r.finish_reason == "stop":
+                    out["finish_reason"] = "tool_calls"
+            return out
         echo, echo_lps = self.echo_part(ch)
         lps = join_logprobs(echo_lps, self.logprobs_for(r.logprobs, len(echo)))
         out = completion_choice(ch.spec.index, r, lps, echo + r.text)
@@ -232,6 +247,9 @@ async def sse_events(job: Job):
     token_chunk = {id(ch): TokenChunks(meta, job.chat, with_usage, ch.spec.index)
                    for ch in job.choices}
     first_token = {id(ch): not job.chat for ch in job.choices}
+    p = job.parsing
+    parsers = {id(ch): ChatDeltaParser(p.reasoning, p.tools, p.in_reasoning)
+               for ch in job.choices} if job.chat and p is not None else {}
     try:
         if job.chat:
             first = []
@@ -267,6 +285,10 @@ async def sse_events(job: Job):
                         c["glassbox"] = meta.glassbox()
                         first_token[id(ch)] = False
                     out.append(sse(c))
+                parser = parsers.get(id(ch))
+                if parser is not None:      # reasoning / tool calls: deltas of their own
+                    out += parsed_chunks(job, ch, parser, ev, text, lps)
+                    continue
                 if not (ev.finished or text or lps or every_token):
                     continue        # text held back (a possible stop string, a partial char)
                 if not (ev.finished or lps or first_token[id(ch)]):  # the common case, fast
@@ -295,3 +317,23 @@ async def sse_events(job: Job):
         yield SSE_DONE
     finally:
         job.close()
+
+
+def parsed_chunks(job: Job, ch: Choice, parser: ChatDeltaParser, ev, text: str,
+                  lps: dict | None) -> list[bytes]:
+    """One event of a parsed chat stream: its reasoning / content / tool-call deltas, then (at
+    the end) the chunk with the finish reason ("tool_calls" when the reply called a tool)."""
+    meta, usage, idx = job.meta, job.include_usage, ch.spec.index
+    deltas = parser.feed(text) + (parser.finish() if ev.finished else [])
+    out = [sse(chat_chunk(meta, d, None, lps if k == 0 else None, usage, idx))
+           for k, d in enumerate(deltas)]
+    if ev.finished:
+        job.finish(ch)
+        reason = ch.reply.finish_reason
+        if parser.calls and reason == "stop":
+            reason = "tool_calls"
+        out.append(sse(chat_chunk(meta, {}, reason, None if deltas else lps, usage, idx,
+                                  ch.reply.stop_reason)))
+    elif lps and not deltas:
+        out.append(sse(chat_chunk(meta, {}, None, lps, usage, idx)))
+    return out
