@@ -29,6 +29,7 @@ from .sampling import (chat_messages, completion_prompts, logprobs_of, probe_spe
                        refuse_unsupported, sampling_params)
 from .serving import ChoiceSpec, ClientGone, collect, engine_error, sse_events, start
 from .streaming import SSE_HEADERS
+from .structured import guided_of
 from .traces import trace_zip
 
 log = logging.getLogger("glassbox.api")
@@ -92,9 +93,10 @@ def build_router(engines, api_key: str | None = None) -> APIRouter:
                      ) -> list[ChoiceSpec]:
         """One ChoiceSpec per (prompt, n): index = prompt * n + j, as vLLM numbers them."""
         n, defaults, specs = body.n, model_defaults(llm), []
+        guided = guided_of(body, llm)
         echo = isinstance(body, CompletionRequest) and body.echo
         for i, ids in enumerate(ids_of):
-            params = sampling_params(body, llm.max_model_len, len(ids), defaults)
+            params = sampling_params(body, llm.max_model_len, len(ids), defaults, guided)
             try:
                 params.check_for_model(llm.hf_config.vocab_size)
             except ValueError as e:

@@ -30,10 +30,13 @@ def refuse_unsupported(req: SamplingRequest) -> None:
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
     if isinstance(req, ChatCompletionRequest):
-        if req.tool_choice not in (None, "none", "auto"):
-            raise bad_request("tool_choice 'required' or a named function needs guided decoding, "
-                              "which Glassbox does not do yet; use 'auto' (the model chooses) "
-                              "or 'none'", "tool_choice")
+        if req.tool_choice not in (None, "none", "auto", "required") and \
+                not isinstance(req.tool_choice, dict):
+            raise bad_request(f"tool_choice must be 'none', 'auto', 'required' or "
+                              f"{{'type': 'function', 'function': {{'name': ...}}}}, got "
+                              f"{req.tool_choice!r}", "tool_choice")
+        if req.tool_choice not in (None, "none", "auto") and not req.tools:
+            raise bad_request("tool_choice needs tools", "tool_choice")
         if req.continue_final_message and req.add_generation_prompt:
             raise bad_request("continue_final_message continues the last assistant message: "
                               "set add_generation_prompt to false with it",
@@ -41,10 +44,6 @@ def refuse_unsupported(req: SamplingRequest) -> None:
         if req.continue_final_message and req.messages[-1].role != "assistant":
             raise bad_request("continue_final_message needs the last message to be the "
                               "assistant's (the text to continue)", "continue_final_message")
-        fmt = (req.response_format or {}).get("type", "text")
-        if fmt != "text":
-            raise bad_request(f"response_format {fmt!r} is not supported by Glassbox (no "
-                              "constrained decoding); use 'text'", "response_format")
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
     else:
@@ -100,7 +99,7 @@ def prompt_logprobs_of(req: SamplingRequest) -> int | None:
 
 
 def sampling_params(req: SamplingRequest, max_model_len: int, prompt_len: int,
-                    defaults: dict | None = None) -> SamplingParams:
+                    defaults: dict | None = None, guided: str | None = None) -> SamplingParams:
     """SamplingParams for one prompt of the request (`prompt_len` tokens); `defaults`: the
     model card's (api.generation_config). The engine's checks become 400s naming the field."""
     refuse_unsupported(req)
@@ -122,7 +121,7 @@ def sampling_params(req: SamplingRequest, max_model_len: int, prompt_len: int,
               presence_penalty=req.presence_penalty or 0.0,
               frequency_penalty=req.frequency_penalty or 0.0,
               repetition_penalty=pick("repetition_penalty", 1.0),
-              logit_bias=dict(req.logit_bias or {}))
+              logit_bias=dict(req.logit_bias or {}), guided=guided)
     try:
         return SamplingParams(**kw)
     except (ValueError, TypeError) as e:

@@ -110,12 +110,17 @@ class EngineCore:
         """Launch the next step (if any), then postprocess the one before it. Call without the
         lock held: it takes the lock for the parts that change engine state."""
         t0 = time.perf_counter()
+        carried: list[TokenEvent] = []
+        if self.overlap and self.inflight is not None and any(
+                s.seq.grammar is not None for s in self.inflight.scheduled):
+            # a guided request's next mask needs the token in flight: no overlap this step
+            carried = self.drain()
         with self.lock:
             launch = self._prepare(t0)
         launched = None
         if launch is not None:
             launched = self._launch(*launch)
-        events, self.carry_events = self.carry_events, []
+        events, self.carry_events = carried + self.carry_events, []
         if self.overlap:
             prev, self.inflight = self.inflight, launched
             if prev is not None:
@@ -152,6 +157,9 @@ class EngineCore:
             from .penalties import PenaltyBatch
             if any(PenaltyBatch.needed(s.seq.params) for s in sampling):
                 batch.penalties = PenaltyBatch.build([s.seq for s in sampling], prev_step_id)
+            if any(s.seq.grammar is not None for s in sampling):
+                from .guided import fill_bitmask
+                batch.grammar_mask = fill_bitmask([s.seq.grammar for s in sampling])
         return build_step_inputs(step_id, scheduled, self.bm.block_size, batch, plan,
                                  prev_step_id)
 
@@ -263,6 +271,9 @@ class EngineCore:
     def _token_event(self, seq: Sequence, tok: int, lp, now: float) -> TokenEvent:
         if lp is not None:
             seq.logprobs.append(lp)
+        if seq.grammar is not None:
+            seq.num_masked_steps += 1
+            seq.grammar.consume(tok)       # a refusal fails this request (postprocess)
         first = seq.first_token_time is None
         if first:
             seq.first_token_time = now

@@ -281,7 +281,11 @@ class LLM:
         if rid in self._seqs:
             raise ValueError(f"request id {rid!r} is already in use")
         seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
-        return Sequence(rid, ids, params, seed, watch), text
+        seq = Sequence(rid, ids, params, seed, watch)
+        if params.guided is not None:       # a bad grammar is refused here, before queueing
+            from .guided import make_matcher
+            seq.grammar = make_matcher(self.tokenizer, vocab, self.eos_token_ids, params.guided)
+        return seq, text
 
     # ---- the engine loop -----------------------------------------------------------------------
     def _loop(self) -> None:

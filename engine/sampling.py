@@ -63,6 +63,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # OpenAI's, in [-2, 2]
     repetition_penalty: float = 1.0     # HF's / vLLM's, > 0 (1 = off)
     logit_bias: tuple[tuple[int, float], ...] | dict = ()   # token id -> bias in [-100, 100]
+    guided: str | dict | None = None    # a grammar the output must match (engine/guided.py)
 
     def __post_init__(self):
         put = functools.partial(object.__setattr__, self)     # the dataclass is frozen
@@ -111,6 +112,9 @@ class SamplingParams:
             raise ValueError(f"logit_bias must map token ids (>= 0) to numbers in [-100, 100], "
                              f"got {bias!r}")
         put("logit_bias", pairs)
+        if self.guided is not None:
+            from .guided import grammar_of
+            put("guided", grammar_of(self.guided))
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
@@ -188,6 +192,7 @@ class SamplingTensors:
     max_logprobs: int
     banned: list[tuple[int, int]]   # (row, token) pairs masked for min_tokens
     penalties: object = None        # penalties.PenaltyTensors, None when no row uses one
+    grammar_mask: torch.Tensor | None = None    # [B, ceil(V/32)] int32 allowed-token bits
 
     @classmethod
     def build(cls, params: list[SamplingParams], seeds: list[int], positions: list[int],
@@ -210,6 +215,10 @@ class SamplingTensors:
                 need_sort=any(k > 0 for k in b.top_k) or any(p < 1.0 for p in b.top_p),
                 need_min_p=any(m > 0 for m in b.min_p), max_logprobs=b.max_logprobs,
                 banned=b.banned)
+        if getattr(b, "grammar_mask", None) is not None:
+            nb = torch.device(device).type == "cuda"
+            m = torch.from_numpy(b.grammar_mask)
+            t.grammar_mask = (m.pin_memory() if nb else m).to(device, non_blocking=nb)
         if getattr(b, "penalties", None) is not None:
             from .penalties import PenaltyTensors
             t.penalties = PenaltyTensors.from_batch(b.penalties, device, prev_sampled)
@@ -247,6 +256,9 @@ def sample(logits: torch.Tensor, t: SamplingTensors):
     if t.penalties is not None:     # before min_tokens' -inf: a penalty must not revive a ban
         from .penalties import apply_penalties
         logits = apply_penalties(logits, t.penalties)
+    if t.grammar_mask is not None:  # structured output: tokens the grammar forbids are -inf
+        from .guided import apply_bitmask
+        logits = apply_bitmask(logits, t.grammar_mask)
     if t.banned:
         rows, toks = zip(*t.banned)
         # a copy: fp32 logits from the runner are inference tensors and must not be written

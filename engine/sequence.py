@@ -46,6 +46,8 @@ class Sequence:
         self.prefix_cached_blocks = 0       # total blocks reused from the prefix cache
         self.finish_reason: str | None = None
         self.logprobs: list[TokenLogprobs] = []
+        self.grammar = None         # guided decoding: the request's llguidance matcher
+        self.num_masked_steps = 0   # steps whose token the grammar constrained
         # SamplingParams.prompt_logprobs: one entry per prompt token (the first has none),
         # filled by position as the prefill computes them (a recompute overwrites)
         self.prompt_logprobs: list[TokenLogprobs | None] | None = (

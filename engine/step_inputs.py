@@ -28,6 +28,7 @@ class SamplingBatch:
     banned: list[tuple[int, int]]   # (row, token id) masked for min_tokens
     max_logprobs: int
     penalties: object = None        # penalties.PenaltyBatch when some row uses one
+    grammar_mask: np.ndarray | None = None  # [S, ceil(V/32)] int32 when some row is guided
 
     @classmethod
     def build(cls, params, seeds, positions, banned) -> "SamplingBatch":
