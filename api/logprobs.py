@@ -81,3 +81,43 @@ def completion_logprobs(lps: list, top_n: int, strings: TokenStrings,
                     if top_n else None)
     return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops,
             "text_offset": offsets}
+
+
+def echo_logprobs(prompt_ids: list[int], lps: list, top_n: int, strings: TokenStrings) -> dict:
+    """Completions' `logprobs` for an echoed prompt: the first token has none (null), as
+    OpenAI's and vLLM's echo; `lps` is the engine's prompt_logprobs (None first)."""
+    tokens, values, tops, offsets, offset = [], [], [], [], 0
+    for tid, lp in zip(prompt_ids, lps):
+        text = strings.text(tid)
+        tokens.append(text)
+        offsets.append(offset)
+        offset += len(text)
+        values.append(None if lp is None else _lp(lp.logprob))
+        tops.append(None if lp is None or not top_n else
+                    {strings.text(t): _lp(v) for t, v in list(lp.top.items())[:top_n]})
+    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops,
+            "text_offset": offsets}
+
+
+def join_logprobs(a: dict | None, b: dict | None) -> dict | None:
+    """Two completions `logprobs` objects, one after the other (echoed prompt, then reply)."""
+    if a is None or b is None:
+        return a or b
+    return {k: a[k] + b[k] for k in a}
+
+
+def vllm_prompt_logprobs(lps: list, strings: TokenStrings) -> list:
+    """vLLM's `prompt_logprobs`: per prompt token (None first) {token id: {logprob, rank,
+    decoded_token}} for the prompt token and the top alternatives."""
+    out = []
+    for lp in lps:
+        if lp is None:
+            out.append(None)
+            continue
+        d = {str(lp.token_id): {"logprob": _lp(lp.logprob), "rank": lp.rank,
+                                "decoded_token": strings.text(lp.token_id)}}
+        for rank, (tid, v) in enumerate(lp.top.items(), 1):
+            d.setdefault(str(tid), {"logprob": _lp(v), "rank": rank,
+                                    "decoded_token": strings.text(tid)})
+        out.append(d)
+    return out

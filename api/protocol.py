@@ -1,19 +1,46 @@
 """Request bodies of the OpenAI-compatible routes, as pydantic models.
 
 Field names are OpenAI's, plus vLLM's sampling extensions (`top_k`, `min_p`, `min_tokens`,
-`ignore_eos`, `stop_token_ids`) and Glassbox's own `glassbox` object. Unknown fields are refused
-(as OpenAI does) rather than silently ignored; fields that are understood but not supported
-(tools, penalties, n > 1, ...) are refused by `api.sampling` with a message that says so.
+`ignore_eos`, `stop_token_ids`) and Glassbox's own `glassbox` object. Lenient where vLLM is:
+an unknown field is ignored with a logged warning (`ignored_fields` lists them), an explicit
+`null` means the field's default, and `model` may be left out. Fields that are understood but
+not supported are refused by `api.sampling` with a message that says so.
 """
 from __future__ import annotations
 
+import logging
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+log = logging.getLogger("glassbox.api")
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class Lenient(BaseModel):
+    """vLLM's leniency: unknown fields are kept aside (and logged by the route), and `null` for a
+    field whose default is not null is the default (clients send `"n": null`, `"stream": null`)."""
+    model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data):
+        if isinstance(data, dict):
+            fields = cls.model_fields
+            data = {k: v for k, v in data.items()
+                    if not (v is None and k in fields and fields[k].default is not None)}
+        return data
+
+    def ignored_fields(self) -> list[str]:
+        """Unknown fields of this object and its nested ones (dotted), in the order sent."""
+        out = list(self.model_extra or {})
+        for name in type(self).model_fields:
+            v = getattr(self, name, None)
+            if isinstance(v, Lenient):
+                out += [f"{name}.{k}" for k in v.ignored_fields()]
+        return out
+
+
+class StreamOptions(Lenient):
     include_usage: bool = False
 
 
@@ -45,13 +72,12 @@ class ChatMessage(BaseModel):
     content: str | list[ContentPart] | None = None
 
 
-class SamplingRequest(BaseModel):
+class SamplingRequest(Lenient):
     """The fields chat and completions share."""
-    model_config = ConfigDict(extra="forbid")
-    model: str
+    model: str | None = None            # vLLM: optional, the served model
     stream: bool = False
     stream_options: StreamOptions | None = None
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=0)        # 0: only with echo (the prompt alone)
     temperature: float | None = Field(None, ge=0)       # None: OpenAI's default, 1.0
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1)              # vLLM: -1 or 0 = off
@@ -75,6 +101,8 @@ class SamplingRequest(BaseModel):
     glassbox: GlassboxOptions | None = None
     # Glassbox: per-request edits of the forward pass (api/interventions.py checks them)
     interventions: list[dict[str, Any]] | None = None
+    request_id: str | None = None       # vLLM's: the request's id (X-Request-Id wins)
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)   # vLLM's: the prompt's logprobs
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -86,6 +114,11 @@ class ChatCompletionRequest(SamplingRequest):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
+    # vLLM's chat extensions: the template's own variables (enable_thinking, ...), and an
+    # assistant prefill (the last assistant message continued, not closed)
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
 
 class CompletionRequest(SamplingRequest):

@@ -6,27 +6,40 @@ Each request reads `.llm` once and keeps that engine to its end.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import logging
 import os
+import re
 import secrets
 import time
 from collections import OrderedDict
 
 from fastapi import APIRouter, Depends, Request
+
+from engine.errors import InvalidArgumentError
+from engine.serving import ServingHub
 from starlette.concurrency import run_in_threadpool
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from .auth import bearer_check
-from .errors import APIError, OpenAIRoute
+from .chat_template import encode_chat_request, reply_parsing
+from .errors import APIError, OpenAIRoute, bad_request
+from .generation_config import model_defaults
 from .limits import Limits, Pools, check_stop_limits, parse_body
-from .protocol import ChatCompletionRequest, CompletionRequest
-from engine.serving import ServingHub
-
+from .metrics import EngineMetrics
+from .ops import build_ops_routers
+from .protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from .responses import Meta
-from .sampling import chat_messages, completion_prompt, logprobs_of, probe_spec, sampling_params
-from .serving import ClientGone, collect, sse_events, start
+from .sampling import (chat_messages, completion_prompts, logprobs_of, probe_spec,
+                       refuse_unsupported, request_param, sampling_params)
+from .serving import ChoiceSpec, ClientGone, collect, engine_error, sse_events, start
 from .streaming import SSE_HEADERS
+from .structured import guided_of
 from .traces import trace_zip
+
+log = logging.getLogger("glassbox.api")
+_REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")     # printable ASCII, no spaces
 
 
 class EngineHolder(ServingHub):
@@ -58,7 +71,9 @@ def build_router(engines, api_key: str | None = None, *, limits: Limits | None =
     """`limits`/`pools`: the server's bounds and worker pools (its own when not given).
     `public_traces`: every client may list and read every trace (the chat's too); by default a
     client sees only the traces of requests it made."""
-    router = APIRouter(route_class=OpenAIRoute, dependencies=[Depends(bearer_check(api_key))])
+    auth = bearer_check(api_key)
+    metrics = EngineMetrics(engines)        # /metrics: listens to each engine it sees
+    router = APIRouter(route_class=OpenAIRoute, dependencies=[Depends(auth)])
     limits = limits or Limits()
     pools = pools or Pools(limits)
     owners: OrderedDict[str, str] = OrderedDict()     # traced request id -> its principal
@@ -67,7 +82,8 @@ def build_router(engines, api_key: str | None = None, *, limits: Limits | None =
     counter = itertools.count()     # sequential requests distinct colours in the playground
 
     def current_engine(model: str | None = None):
-        llm = engines.current()     # ModelSwitchingError -> 503 with Retry-After (api/errors)
+        engines.current()           # ModelSwitchingError -> 503 with Retry-After (api/errors)
+        llm = metrics.attach()      # after a model switch: the new engine's requests count
         if model is not None and model not in served_names(llm):
             raise APIError(404, f"The model '{model}' does not exist: this server serves "
                                 f"'{llm.model_name}' (GET /v1/models lists it)", "model",
@@ -79,23 +95,79 @@ def build_router(engines, api_key: str | None = None, *, limits: Limits | None =
                 "owned_by": "glassbox", "root": llm.model_name,
                 "max_model_len": llm.max_model_len}
 
-    def prepare(raw: bytes, model_cls, chat: bool):
-        """Parse and validate a request (on the prepare pool, never the event loop)."""
+    def request_id_of(given, body: SamplingRequest, chat: bool) -> str:
+        """X-Request-Id (vLLM honours it and echoes it), else the body's `request_id` (vLLM's
+        extension), else a fresh one. It is the engine's id: the playground shows it."""
+        given = given or body.request_id
+        if given is None:
+            return f"{'chatcmpl' if chat else 'cmpl'}-{tag}-{next(counter)}"
+        if not isinstance(given, str) or not _REQUEST_ID.fullmatch(given):
+            raise bad_request("X-Request-Id must be 1 to 128 printable ASCII characters without "
+                              f"spaces, got {given!r}", "X-Request-Id")
+        return given
+
+    def choice_specs(body, llm, rid: str, prompts: list, ids_of: list[list[int]], watch
+                     ) -> list[ChoiceSpec]:
+        """One ChoiceSpec per (prompt, n): index = prompt * n + j, as vLLM numbers them."""
+        n, defaults, specs = body.n, model_defaults(llm), []
+        guided = guided_of(body, llm)
+        echo = isinstance(body, CompletionRequest) and body.echo
+        for i, ids in enumerate(ids_of):
+            params = sampling_params(body, llm.max_model_len, len(ids), defaults, guided)
+            try:
+                params.check_for_model(llm.hf_config.vocab_size)
+            except InvalidArgumentError as e:     # names its field: the message may change
+                raise bad_request(str(e), request_param(
+                    e.param, isinstance(body, ChatCompletionRequest))) from None
+            echo_text = None
+            if echo:        # the prompt as sent; token ids as the tokenizer reads them
+                echo_text = prompts[i] if isinstance(prompts[i], str) else (
+                    llm.tokenizer.decode(ids) if llm.tokenizer is not None else "")
+            for j in range(n):
+                idx = i * n + j
+                p = params
+                if j and params.seed is not None:   # seeded copies must not all draw the same
+                    p = dataclasses.replace(params, seed=(params.seed + j + 2**63) % 2**64 - 2**63)
+                specs.append(ChoiceSpec(idx, i, ids, p, rid if n * len(ids_of) == 1
+                                        else f"{rid}-{idx}", watch if idx == 0 else None,
+                                        copy=j > 0, echo_text=echo_text,
+                                        echo_only=echo and body.max_tokens == 0))
+        return specs
+
+    def prepare(raw: bytes, model_cls, chat: bool, given_id: str | None, path: str):
+        """Parse, validate and tokenize a request: on the prepare pool, never the event loop
+        (a long prompt takes a while to tokenize; other streams' tokens must not wait)."""
         body = parse_body(raw, model_cls)
         check_stop_limits(body.stop, body.stop_token_ids, limits)
         llm = current_engine(body.model)
-        sampling = sampling_params(body, llm.max_model_len)
-        prompt = chat_messages(body) if chat else completion_prompt(body)
+        ignored = body.ignored_fields()
+        if ignored:
+            log.warning("%s: ignoring unknown fields %s", path, ", ".join(ignored))
+        refuse_unsupported(body)        # before the prompt is rendered: clearer errors first
+        rid = request_id_of(given_id, body, chat)
+        prompts = [chat_messages(body)] if chat else completion_prompts(body)
+        param = "messages" if chat else "prompt"
+        parsing = None
+        try:
+            if chat:
+                chat_ids, rendered = encode_chat_request(llm, body, prompts[0])
+                ids, parsing = [chat_ids], reply_parsing(llm, body, rendered)
+            else:
+                ids = [llm.encode(p) for p in prompts]
+        except ValueError as e:
+            raise engine_error(e, param, chat) from None
+        watch = probe_spec(body)
+        specs = choice_specs(body, llm, rid, prompts, ids, watch)
         from .interventions import interventions_of
-        return body, llm, sampling, prompt, probe_spec(body), interventions_of(body, llm)
+        return body, llm, rid, specs, watch, parsing, param, interventions_of(body, llm)
 
     async def run(request: Request, model_cls, chat: bool) -> Response:
         raw = await request.body()        # bounded by api.guard before it was read
-        body, llm, sampling, prompt, watch, ivs = await pools.run_prepare(
-            lambda: prepare(raw, model_cls, chat))
+        body, llm, rid, specs, watch, parsing, param, ivs = await pools.run_prepare(
+            lambda: prepare(raw, model_cls, chat, request.headers.get("x-request-id"),
+                            request.url.path))
         del raw
         want_lp, top_n = logprobs_of(body)
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{tag}-{next(counter)}"
         if watch is not None:
             owners[rid] = principal(request)
             while len(owners) > MAX_TRACE_OWNERS:
@@ -103,15 +175,17 @@ def build_router(engines, api_key: str | None = None, *, limits: Limits | None =
         meta = Meta(rid, int(time.time()), llm.model_name, watched=watch is not None)
         include_usage = bool(body.stream and body.stream_options
                              and body.stream_options.include_usage)
+        headers = {"X-Request-Id": rid}
         try:
-            job = await start(llm, prompt, sampling, watch, meta, request, chat=chat,
-                              want_logprobs=want_lp, top_n=top_n, include_usage=include_usage,
-                              prompt_param="messages" if chat else "prompt", pools=pools,
-                              interventions=ivs)
+            job = await start(llm, specs, meta, request, pools=pools, interventions=ivs,
+                              chat=chat, want_logprobs=want_lp, top_n=top_n,
+                              include_usage=include_usage, prompt_param=param,
+                              want_prompt_logprobs=body.prompt_logprobs is not None,
+                              parsing=parsing if parsing is not None and parsing.active else None)
             if body.stream:
                 return StreamingResponse(sse_events(job), media_type="text/event-stream",
-                                         headers=SSE_HEADERS)
-            return JSONResponse(await collect(job, request))
+                                         headers={**SSE_HEADERS, **headers})
+            return JSONResponse(await collect(job, request), headers=headers)
         except ClientGone:
             return Response(status_code=499)    # nobody reads it: the client closed the socket
 
@@ -155,4 +229,7 @@ def build_router(engines, api_key: str | None = None, *, limits: Limits | None =
         return Response(data, media_type="application/zip", headers={
             "Content-Disposition": f'attachment; filename="{request_id}.zip"'})
 
+    open_ops, keyed_ops = build_ops_routers(engines, current_engine, auth, metrics)
+    # each route carries its own router's dependencies (the key or none): one list of routes
+    router.routes[:0] = open_ops.routes + keyed_ops.routes
     return router

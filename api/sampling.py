@@ -1,8 +1,10 @@
-"""OpenAI request fields -> the engine's prompt, SamplingParams and ProbeSpec.
+"""OpenAI request fields -> the engine's prompts, SamplingParams and ProbeSpec.
 
-Defaults: temperature 1.0 (OpenAI's). max_tokens: 16 for /v1/completions (OpenAI's legacy
-default, as vLLM), and for chat "until the model's limit": the engine stops at
-`max_model_len` with finish_reason "length", which is vLLM's max_model_len - prompt_len.
+Defaults, as vLLM's: a field the request leaves out takes the model card's value
+(generation_config.json, api.generation_config), else OpenAI's (temperature 1.0). max_tokens:
+16 for /v1/completions (OpenAI's legacy default), and for chat "the rest of the context"
+(max_model_len - prompt tokens); either is capped to the room the prompt leaves. A max_tokens
+given explicitly that does not fit beside the prompt is a 400 naming the limit (vLLM's check).
 Anything understood but not supported is refused with a 400 naming it, never ignored.
 """
 from __future__ import annotations
@@ -15,7 +17,8 @@ from .protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 # SamplingParams fields a request sets under the same name
 _SAME_NAME = frozenset({"temperature", "top_k", "top_p", "min_p", "seed", "min_tokens", "stop",
-                        "stop_token_ids", "ignore_eos"})
+                        "stop_token_ids", "ignore_eos", "presence_penalty", "frequency_penalty",
+                        "repetition_penalty", "logit_bias", "prompt_logprobs"})
 
 
 def request_param(engine_param: str | None, chat: bool,
@@ -32,40 +35,40 @@ def request_param(engine_param: str | None, chat: bool,
         return "top_logprobs" if chat else "logprobs"
     if engine_param == "prompt":
         return "messages" if chat else "prompt"
+    if engine_param == "guided":
+        return "response_format"
     if engine_param == "watch" or engine_param.startswith("watch."):
         return "glassbox.watch"
     return None
 
 
+MAX_N = 64                  # choices per request (n x prompts): each is a request in the engine
+
+
 def refuse_unsupported(req: SamplingRequest) -> None:
-    if req.n != 1:
-        raise bad_request(f"n={req.n}: Glassbox returns one choice per request, so n must be 1; "
-                          f"send {req.n} requests instead (they batch together)", "n")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(req, name) not in (None, 0, 0.0):
-            raise bad_request(f"{name} is not supported by Glassbox; leave it unset or 0", name)
-    if req.repetition_penalty not in (None, 1, 1.0):
-        raise bad_request("repetition_penalty is not supported by Glassbox; leave it unset or 1",
-                          "repetition_penalty")
-    if req.logit_bias:
-        raise bad_request("logit_bias is not supported by Glassbox", "logit_bias")
+    if req.n > MAX_N:
+        raise bad_request(f"n={req.n} is more than {MAX_N} choices per request; send several "
+                          "requests instead (they batch together)", "n")
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
     if isinstance(req, ChatCompletionRequest):
-        if req.tools:
-            raise bad_request("tools are not supported by Glassbox (no tool-call parsing)",
-                              "tools")
-        if req.tool_choice not in (None, "none", "auto"):
-            raise bad_request("tool_choice is not supported by Glassbox", "tool_choice")
-        fmt = (req.response_format or {}).get("type", "text")
-        if fmt != "text":
-            raise bad_request(f"response_format {fmt!r} is not supported by Glassbox (no "
-                              "constrained decoding); use 'text'", "response_format")
+        if req.tool_choice not in (None, "none", "auto", "required") and \
+                not isinstance(req.tool_choice, dict):
+            raise bad_request(f"tool_choice must be 'none', 'auto', 'required' or "
+                              f"{{'type': 'function', 'function': {{'name': ...}}}}, got "
+                              f"{req.tool_choice!r}", "tool_choice")
+        if req.tool_choice not in (None, "none", "auto") and not req.tools:
+            raise bad_request("tool_choice needs tools", "tool_choice")
+        if req.continue_final_message and req.add_generation_prompt:
+            raise bad_request("continue_final_message continues the last assistant message: "
+                              "set add_generation_prompt to false with it",
+                              "continue_final_message")
+        if req.continue_final_message and req.messages[-1].role != "assistant":
+            raise bad_request("continue_final_message needs the last message to be the "
+                              "assistant's (the text to continue)", "continue_final_message")
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
     else:
-        if req.echo:
-            raise bad_request("echo is not supported by Glassbox", "echo")
         if req.suffix:
             raise bad_request("suffix is not supported by Glassbox", "suffix")
         if req.best_of not in (None, 1):
@@ -73,19 +76,32 @@ def refuse_unsupported(req: SamplingRequest) -> None:
                               "best_of")
 
 
-def max_tokens_of(req: SamplingRequest, max_model_len: int) -> tuple[int, str]:
-    """(max new tokens, the parameter that set it)."""
+def max_tokens_of(req: SamplingRequest, max_model_len: int, prompt_len: int,
+                  default: int | None = None) -> tuple[int, str]:
+    """(max new tokens, the parameter that set it). `default`: the model card's max_new_tokens."""
+    room = max(1, max_model_len - prompt_len)   # a prompt with no room: the engine refuses it
+    asked, param = req.max_tokens, "max_tokens"
     if isinstance(req, ChatCompletionRequest):
-        a, b = req.max_completion_tokens, req.max_tokens
-        if a is not None and b is not None and a != b:
-            raise bad_request(f"max_completion_tokens={a} and max_tokens={b} disagree; set one",
-                              "max_completion_tokens")
+        a = req.max_completion_tokens
+        if a is not None and asked is not None and a != asked:
+            raise bad_request(f"max_completion_tokens={a} and max_tokens={asked} disagree; "
+                              "set one", "max_completion_tokens")
         if a is not None:
-            return a, "max_completion_tokens"
-        return (b, "max_tokens") if b is not None else (max_model_len, "max_tokens")
-    if req.max_tokens is not None:
-        return req.max_tokens, "max_tokens"
-    return COMPLETIONS_DEFAULT_MAX_TOKENS, "max_tokens"
+            asked, param = a, "max_completion_tokens"
+    if asked == 0:
+        if isinstance(req, CompletionRequest) and req.echo:
+            return 1, param         # the prompt alone: one token is run, and not shown
+        raise bad_request(f"{param} must be at least 1 (0 only with echo: the prompt alone)",
+                          param)
+    if asked is None:
+        base = room if isinstance(req, ChatCompletionRequest) else COMPLETIONS_DEFAULT_MAX_TOKENS
+        return min(room, base, default or room), param
+    if prompt_len < max_model_len and prompt_len + asked > max_model_len:
+        raise bad_request(f"'{param}' is too large: {asked}. This model's maximum context "
+                          f"length is {max_model_len} tokens and your request has {prompt_len} "
+                          f"input tokens ({asked} > {max_model_len} - {prompt_len}); ask for at "
+                          f"most {max_model_len - prompt_len}", param, "context_length_exceeded")
+    return asked, param
 
 
 def logprobs_of(req: SamplingRequest) -> tuple[bool, int]:
@@ -95,19 +111,39 @@ def logprobs_of(req: SamplingRequest) -> tuple[bool, int]:
     return req.logprobs is not None, req.logprobs or 0
 
 
-def sampling_params(req: SamplingRequest, max_model_len: int) -> SamplingParams:
-    """SamplingParams for the request; the engine's own checks become 400s naming the field."""
+def prompt_logprobs_of(req: SamplingRequest) -> int | None:
+    """How many top alternatives the engine computes per prompt token (None: no prompt
+    logprobs): vLLM's `prompt_logprobs`, and echo with logprobs (lm-eval's loglikelihood)."""
+    k = req.prompt_logprobs
+    if isinstance(req, CompletionRequest) and req.echo and req.logprobs is not None:
+        k = max(k or 0, req.logprobs)
+    return k
+
+
+def sampling_params(req: SamplingRequest, max_model_len: int, prompt_len: int,
+                    defaults: dict | None = None, guided: str | None = None) -> SamplingParams:
+    """SamplingParams for one prompt of the request (`prompt_len` tokens); `defaults`: the
+    model card's (api.generation_config). The engine's checks become 400s naming the field."""
     refuse_unsupported(req)
-    max_tokens, max_param = max_tokens_of(req, max_model_len)
+    d = defaults or {}
+    max_tokens, max_param = max_tokens_of(req, max_model_len, prompt_len, d.get("max_tokens"))
     wanted, top_n = logprobs_of(req)
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or ())
-    kw = dict(temperature=1.0 if req.temperature is None else req.temperature,
-              top_k=max(0, req.top_k or 0), top_p=1.0 if req.top_p is None else req.top_p,
-              min_p=req.min_p or 0.0, seed=req.seed, max_tokens=max_tokens,
-              min_tokens=req.min_tokens, ignore_eos=req.ignore_eos, stop=tuple(stop),
-              stop_token_ids=tuple(req.stop_token_ids or ()),
+
+    def pick(name: str, openai_default):
+        v = getattr(req, name)
+        return v if v is not None else d.get(name, openai_default)
+    kw = dict(temperature=pick("temperature", 1.0), top_k=max(0, pick("top_k", 0)),
+              top_p=pick("top_p", 1.0), min_p=pick("min_p", 0.0), seed=req.seed,
+              max_tokens=max_tokens, min_tokens=req.min_tokens, ignore_eos=req.ignore_eos,
+              stop=tuple(stop), stop_token_ids=tuple(req.stop_token_ids or ()),
               # the engine returns the sampled token's logprob with its top-k: ask for >= 1
-              logprobs=max(1, top_n) if wanted else 0)
+              logprobs=max(1, top_n) if wanted else 0,
+              prompt_logprobs=prompt_logprobs_of(req),
+              presence_penalty=req.presence_penalty or 0.0,
+              frequency_penalty=req.frequency_penalty or 0.0,
+              repetition_penalty=pick("repetition_penalty", 1.0),
+              logit_bias=dict(req.logit_bias or {}), guided=guided)
     try:
         return SamplingParams(**kw)
     except InvalidArgumentError as e:       # names its field: the message is free to change
@@ -146,18 +182,25 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict]:
             content = "".join(texts)
         else:
             content = m.content or ""
-        out.append({"role": "system" if m.role == "developer" else m.role, "content": content})
+        msg = {"role": "system" if m.role == "developer" else m.role, "content": content}
+        for key in _MESSAGE_EXTRAS:         # tool-call history, as the chat templates read it
+            if (m.model_extra or {}).get(key) is not None:
+                msg[key] = m.model_extra[key]
+        out.append(msg)
     return out
 
 
-def completion_prompt(req: CompletionRequest) -> str | list[int]:
-    """One prompt: a string or a list of token ids (a batch of prompts is refused)."""
+_MESSAGE_EXTRAS = ("tool_calls", "tool_call_id", "name", "reasoning_content")
+
+
+def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
+    """The request's prompts: one string or token-id list, or a batch of them (vLLM and
+    OpenAI accept a list of strings or a list of token-id lists; each gets its choices)."""
     p = req.prompt
-    if isinstance(p, list) and p and isinstance(p[0], (str, list)):
-        if len(p) != 1:
-            raise bad_request(f"prompt holds {len(p)} prompts; Glassbox takes one prompt per "
-                              "request: send one request each (they batch together)", "prompt")
-        p = p[0]
-    if not p:
-        raise bad_request("prompt is empty: give at least one character or token id", "prompt")
-    return p
+    batch = p if isinstance(p, list) and p and isinstance(p[0], (str, list)) else [p]
+    for i, one in enumerate(batch):
+        if not one:
+            where = "prompt" if len(batch) == 1 and batch[0] is p else f"prompt[{i}]"
+            raise bad_request(f"{where} is empty: give at least one character or token id",
+                              "prompt")
+    return batch

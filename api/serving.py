@@ -1,14 +1,26 @@
-"""One API request through the engine: start its EngineStream, then either stream SSE chunks
-or collect the whole reply. Engine errors become OpenAI errors; a client that leaves aborts."""
+"""One API request through the engine: start an EngineStream per choice (prompts x n), then
+either stream SSE chunks (the choices' streams merged, each chunk naming its choice) or collect
+the whole reply. Engine errors become OpenAI errors; a client that leaves aborts every choice.
+
+n > 1: the first choice of each prompt is submitted alone; once it produced its first token its
+prompt's full KV blocks are in the prefix cache, and the other n - 1 are submitted then, so they
+reuse those blocks instead of each computing the prompt (only the last partial block and the
+newest token are computed again per copy: the copies' prefill is not one shared step).
+"""
 from __future__ import annotations
 
+import asyncio
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from .errors import APIError, from_engine
-from .logprobs import TokenStrings, chat_entry, completion_logprobs
-from .responses import (Meta, Reply, TokenChunks, chat_chunk, chat_completion, completion,
-                        completion_chunk, usage_chunk)
+from engine import PromptTooLongError
+
+from .chat_parsing import ChatDeltaParser, split_reply
+from .errors import APIError, bad_request, from_engine
+from .logprobs import (TokenStrings, chat_entry, completion_logprobs, echo_logprobs,
+                       join_logprobs, vllm_prompt_logprobs)
+from .responses import (Meta, Reply, TokenChunks, chat_chunk, chat_choice, chat_completion,
+                        completion, completion_chunk, completion_choice, usage, usage_chunk)
 from .sampling import request_param
 from .streaming import SSE_DONE, EngineStream, sse
 
@@ -34,16 +46,55 @@ def engine_error(e: BaseException, prompt_param: str, chat: bool) -> APIError:
 
 
 @dataclass
+class ChoiceSpec:
+    """What to submit for one choice."""
+    index: int                  # the choice's index in the response
+    prompt_index: int           # which prompt of the request (usage counts each prompt once)
+    prompt: object              # token ids (the API encodes prompts itself)
+    params: object              # SamplingParams
+    request_id: str             # the engine's id (the playground shows it)
+    watch: object = None
+    copy: bool = False          # n > 1: submitted once the first choice's prompt is cached
+    echo_text: str | None = None    # completions' echo: the prompt's text, shown before the reply
+    echo_only: bool = False     # echo with max_tokens 0: the one token run is not shown
+
+
+@dataclass
+class Choice:
+    spec: ChoiceSpec
+    stream: EngineStream
+    reply: Reply = field(default_factory=Reply)
+
+
+def stop_reason_of(reply: Reply, params, tokenizer) -> int | str | None:
+    """vLLM's stop_reason: the stop token id or stop string that ended the reply, None when it
+    ended on EOS, on length, or was aborted."""
+    if reply.finish_reason != "stop":
+        return None
+    last = reply.token_ids[-1] if reply.token_ids else None
+    if last is not None and last in params.stop_token_ids:
+        return last
+    if not params.stop or tokenizer is None:
+        return None
+    full = tokenizer.decode(reply.token_ids, skip_special_tokens=True)
+    hits = [(i, k) for k, s in enumerate(params.stop)
+            if (i := full.find(s, max(0, len(reply.text) - len(s)))) >= 0]
+    return params.stop[min(hits)[1]] if hits else None
+
+
+@dataclass
 class Job:
     """A request on its way through the engine, and how to render it."""
     chat: bool
     meta: Meta
-    stream: EngineStream
     want_logprobs: bool
     top_n: int
     strings: TokenStrings
     include_usage: bool = False
     prompt_param: str = "messages"
+    want_prompt_logprobs: bool = False      # vLLM's `prompt_logprobs` field was set
+    parsing: object = None      # chat_template.ReplyParsing: reasoning / tool-call split, or None
+    choices: list[Choice] = field(default_factory=list)
 
     def logprobs_for(self, lps: list, offset: int = 0) -> dict | None:
         """`offset`: characters of the reply before these tokens (completions' text_offset)."""
@@ -53,82 +104,234 @@ class Job:
             return {"content": [chat_entry(lp, self.top_n, self.strings) for lp in lps]}
         return completion_logprobs(lps, self.top_n, self.strings, offset)
 
+    def finish(self, ch: Choice) -> None:
+        r = ch.reply
+        r.stop_reason = stop_reason_of(r, ch.spec.params, self.strings.tokenizer)
+        if ch.spec.echo_only:       # max_tokens 0: the token run to get there is not shown
+            r.text, r.logprobs, r.completion_tokens = "", [], 0
+            r.finish_reason, r.stop_reason = "length", None
 
-async def start(llm, prompt, sampling, watch, meta: Meta, request, pools=None,
+    def echo_part(self, ch: Choice) -> tuple[str, dict | None]:
+        """(the echoed prompt's text, its logprobs) of a completions choice with echo."""
+        spec, r = ch.spec, ch.reply
+        if spec.echo_text is None:
+            return "", None
+        lps = None
+        if self.want_logprobs:
+            lps = echo_logprobs(spec.prompt, r.prompt_logprobs or [None] * len(spec.prompt),
+                                self.top_n, self.strings)
+        return spec.echo_text, lps
+
+    def prompt_logprobs(self, ch: Choice) -> list | None:
+        if not self.want_prompt_logprobs or ch.reply.prompt_logprobs is None:
+            return None
+        return vllm_prompt_logprobs(ch.reply.prompt_logprobs, self.strings)
+
+    def render(self, ch: Choice) -> dict:
+        """One choice of the whole response body."""
+        r = ch.reply
+        if self.chat:
+            out = chat_choice(ch.spec.index, r, self.logprobs_for(r.logprobs))
+            if self.parsing is not None:
+                p = self.parsing
+                reasoning, content, calls = split_reply(r.text, p.reasoning, p.tools,
+                                                        p.in_reasoning)
+                msg = out["message"]
+                msg["content"] = content
+                if p.reasoning:
+                    msg["reasoning_content"] = reasoning
+                if p.tools:
+                    msg["tool_calls"] = calls
+                if calls and r.finish_reason == "stop":
+                    out["finish_reason"] = "tool_calls"
+            return out
+        echo, echo_lps = self.echo_part(ch)
+        lps = join_logprobs(echo_lps, self.logprobs_for(r.logprobs, len(echo)))
+        out = completion_choice(ch.spec.index, r, lps, echo + r.text)
+        if self.want_prompt_logprobs:
+            out["prompt_logprobs"] = self.prompt_logprobs(ch)
+        return out
+
+    def usage(self) -> dict:
+        """Prompt tokens once per prompt (not per choice), completion tokens of every choice."""
+        prompts = {c.spec.prompt_index: c.reply.prompt_tokens for c in self.choices}
+        return usage(sum(prompts.values()), sum(c.reply.completion_tokens for c in self.choices))
+
+    def close(self) -> None:
+        for ch in self.choices:
+            ch.stream.close()
+
+
+async def start(llm, specs: list[ChoiceSpec], meta: Meta, request, pools=None,
                 interventions=None, **render) -> Job:
-    """Submit the request; returns once the engine produced its first token (or raises the
+    """Submit the request's choices; returns once each produced its first token (or raises the
     400 that its prompt deserves, before any header is sent). `render`: Job's other fields;
     `pools`: the server's worker pools (api.limits.Pools); `interventions`: the request's
-    Intervention specs (engine/interventions)."""
-    stream = EngineStream(llm, prompt, sampling, watch, meta.id, pools, interventions)
-    job = Job(meta=meta, stream=stream, strings=token_strings(llm), **render)
-    if not await stream.wait_first(request):
-        stream.close()
-        raise ClientGone()
-    err = stream.first_error()
-    if err is not None:
-        raise engine_error(err, job.prompt_param, job.chat)
+    Intervention specs (engine/interventions), for every choice."""
+    job = Job(meta=meta, strings=token_strings(llm), **render)
+    meta.request_ids = [s.request_id for s in specs]
+    for wave in ([s for s in specs if not s.copy], [s for s in specs if s.copy]):
+        opened = [Choice(s, EngineStream(llm, s.prompt, s.params, s.watch, s.request_id,
+                                         pools, interventions))
+                  for s in wave]
+        job.choices += opened
+        for ch in opened:
+            if not await ch.stream.wait_first(request):
+                job.close()
+                raise ClientGone()
+            err = ch.stream.first_error()
+            if err is not None:
+                job.close()
+                raise engine_error(err, job.prompt_param, job.chat)
+    job.choices.sort(key=lambda c: c.spec.index)
     return job
 
 
 async def collect(job: Job, request) -> dict:
     """The whole reply as one response body."""
-    if not await job.stream.wait_end(request):
-        job.stream.close()
-        raise ClientGone()
-    reply = Reply()
-    for item in job.stream.drain():
-        if isinstance(item, BaseException):
-            raise engine_error(item, job.prompt_param, job.chat)
-        reply.add(item)
-    lps = job.logprobs_for(reply.logprobs)
-    return chat_completion(job.meta, reply, lps) if job.chat else completion(job.meta, reply, lps)
+    for ch in job.choices:
+        if not await ch.stream.wait_end(request):
+            job.close()
+            raise ClientGone()
+    out = []
+    for ch in job.choices:
+        for item in ch.stream.drain():
+            if isinstance(item, BaseException):
+                job.close()
+                raise engine_error(item, job.prompt_param, job.chat)
+            ch.reply.add(item)
+        job.finish(ch)
+        out.append(job.render(ch))
+    body = (chat_completion if job.chat else completion)(job.meta, out, job.usage())
+    if job.chat and job.want_prompt_logprobs:      # vLLM: chat's is on the response
+        body["prompt_logprobs"] = job.prompt_logprobs(job.choices[0])
+    return body
+
+
+async def merged(job: Job):
+    """(choice, items) as each choice's stream delivers them, until every stream ended."""
+    if len(job.choices) == 1:
+        ch = job.choices[0]
+        async for items in ch.stream.batches():
+            yield ch, items
+        return
+    q: asyncio.Queue = asyncio.Queue()
+
+    async def pump(ch: Choice):
+        try:
+            async for items in ch.stream.batches():
+                q.put_nowait((ch, items))
+        finally:
+            q.put_nowait((ch, None))
+    tasks = [asyncio.ensure_future(pump(ch)) for ch in job.choices]
+    left = len(tasks)
+    try:
+        while left:
+            ch, items = await q.get()
+            if items is None:
+                left -= 1
+            else:
+                yield ch, items
+    finally:
+        for t in tasks:
+            t.cancel()
 
 
 async def sse_events(job: Job):
     """The reply as server-sent events; closing this generator (client gone) aborts it."""
-    meta, usage = job.meta, job.include_usage
-    reply = Reply()
+    meta, with_usage = job.meta, job.include_usage
     # no tokenizer (token-id engines): every token is a chunk, though its text is empty
     every_token = job.strings.tokenizer is None
-    token_chunk = TokenChunks(meta, job.chat, usage)
+    token_chunk = {id(ch): TokenChunks(meta, job.chat, with_usage, ch.spec.index)
+                   for ch in job.choices}
+    first_token = {id(ch): not job.chat for ch in job.choices}
+    p = job.parsing
+    parsers = {id(ch): ChatDeltaParser(p.reasoning, p.tools, p.in_reasoning)
+               for ch in job.choices} if job.chat and p is not None else {}
     try:
         if job.chat:
-            first = chat_chunk(meta, {"role": "assistant", "content": ""}, with_usage=usage)
-            first["glassbox"] = meta.glassbox()
-            yield sse(first)
-        first_token = not job.chat
-        async for items in job.stream.batches():
-            out = []
+            first = []
+            for ch in job.choices:
+                c = chat_chunk(meta, {"role": "assistant", "content": ""},
+                               with_usage=with_usage, index=ch.spec.index)
+                c["glassbox"] = meta.glassbox()
+                first.append(sse(c))
+            yield b"".join(first)
+        async for ch, items in merged(job):
+            out, reply, spec = [], ch.reply, ch.spec
+            idx = spec.index
             for ev in items:
                 if isinstance(ev, BaseException):
                     out.append(sse(engine_error(ev, job.prompt_param, job.chat).body()))
                     out.append(SSE_DONE)
                     yield b"".join(out)
                     return
-                lps = job.logprobs_for([ev.logprobs] if ev.logprobs is not None else [],
-                                       len(reply.text))
+                echo_len = len(spec.echo_text or "")
+                lps = None if spec.echo_only else job.logprobs_for(
+                    [ev.logprobs] if ev.logprobs is not None else [], echo_len + len(reply.text))
+                first_event = not reply.token_ids
                 reply.add(ev)
-                if not (ev.finished or ev.text or lps or every_token):
-                    continue        # text held back (a possible stop string, a partial char)
-                if not (ev.finished or lps or first_token):     # the common case, fast
-                    out.append(token_chunk(ev.text))
+                text = "" if spec.echo_only else ev.text
+                if first_event and (spec.echo_text is not None or job.want_prompt_logprobs):
+                    echo, echo_lps = job.echo_part(ch)      # the prompt first, as vLLM streams
+                    c = completion_chunk(meta, echo, None, echo_lps, with_usage, idx) \
+                        if not job.chat else chat_chunk(meta, {}, with_usage=with_usage,
+                                                        index=idx)
+                    if job.want_prompt_logprobs:
+                        c["choices"][0]["prompt_logprobs"] = job.prompt_logprobs(ch)
+                    if first_token[id(ch)]:
+                        c["glassbox"] = meta.glassbox()
+                        first_token[id(ch)] = False
+                    out.append(sse(c))
+                parser = parsers.get(id(ch))
+                if parser is not None:      # reasoning / tool calls: deltas of their own
+                    out += parsed_chunks(job, ch, parser, ev, text, lps)
                     continue
-                reason = ev.finish_reason if ev.finished else None
+                if not (ev.finished or text or lps or every_token):
+                    continue        # text held back (a possible stop string, a partial char)
+                if not (ev.finished or lps or first_token[id(ch)]):  # the common case, fast
+                    out.append(token_chunk[id(ch)](text))
+                    continue
+                reason = stop = None
+                if ev.finished:
+                    job.finish(ch)
+                    reason, stop = ev.finish_reason, reply.stop_reason
+                if ev.finished and spec.echo_only:
+                    reason = reply.finish_reason
                 if job.chat:
-                    delta = {"content": ev.text} if ev.text or not ev.finished else {}
-                    chunk = chat_chunk(meta, delta, reason, lps, usage)
+                    delta = {"content": text} if text or not ev.finished else {}
+                    chunk = chat_chunk(meta, delta, reason, lps, with_usage, idx, stop)
                 else:
-                    chunk = completion_chunk(meta, ev.text, reason, lps, usage)
-                if first_token:
+                    chunk = completion_chunk(meta, text, reason, lps, with_usage, idx, stop)
+                if first_token[id(ch)]:
                     chunk["glassbox"] = meta.glassbox()
-                    first_token = False
+                    first_token[id(ch)] = False
                 out.append(sse(chunk))
             if out:
                 yield b"".join(out)
-        if usage:
+        if with_usage:
             yield sse(usage_chunk(meta, "chat.completion.chunk" if job.chat
-                                  else "text_completion", reply))
+                                  else "text_completion", job.usage()))
         yield SSE_DONE
     finally:
-        job.stream.close()
+        job.close()
+
+
+def parsed_chunks(job: Job, ch: Choice, parser: ChatDeltaParser, ev, text: str,
+                  lps: dict | None) -> list[bytes]:
+    """One event of a parsed chat stream: its reasoning / content / tool-call deltas, then (at
+    the end) the chunk with the finish reason ("tool_calls" when the reply called a tool)."""
+    meta, usage, idx = job.meta, job.include_usage, ch.spec.index
+    deltas = parser.feed(text) + (parser.finish() if ev.finished else [])
+    out = [sse(chat_chunk(meta, d, None, lps if k == 0 else None, usage, idx))
+           for k, d in enumerate(deltas)]
+    if ev.finished:
+        job.finish(ch)
+        reason = ch.reply.finish_reason
+        if parser.calls and reason == "stop":
+            reason = "tool_calls"
+        out.append(sse(chat_chunk(meta, {}, reason, None if deltas else lps, usage, idx,
+                                  ch.reply.stop_reason)))
+    elif lps and not deltas:
+        out.append(sse(chat_chunk(meta, {}, None, lps, usage, idx)))
+    return out

@@ -65,6 +65,9 @@ class FakeLLM:
                         self._reqs.pop(rid, None)
             self.steps += 1
 
+    def encode(self, prompt) -> list[int]:
+        return list(prompt) if isinstance(prompt, list) else [5, 5, 5]
+
     def submit(self, prompt, sampling=None, watch=None, request_id=None, *, on_event) -> str:
         with self._lock:
             self._reqs[request_id] = [0, sampling.max_tokens, on_event]

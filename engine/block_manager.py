@@ -67,8 +67,8 @@ class BlockManager:
     def _match_prefix(self, seq: Sequence) -> list[int]:
         """Block ids that hold the longest cached prefix of seq. The last token is never
         served from the cache, so a fully cached prompt still computes its logits."""
-        if not self.enable_prefix_caching:
-            return []
+        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
+            return []       # prompt logprobs need every prompt position's logits computed
         # the chain's root is the request's cache salt (interventions), None for a plain one
         bs, hits, parent = self.block_size, [], seq.cache_salt
         for i in range((len(seq) - 1) // bs):

@@ -30,7 +30,7 @@ from .records import StepEntry, StepTrace
 from .scheduler import ScheduledSeq, Scheduler
 from .sequence import Sequence, TokenEvent, TokenLogprobs
 from .step_history import StepHistory
-from .step_inputs import SamplingBatch, StepInputs, build_step_inputs
+from .step_inputs import SamplingBatch, StepInputs, build_step_inputs, prompt_logprob_rows
 from .step_output import StepOutput
 
 
@@ -107,7 +107,11 @@ class EngineCore:
         d = self.detok.pop(seq.request_id, None)
         if d is not None:
             if not d.stopped:
-                d.flush_final(seq.output_token_ids)
+                out_ids = seq.output_token_ids
+                if seq.finish_reason == "stop" and out_ids and \
+                        out_ids[-1] in seq.params.stop_token_ids:
+                    out_ids = out_ids[:-1]      # vLLM: a stop token's text is not in the reply
+                d.flush_final(out_ids)
             delta = d.take(final=True)
             seq.output_text = d.text
         else:
@@ -124,6 +128,10 @@ class EngineCore:
         lock held: it takes the lock for the parts that change engine state."""
         res = StepResult()
         t0 = time.perf_counter()
+        if self.overlap and self.inflight is not None and any(
+                s.seq.grammar is not None for s in self.inflight.scheduled):
+            # a guided request's next mask needs the token in flight: no overlap this step
+            res.extend(self.drain())
         with self.lock:
             launch = self._prepare(t0)
         launched = None
@@ -164,6 +172,13 @@ class EngineCore:
                                     [s.seq.seed for s in sampling],
                                     [len(s.seq) for s in sampling],
                                     self._banned(sampling)) if sampling else None
+        if batch is not None:
+            from .penalties import PenaltyBatch
+            if any(PenaltyBatch.needed(s.seq.params) for s in sampling):
+                batch.penalties = PenaltyBatch.build([s.seq for s in sampling], prev_step_id)
+            if any(s.seq.grammar is not None for s in sampling):
+                from .guided import fill_bitmask
+                batch.grammar_mask = fill_bitmask([s.seq.grammar for s in sampling])
         inp = build_step_inputs(step_id, scheduled, self.bm.block_size, batch, plan,
                                 prev_step_id)
         if self.interventions is not None and self.interventions.active:
@@ -246,6 +261,8 @@ class EngineCore:
                 k = s.seq.params.logprobs
                 if k:
                     lps[r] = TokenLogprobs(tokens[r], c[r], dict(zip(ti[r][:k], tl[r][:k])))
+        if out.prompt_logprobs_host is not None:
+            self._store_prompt_logprobs(scheduled, out.prompt_logprobs_host)
         expert_load = None
         if f.inp.probe_plan is not None and self.probes is not None:
             try:
@@ -269,10 +286,25 @@ class EngineCore:
                     f"postprocessing this request failed: {e!r}"), res)
         return expert_load
 
+    @staticmethod
+    def _store_prompt_logprobs(scheduled, host) -> None:
+        """Each computed prompt token's logprob into its request, by position (the rows are in
+        prompt_logprob_rows' order; a recomputed prefill overwrites with the same values)."""
+        c, rank, ti, tl = (x.tolist() for x in host)
+        for i, (_, seq, pos) in enumerate(prompt_logprob_rows(scheduled)):
+            k = seq.params.prompt_logprobs
+            if seq.prompt_logprobs is not None:
+                seq.prompt_logprobs[pos] = TokenLogprobs(seq.token_ids[pos], c[i],
+                                                         dict(zip(ti[i][:k], tl[i][:k])), rank[i])
+
     def _token_event(self, seq: Sequence, tok: int, lp, now: float) -> TokenEvent:
         if lp is not None:
             seq.logprobs.append(lp)
-        if seq.first_token_time is None:
+        if seq.grammar is not None:
+            seq.num_masked_steps += 1
+            seq.grammar.consume(tok)       # a refusal fails this request (postprocess)
+        first = seq.first_token_time is None
+        if first:
             seq.first_token_time = now
         d = self.detok.get(seq.request_id)
         if d is not None:
@@ -280,10 +312,14 @@ class EngineCore:
             if d.stopped and not seq.is_finished:
                 self.scheduler.finish(seq, "stop")
         if seq.is_finished:
-            return self._final_event(seq, tok, lp)
-        delta = d.take(final=False) if d is not None else ""
-        seq.output_text = d.text[:d.emitted] if d is not None else ""
-        return TokenEvent(seq.request_id, tok, delta, seq.output_text, False, None, lp)
+            ev = self._final_event(seq, tok, lp)
+        else:
+            delta = d.take(final=False) if d is not None else ""
+            seq.output_text = d.text[:d.emitted] if d is not None else ""
+            ev = TokenEvent(seq.request_id, tok, delta, seq.output_text, False, None, lp)
+        if first and seq.prompt_logprobs is not None:
+            ev.prompt_logprobs = list(seq.prompt_logprobs)
+        return ev
 
     def _record(self, f: InFlight, t_wait: float, t_post: float, expert_load) -> StepTrace:
         entries, n_pre, n_dec = [], 0, 0

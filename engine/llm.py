@@ -256,6 +256,8 @@ class LLM:
         # where each request's events go: a queue's put (generate/stream) or a caller's
         # on_event (submit); called on the engine thread, with the engine lock held
         self._sinks: dict[str, Callable[[object], None]] = {}
+        # called with every request's final TokenEvent (engine thread, lock held: be quick)
+        self.finish_listeners: list[Callable[[TokenEvent], None]] = []
         self._lock = threading.RLock()
         self._wake = threading.Condition(self._lock)
         self.core = EngineCore(self.runner, self.scheduler, self.block_manager, self.tokenizer,
@@ -312,6 +314,11 @@ class LLM:
         return self.block_manager.num_blocks
 
     # ---- input checks ----------------------------------------------------------------------------
+    def encode(self, prompt) -> list[int]:
+        """The token ids the engine runs for `prompt` (a string, token ids, or chat messages);
+        a ValueError for a prompt it refuses. The API counts and checks prompts with it."""
+        return self._encode(prompt)[0]
+
     def _encode(self, prompt) -> tuple[list[int], str | None]:
         from .prompt import check_prompt_chars, check_text, conversation_chars
         if isinstance(prompt, str):
@@ -387,6 +394,9 @@ class LLM:
         seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
         seq = Sequence(rid, ids, params, seed, watch)
         seq.interventions, seq.cache_salt = ivs, cache_salt(ivs)
+        if params.guided is not None:       # a bad grammar is refused here, before queueing
+            from .guided import make_matcher
+            seq.grammar = make_matcher(self.tokenizer, vocab, self.eos_token_ids, params.guided)
         return seq, text
 
     # ---- the engine loop -----------------------------------------------------------------------
@@ -419,6 +429,8 @@ class LLM:
         if ev.finished:
             self._sinks.pop(ev.request_id, None)
             self._seqs.pop(ev.request_id, None)
+            for listener in self.finish_listeners:     # e.g. the API's /metrics histograms
+                self._call_sink(listener, ev)
         if sink is not None:
             self._call_sink(sink, ev)
 
@@ -507,7 +519,7 @@ class LLM:
                 bar.update(1)
             outs.append(RequestOutput(seq.request_id, text, seq.prompt_token_ids,
                                       seq.output_token_ids, seq.output_text, seq.finish_reason,
-                                      seq.logprobs, seq.metrics()))
+                                      seq.logprobs, seq.metrics(), seq.prompt_logprobs))
         if bar is not None:
             bar.close()
         return outs
@@ -572,6 +584,15 @@ class LLM:
     def _check_open(self) -> None:
         if getattr(self, "_closed", False):
             raise EngineShutdownError("the engine has been shut down; create a new LLM")
+    def stats(self) -> dict:
+        """Engine-wide counters, cheap (no per-block copies): for /metrics and health checks."""
+        with self._lock:
+            bm, sched = self.block_manager, self.scheduler
+            return {"num_running": len(sched.running), "num_waiting": len(sched.waiting),
+                    "kv_usage": (bm.num_blocks - bm.num_free_blocks) / bm.num_blocks,
+                    "prefix_hits": bm.prefix_hits, "prefix_queries": bm.prefix_queries,
+                    "num_preemptions": sched.num_preemptions, "block_size": bm.block_size,
+                    "alive": not self._stop and self._error is None and self._thread.is_alive()}
 
     def inspect(self) -> EngineSnapshot:
         """A consistent snapshot of the engine (KV blocks as arrays, queues, recent steps),

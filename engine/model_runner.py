@@ -169,8 +169,11 @@ class ModelRunner:
             rows = self.stage(inp.pending_rows)
             input_ids.index_copy_(0, rows, prev.index_select(0, self.stage(inp.pending_src)))
 
-    def execute(self, inp: StepInputs, probes=None, interventions=None) -> torch.Tensor:
-        """Run the forward eagerly; returns logits [S, vocab] of the sampled rows."""
+    def execute(self, inp: StepInputs, probes=None, interventions=None,
+                out: StepOutput | None = None) -> torch.Tensor:
+        """Run the forward eagerly; returns logits [S, vocab] of the sampled rows. With `out`
+        and rows that asked for prompt logprobs, their host copies go to
+        out.prompt_logprobs_host."""
         d = self.stage
         ctx = ForwardContext(slot_mapping=d(inp.slot_mapping), context_lens=d(inp.context_lens),
                              block_tables=d(inp.block_tables),
@@ -187,6 +190,14 @@ class ModelRunner:
             try:
                 hidden = self.model(input_ids, d(inp.positions))
                 logits = self.model.compute_logits(hidden.index_select(0, d(inp.sample_rows)))
+                if out is not None and inp.prompt_lp_rows is not None:
+                    # every rank: the LM head gathers its logits over TP ranks (a collective)
+                    from .prompt_logprobs import prompt_logprobs
+                    res = prompt_logprobs(self.model.compute_logits, hidden,
+                                          d(inp.prompt_lp_rows), d(inp.prompt_lp_targets),
+                                          inp.prompt_lp_k)
+                    if self.tp.rank == 0:
+                        out.prompt_logprobs_host = tuple(self._to_host(x) for x in res)
             finally:
                 set_context(None)
         return logits
@@ -214,7 +225,8 @@ class ModelRunner:
             out.gpu_end = torch.cuda.Event(enable_timing=True)
             out.gpu_start.record()
         with torch.inference_mode():
-            if self.graphs is not None and inp.is_decode and self.graphs.can_run(inp, plan):
+            if self.graphs is not None and inp.is_decode and inp.prompt_lp_rows is None and \
+                    self.graphs.can_run(inp, plan):
                 logits, bufs, out.graph_bucket, timer, replayed = self.graphs.replay(inp, plan)
             else:
                 bufs = None
@@ -224,9 +236,11 @@ class ModelRunner:
                 if inp.interventions is not None:
                     from .interventions.buffers import InterventionBuffers
                     ivs = InterventionBuffers.for_step(self, inp.interventions)
-                logits = self.execute(inp, bufs, ivs)
+                logits = self.execute(inp, bufs, ivs, out)
             if inp.sampling is not None and len(inp.sampling):
-                st = SamplingTensors.from_batch(inp.sampling, self.device)
+                prev = self._last_sampled
+                st = SamplingTensors.from_batch(inp.sampling, self.device, prev[1] if
+                                                prev[0] == inp.prev_step_id else None)
                 ids, chosen, top_ids, top_lp = sample(logits, st)
                 out.sampled_ids = ids
                 self._last_sampled = (inp.step_id, ids)

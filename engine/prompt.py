@@ -71,19 +71,35 @@ def check_messages(messages) -> None:
                              f"got {type(m['content']).__name__}")
 
 
-def render_chat(tokenizer, messages: list[dict]) -> str:
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+def render_chat(tokenizer, messages: list[dict], **options) -> str:
+    """`options`: apply_chat_template's (tools, add_generation_prompt, continue_final_message)
+    and the template's own variables (enable_thinking, ...)."""
+    options.setdefault("add_generation_prompt", True)
+    return tokenizer.apply_chat_template(messages, tokenize=False, **options)
 
 
-def encode_chat(tokenizer, messages: list[dict]) -> tuple[list[int], str]:
-    """(prompt token ids, rendered text) of a conversation, ready for the assistant's reply."""
+def check_no_specials(tokenizer, what: str, value) -> None:
+    """Text the template places outside message content (tool definitions, tool-call arguments)
+    may not hold special-token text: it would become control tokens."""
+    if not value:
+        return
+    text = value if isinstance(value, str) else repr(value)
+    hit = next((t for t in _special_tokens(tokenizer) if t in text), None)
+    if hit is not None:
+        raise ValueError(f"{what} contains the special token {hit!r}, which the chat template "
+                         "would turn into a control token; remove it")
+
+
+def encode_chat(tokenizer, messages: list[dict], **options) -> tuple[list[int], str]:
+    """(prompt token ids, rendered text) of a conversation, ready for the assistant's reply
+    (or, with continue_final_message, for more of its last message). `options`: render_chat's."""
     check_messages(messages)
     messages = [dict(m) for m in messages]
-    text = render_chat(tokenizer, messages)
+    text = render_chat(tokenizer, messages, **options)
     specials = _special_tokens(tokenizer)
     if not specials:
         return tokenizer.encode(text, add_special_tokens=False), text
-    spans = _content_spans(tokenizer, messages, text, specials)
+    spans = _content_spans(tokenizer, messages, text, specials, options)
     pattern = re.compile("|".join(re.escape(t) for t in sorted(specials, key=len, reverse=True)))
     ids: list[int] = []
     pending = ""        # template text since the last template special
@@ -138,7 +154,7 @@ def _gaps(spans: list[tuple[int, int]], n: int):
 
 
 def _content_spans(tokenizer, messages: list[dict], text: str,
-                   specials: dict) -> list[tuple[int, int]]:
+                   specials: dict, options: dict | None = None) -> list[tuple[int, int]]:
     """Where each message's content sits in the rendered text, found by rendering again with a
     unique marker in place of the content. A template that rewrites a message's content (e.g.
     strips a reasoning block) gives no span for it; such content may not hold special tokens."""
@@ -148,7 +164,7 @@ def _content_spans(tokenizer, messages: list[dict], text: str,
     def attempt(which: set[int]):
         marked = render_chat(tokenizer, [
             dict(m, content=f"\ue000{tag}{i}\ue001") if i in which else m
-            for i, m in enumerate(messages)])
+            for i, m in enumerate(messages)], **(options or {}))
         parts = marks.split(marked)        # [literal, index, literal, index, ..., literal]
         rebuilt, spans, seen = parts[0], [], set()
         for k in range(1, len(parts), 2):

@@ -33,6 +33,8 @@ class SamplingTensors:
     need_min_p: bool
     max_logprobs: int
     banned: list[tuple[int, int]]   # (row, token) pairs masked for min_tokens
+    penalties: object = None        # penalties.PenaltyTensors, None when no row uses one
+    grammar_mask: torch.Tensor | None = None    # [B, ceil(V/32)] int32 allowed-token bits
 
     @classmethod
     def build(cls, params: list[SamplingParams], seeds: list[int], positions: list[int],
@@ -41,8 +43,9 @@ class SamplingTensors:
         return cls.from_batch(SamplingBatch.build(params, seeds, positions, banned), device)
 
     @classmethod
-    def from_batch(cls, b, device) -> "SamplingTensors":
-        """A step_inputs.SamplingBatch (host lists) -> tensors on `device`."""
+    def from_batch(cls, b, device, prev_sampled: torch.Tensor | None = None) -> "SamplingTensors":
+        """A step_inputs.SamplingBatch (host lists) -> tensors on `device`. `prev_sampled`: the
+        previous step's sampled ids on the device (a penalised row's newest token)."""
         f32 = dict(dtype=torch.float32, device="cpu")
         temps = b.temperature
         t = cls(temperature=torch.tensor(temps, **f32),
@@ -54,6 +57,13 @@ class SamplingTensors:
                 need_sort=any(k > 0 for k in b.top_k) or any(p < 1.0 for p in b.top_p),
                 need_min_p=any(m > 0 for m in b.min_p), max_logprobs=b.max_logprobs,
                 banned=b.banned)
+        if getattr(b, "grammar_mask", None) is not None:
+            nb = torch.device(device).type == "cuda"
+            m = torch.from_numpy(b.grammar_mask)
+            t.grammar_mask = (m.pin_memory() if nb else m).to(device, non_blocking=nb)
+        if getattr(b, "penalties", None) is not None:
+            from .penalties import PenaltyTensors
+            t.penalties = PenaltyTensors.from_batch(b.penalties, device, prev_sampled)
         if t.all_greedy:        # argmax needs none of the per-row tensors: skip the copies
             return t
         nb = torch.device(device).type == "cuda"
@@ -85,6 +95,12 @@ def sample(logits: torch.Tensor, t: SamplingTensors):
     """logits [B, V] -> (token ids [B] int64, logprobs [B] fp32, top ids [B,k], top lps [B,k]).
     The logprob outputs are None when no request in the batch asked for logprobs."""
     logits = logits.float()
+    if t.penalties is not None:     # before min_tokens' -inf: a penalty must not revive a ban
+        from .penalties import apply_penalties
+        logits = apply_penalties(logits, t.penalties)
+    if t.grammar_mask is not None:  # structured output: tokens the grammar forbids are -inf
+        from .guided import apply_bitmask
+        logits = apply_bitmask(logits, t.grammar_mask)
     if t.banned:
         rows, toks = zip(*t.banned)
         # a copy: fp32 logits from the runner are inference tensors and must not be written

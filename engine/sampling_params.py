@@ -1,5 +1,6 @@
 """SamplingParams: one request's sampling settings as the user gives them (greedy, temperature,
-top-k, top-p, min-p, seed, stop conditions, logprobs), validated at construction.
+top-k, top-p, min-p, seed, stop conditions, logprobs, prompt logprobs, penalties, logit bias, a
+guided-decoding grammar), validated at construction.
 
 Apart from the device sampler (engine/sampling.py), which turns a batch of these into tensors:
 what a caller writes needs no torch, and the sampler, its fused kernel and the noise they share
@@ -61,6 +62,12 @@ class SamplingParams:
     stop: tuple[str, ...] | list[str] = ()
     stop_token_ids: tuple[int, ...] | list[int] = ()
     logprobs: int = 0               # k: return the top-k logprobs of every generated token
+    prompt_logprobs: int | None = None  # k: each prompt token's logprob (+ top-k), from the prefill
+    presence_penalty: float = 0.0   # OpenAI's, in [-2, 2] (engine/penalties.py defines them)
+    frequency_penalty: float = 0.0  # OpenAI's, in [-2, 2]
+    repetition_penalty: float = 1.0     # HF's / vLLM's, > 0 (1 = off)
+    logit_bias: tuple[tuple[int, float], ...] | dict = ()   # token id -> bias in [-100, 100]
+    guided: str | dict | None = None    # a grammar the output must match (engine/guided.py)
 
     def __post_init__(self):
         put = functools.partial(object.__setattr__, self)     # the dataclass is frozen
@@ -87,6 +94,38 @@ class SamplingParams:
                                f"an integer in [0, max_tokens={self.max_tokens}]"))
         put("logprobs", _int("logprobs", self.logprobs, 0, MAX_LOGPROBS + 1,
                              f"an integer in [0, {MAX_LOGPROBS}]"))
+        if self.prompt_logprobs is not None:
+            put("prompt_logprobs", _int("prompt_logprobs", self.prompt_logprobs, 0,
+                                        MAX_LOGPROBS + 1,
+                                        f"None or an integer in [0, {MAX_LOGPROBS}]"))
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = _number(name, getattr(self, name))
+            if not -2.0 <= v <= 2.0:
+                raise InvalidArgumentError(f"{name} must be in [-2, 2] (0 = off), got {v!r}",
+                                           name)
+            put(name, v)
+        r = _number("repetition_penalty", self.repetition_penalty)
+        if not 0.0 < r <= 100.0:
+            raise InvalidArgumentError(f"repetition_penalty must be in (0, 100] (1 = off), "
+                                       f"got {r!r}", "repetition_penalty")
+        put("repetition_penalty", r)
+        bias = self.logit_bias
+        bad_bias = InvalidArgumentError(f"logit_bias must map token ids (>= 0) to numbers in "
+                                        f"[-100, 100], got {bias!r}", "logit_bias")
+        if not isinstance(bias, (dict, list, tuple)):
+            raise bad_bias
+        items = bias.items() if isinstance(bias, dict) else bias
+        try:
+            pairs = tuple((int(k), _number("logit_bias", v)) for k, v in items
+                          if _is_int(k) or (isinstance(k, str) and k.lstrip("-").isdigit()))
+        except (TypeError, ValueError):
+            raise bad_bias from None
+        if len(pairs) != len(bias) or any(t < 0 or not -100 <= v <= 100 for t, v in pairs):
+            raise bad_bias
+        put("logit_bias", pairs)
+        if self.guided is not None:
+            from .guided import grammar_of
+            put("guided", grammar_of(self.guided))
         if not isinstance(self.ignore_eos, bool):
             raise InvalidArgumentError(f"ignore_eos must be True or False, got {self.ignore_eos!r}",
                                        "ignore_eos")
@@ -109,6 +148,11 @@ class SamplingParams:
 
     def check_for_model(self, vocab_size: int) -> None:
         """The checks that need the model: token ids inside its vocabulary [0, vocab_size)."""
+        bad_bias = [t for t, _ in self.logit_bias if t >= vocab_size]
+        if bad_bias:
+            raise InvalidArgumentError(f"logit_bias token ids {bad_bias[:5]} are outside the "
+                                       f"vocabulary [0, {vocab_size}); give token ids of this "
+                                       "model", "logit_bias")
         bad = [i for i in self.stop_token_ids if i >= vocab_size]
         if bad:
             raise InvalidArgumentError(f"stop_token_ids {bad[:5]} are outside the vocabulary "

@@ -21,6 +21,7 @@ class TokenLogprobs:
     token_id: int
     logprob: float
     top: dict[int, float]          # top-k token id -> logprob (k = SamplingParams.logprobs)
+    rank: int | None = None        # 1 + how many tokens were more likely (prompt logprobs)
 
 
 class Sequence:
@@ -56,6 +57,12 @@ class Sequence:
         self.prefix_cached_blocks = 0       # total blocks reused from the prefix cache
         self.finish_reason: str | None = None
         self.logprobs: list[TokenLogprobs] = []
+        self.grammar = None         # guided decoding: the request's llguidance matcher
+        self.num_masked_steps = 0   # steps whose token the grammar constrained
+        # SamplingParams.prompt_logprobs: one entry per prompt token (the first has none),
+        # filled by position as the prefill computes them (a recompute overwrites)
+        self.prompt_logprobs: list[TokenLogprobs | None] | None = (
+            [None] * len(prompt_token_ids) if params.prompt_logprobs is not None else None)
         self.output_text = ""
         self.num_preemptions = 0
         self.arrival_time = time.perf_counter()
@@ -117,7 +124,8 @@ class Sequence:
                 "num_output_tokens": n,
                 "tok_s": (n - 1) / decode_s if n > 1 and decode_s > 0 else None,
                 "prefix_cached_blocks": self.prefix_cached_blocks,
-                "preemptions": self.num_preemptions}
+                "preemptions": self.num_preemptions,
+                "e2e_s": now - self.arrival_time, "decode_s": decode_s}
 
 
 @dataclass
@@ -131,6 +139,7 @@ class RequestOutput:
     finish_reason: str
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     metrics: dict = field(default_factory=dict)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 @dataclass
@@ -144,3 +153,4 @@ class TokenEvent:
     finish_reason: str | None = None
     logprobs: TokenLogprobs | None = None
     metrics: dict | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None   # on a request's first event

@@ -27,6 +27,8 @@ class SamplingBatch:
     positions: list[int]        # index of the token being sampled (for the seeded noise)
     banned: list[tuple[int, int]]   # (row, token id) masked for min_tokens
     max_logprobs: int
+    penalties: object = None        # penalties.PenaltyBatch when some row uses one
+    grammar_mask: np.ndarray | None = None  # [S, ceil(V/32)] int32 when some row is guided
 
     @classmethod
     def build(cls, params, seeds, positions, banned) -> "SamplingBatch":
@@ -57,6 +59,12 @@ class StepInputs:
     prev_step_id: int = -1          # the step those sampled ids came from
     probe_plan: object | None = None   # probes.plan.ProbePlan, or None when nothing is watched
     interventions: object | None = None   # interventions.plan.InterventionPlan, or None (none)
+    # prompt logprobs (SamplingParams.prompt_logprobs): flat rows whose logits give the logprob
+    # of the prompt token after them, those tokens, and the largest top-k asked; None when no
+    # request in the step asked (see prompt_logprob_rows for the order)
+    prompt_lp_rows: np.ndarray | None = None      # [R] int64
+    prompt_lp_targets: np.ndarray | None = None   # [R] int64
+    prompt_lp_k: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -65,6 +73,18 @@ class StepInputs:
     @property
     def num_seqs(self) -> int:
         return len(self.context_lens)
+
+
+def prompt_logprob_rows(scheduled):
+    """(flat row, sequence, position of the prompt token it predicts) for every prompt token
+    this step computes the logprob of: a prefill chunk's row at position j gives token j + 1."""
+    total = 0
+    for s in scheduled:
+        seq = s.seq
+        if seq.params.prompt_logprobs is not None:
+            for j in range(s.start, min(s.start + s.num_tokens, seq.num_prompt_tokens - 1)):
+                yield total + j - s.start, seq, j + 1
+        total += s.num_tokens
 
 
 def build_step_inputs(step_id: int, scheduled, block_size: int, sampling: SamplingBatch | None,
@@ -101,7 +121,16 @@ def build_step_inputs(step_id: int, scheduled, block_size: int, sampling: Sampli
             max_q = n
         if s.samples:
             rows.append(total - 1)
+    lp_rows = lp_targets = None
+    lp_k = 0
+    if any(s.seq.params.prompt_logprobs is not None for s in scheduled):
+        found = list(prompt_logprob_rows(scheduled))
+        if found:
+            lp_rows = np.array([r for r, _, _ in found], dtype=np.int64)
+            lp_targets = np.array([seq.token_ids[p] for _, seq, p in found], dtype=np.int64)
+            lp_k = max(seq.params.prompt_logprobs for _, seq, _ in found)
     return StepInputs(
+        prompt_lp_rows=lp_rows, prompt_lp_targets=lp_targets, prompt_lp_k=lp_k,
         step_id=step_id, input_ids=np.array(ids, dtype=np.int64),
         positions=np.array(pos, dtype=np.int64), slot_mapping=np.array(slots, dtype=np.int64),
         context_lens=np.array(ctx_lens, dtype=np.int32), block_tables=table,

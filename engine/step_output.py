@@ -20,6 +20,9 @@ class StepOutput:
     # host copies, filled by the device -> host copy; read only after wait()
     sampled_host: torch.Tensor | None = None     # [S] int64 (pinned on a GPU)
     logprobs_host: tuple | None = None      # (chosen [S] fp32, top ids [S, k], top lps [S, k])
+    # prompt logprobs of the step's prompt rows (StepInputs.prompt_lp_rows), host copies:
+    # (chosen [R] fp32, rank [R] int64, top ids [R, k], top lps [R, k]); None when not asked
+    prompt_logprobs_host: tuple | None = None
     probes: object | None = None            # probes.result.ProbeResult, or None
     graph_bucket: int | None = None         # CUDA-graph batch size replayed, None when eager
     collectives: int = 0                    # collectives issued by the forward (TP)

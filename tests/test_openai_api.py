@@ -199,10 +199,11 @@ def test_completion_logprobs_list_every_token_with_its_offset(served, client):
     (dict(temperature=-1), "temperature"),
     (dict(top_p=1.5), "top_p"),
     (dict(max_tokens=0), "max_tokens"),
-    (dict(n=2), "n"),
+    (dict(n=65), "n"),
     (dict(stop=[""]), "stop"),
     (dict(top_logprobs=3), "top_logprobs"),            # needs logprobs=true
-    (dict(frequency_penalty=0.5), "frequency_penalty"),
+    (dict(frequency_penalty=2.5), "frequency_penalty"),
+    (dict(logit_bias={"999999": 5}), "logit_bias"),
     (dict(messages=[]), "messages"),
     (dict(messages=[{"role": "wizard", "content": "hi"}]), "messages[0].role"),
 ])
@@ -266,6 +267,18 @@ def test_the_api_answers_503_while_the_model_switches(served, client):
             client.chat.completions.create(model=served.model, messages=_msgs("hi"),
                                            max_tokens=4)
         assert e.value.status_code == 503 and e.value.body["code"] == "model_switching"
+    finally:
+        served.demo.hub.switching = False
+
+
+def test_ops_routes_answer_on_the_playgrounds_server(served):
+    from prometheus_client.parser import text_string_to_metric_families
+    assert httpx.get(served.url + "health").status_code == 200
+    names = {f.name for f in text_string_to_metric_families(httpx.get(served.url + "metrics").text)}
+    assert {"vllm:num_requests_running", "vllm:time_to_first_token_seconds"} <= names
+    served.demo.hub.switching = True
+    try:
+        assert httpx.get(served.url + "health").status_code == 503
     finally:
         served.demo.hub.switching = False
 

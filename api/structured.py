@@ -1,0 +1,107 @@
+"""Structured output requests -> the engine's grammar (SamplingParams.guided, llguidance):
+`response_format` json_object / json_schema (OpenAI), vLLM's guided_json / guided_regex /
+guided_choice, and tool_choice "required" or a named function (the reply is forced into Qwen's
+`<tool_call>{"name": ..., "arguments": ...}</tool_call>` form, arguments matching the tool's
+parameters schema)."""
+from __future__ import annotations
+
+import json
+import re
+
+from .errors import bad_request
+from .protocol import ChatCompletionRequest, SamplingRequest
+
+_COMPACT = {"whitespace_flexible": False}
+
+
+def _schema(s) -> dict:
+    s = s if isinstance(s, dict) else {}
+    return {**s, "x-guidance": {**_COMPACT, **s.get("x-guidance", {})}}
+
+
+def _tool_schema(tool: dict) -> dict:
+    fn = tool.get("function", {}) if isinstance(tool, dict) else {}
+    params = fn.get("parameters") or {"type": "object"}
+    return {"type": "object", "properties": {"name": {"const": fn.get("name")},
+                                             "arguments": params},
+            "required": ["name", "arguments"], "additionalProperties": False}
+
+
+def _tool_grammar(tools: list[dict], many: bool) -> str:
+    from engine.guided import _ll
+    call = _schema({"anyOf": [_tool_schema(t) for t in tools]} if len(tools) > 1
+                   else _tool_schema(tools[0]))
+    start = 'start: tc ("\\n" tc)*' if many else "start: tc"
+    lark = f'{start}\ntc: "<tool_call>\\n" call "\\n</tool_call>"\ncall: %json {json.dumps(call)}'
+    return _ll().LLMatcher.grammar_from_lark(lark)
+
+
+def guided_of(req: SamplingRequest, llm=None):
+    """SamplingParams.guided for the request, or None; checked against `llm`'s tokenizer when
+    given, so a bad schema is a 400 naming its field."""
+    grammar, kind = _grammar_of(req)
+    if grammar is not None and llm is not None:
+        from engine.guided import make_matcher
+        try:
+            make_matcher(llm.tokenizer, llm.hf_config.vocab_size, llm.eos_token_ids, grammar)
+        except ValueError as e:
+            raise bad_request(f"{kind} cannot be used for guided decoding: {e}", kind) from None
+    return grammar
+
+
+def _grammar_of(req: SamplingRequest):
+    chat = isinstance(req, ChatCompletionRequest)
+    asked = []
+    extra = req.model_extra or {}
+    if chat and req.response_format and req.response_format.get("type", "text") != "text":
+        asked.append("response_format")
+    for name in ("guided_json", "guided_regex", "guided_choice"):
+        if extra.get(name) is not None:
+            asked.append(name)
+    forced_tool = chat and req.tools and (req.tool_choice == "required"
+                                          or isinstance(req.tool_choice, dict))
+    if forced_tool:
+        asked.append("tool_choice")
+    if not asked:
+        return None, None
+    if len(asked) > 1:
+        raise bad_request(f"give one kind of structured output, not {asked}", asked[1])
+    kind = asked[0]
+    return _build(req, kind, extra), kind
+
+
+def _build(req, kind: str, extra: dict) -> str:
+    try:
+        from engine.guided import json_schema_grammar, regex_grammar
+        if kind == "response_format":
+            fmt = req.response_format
+            if fmt["type"] == "json_object":
+                return json_schema_grammar(_schema({"type": "object"}))
+            if fmt["type"] == "json_schema":
+                spec = fmt.get("json_schema") or {}
+                if "schema" not in spec:
+                    raise bad_request("response_format.json_schema needs a 'schema'",
+                                      "response_format")
+                return json_schema_grammar(_schema(spec["schema"]))
+            raise bad_request(f"response_format type {fmt['type']!r} is not one of 'text', "
+                              "'json_object', 'json_schema'", "response_format")
+        if kind == "guided_json":
+            g = extra["guided_json"]
+            return json_schema_grammar(_schema(json.loads(g) if isinstance(g, str) else g))
+        if kind == "guided_regex":
+            return regex_grammar(str(extra["guided_regex"]))
+        if kind == "guided_choice":
+            choices = [str(c) for c in extra["guided_choice"]]
+            return regex_grammar("(" + "|".join(re.escape(c) for c in choices) + ")")
+        # tool_choice
+        tools = req.tools
+        if isinstance(req.tool_choice, dict):
+            name = (req.tool_choice.get("function") or {}).get("name")
+            tools = [t for t in req.tools if (t.get("function") or {}).get("name") == name]
+            if not tools:
+                raise bad_request(f"tool_choice names the function {name!r}, which is not in "
+                                  "tools", "tool_choice")
+        return _tool_grammar(tools, many=req.parallel_tool_calls is not False
+                             and not isinstance(req.tool_choice, dict))
+    except (ValueError, TypeError, KeyError) as e:
+        raise bad_request(f"{kind} cannot be used for guided decoding: {e}", kind) from None

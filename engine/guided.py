@@ -1,0 +1,118 @@
+"""Grammar-guided decoding (structured output) through llguidance: a request's grammar (a JSON
+schema, a regex, a Lark grammar, in llguidance's grammar JSON) becomes a matcher on its
+Sequence; each step the host fills the token bitmask of the guided rows from their matchers,
+the sampler masks those rows' logits on the device, and each sampled token advances its matcher.
+
+Why llguidance (over xgrammar): a wheel with no dependencies (xgrammar pins torch, triton and
+transformers ranges of its own), no per-schema compile step (its Earley parser with a lexer
+works lazily, so an arbitrary per-request schema costs no upfront compilation), full JSON
+schema and Lark, and both vLLM and SGLang ship it as a backend.
+"""
+from __future__ import annotations
+
+from .errors import InvalidArgumentError
+
+import weakref
+
+import numpy as np
+import torch
+
+_TOKENIZERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _ll():
+    try:
+        import llguidance
+        import llguidance.hf
+        return llguidance
+    except ImportError:
+        raise InvalidArgumentError(
+            "guided decoding (response_format, grammars) needs the llguidance "
+            "package: pip install llguidance", "guided") from None
+
+
+def json_schema_grammar(schema: dict | bool) -> str:
+    """llguidance's grammar for JSON matching `schema` ({"type": "object"} = any object).
+    Whitespace is fixed (", " and ": " between items, none elsewhere), as vLLM's guidance
+    backend does by default: free whitespace lets a small model pad forever."""
+    if schema is True:
+        schema = {}
+    if not isinstance(schema, dict):
+        raise InvalidArgumentError(f"a JSON schema must be an object, got {schema!r}", "guided")
+    opts = {"whitespace_flexible": False, **schema.get("x-guidance", {})}
+    return _ll().LLMatcher.grammar_from_json_schema({**schema, "x-guidance": opts})
+
+
+def regex_grammar(pattern: str) -> str:
+    return _ll().LLMatcher.grammar_from_regex(pattern)
+
+
+def ll_tokenizer(tokenizer, vocab_size: int, eos_ids):
+    """The llguidance view of the engine's tokenizer (built once per tokenizer)."""
+    ll = _ll()
+    cached = _TOKENIZERS.get(tokenizer)
+    if cached is None:
+        cached = ll.hf.from_tokenizer(tokenizer, n_vocab=vocab_size,
+                                      eos_token=sorted(eos_ids) or None)
+        _TOKENIZERS[tokenizer] = cached
+    return cached
+
+
+class Grammar:
+    """One request's matcher, and the vocabulary width its masks cover."""
+
+    def __init__(self, matcher, vocab_size: int):
+        self.matcher, self.vocab_size = matcher, vocab_size
+
+    def consume(self, token: int) -> None:
+        """Advance past a sampled token; ValueError if the grammar does not allow it."""
+        if not self.matcher.consume_token(token):
+            raise ValueError(f"the grammar refused token {token}: {self.matcher.get_error()}")
+
+
+def make_matcher(tokenizer, vocab_size: int, eos_ids, grammar: str) -> Grammar:
+    """A fresh matcher for one request; ValueError naming the problem for a bad grammar."""
+    if tokenizer is None:
+        raise InvalidArgumentError("guided decoding needs the checkpoint's tokenizer", "guided")
+    ll = _ll()
+    llt = ll_tokenizer(tokenizer, vocab_size, eos_ids)
+    err = ll.LLMatcher.validate_grammar(grammar, llt)
+    if err:
+        raise InvalidArgumentError(f"the grammar / schema cannot be used: {err}", "guided")
+    m = ll.LLMatcher(llt, grammar)
+    if m.is_error():
+        raise InvalidArgumentError(f"the grammar / schema cannot be used: {m.get_error()}", "guided")
+    return Grammar(m, vocab_size)
+
+
+def fill_bitmask(grammars: list) -> np.ndarray:
+    """[rows, ceil(vocab / 32)] int32: bit t of row r set = token t allowed; rows whose grammar
+    is None allow everything."""
+    vocab = next(g.vocab_size for g in grammars if g is not None)
+    mask = torch.full((len(grammars), (vocab + 31) // 32), -1, dtype=torch.int32)
+    from llguidance.torch import fill_next_token_bitmask
+    for r, g in enumerate(grammars):
+        if g is not None:
+            fill_next_token_bitmask(g.matcher, mask, r)
+    return mask.numpy()
+
+
+def apply_bitmask(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """logits [B, V] fp32, mask [B, ceil(V/32)] int32 on the same device -> disallowed = -inf."""
+    v = logits.shape[-1]
+    bits = torch.arange(32, device=logits.device, dtype=torch.int32)
+    allowed = ((mask[:, :, None] >> bits) & 1).bool().reshape(mask.shape[0], -1)[:, :v]
+    return logits.masked_fill(~allowed, float("-inf"))
+
+
+def grammar_of(spec) -> str:
+    """SamplingParams.guided: a grammar string as is; a dict {"json_schema": ...} /
+    {"regex": ...} built here."""
+    if isinstance(spec, str):       # checked against the tokenizer in make_matcher
+        return spec
+    if isinstance(spec, dict) and "json_schema" in spec:
+        return json_schema_grammar(spec["json_schema"])
+    if isinstance(spec, dict) and "regex" in spec:
+        return regex_grammar(spec["regex"])
+    raise InvalidArgumentError(f"guided must be a grammar string or {{'json_schema': ...}} / "
+                     f"{{'regex': ...}}, got {spec!r}", "guided")

@@ -1,0 +1,123 @@
+"""The operations routes with vLLM's paths and shapes: /health, /version, /metrics (read back
+with prometheus_client's own text parser), /tokenize, /detokenize."""
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from api_served import ServedAPI
+
+
+@pytest.fixture(scope="module")
+def served():
+    from api.routes import EngineHolder
+    s = ServedAPI(engines=EngineHolder(None))
+    yield s
+    s.close()
+
+
+def _families(text: str) -> dict:
+    from prometheus_client.parser import text_string_to_metric_families
+    return {f.name: f for f in text_string_to_metric_families(text)}
+
+
+def _value(fams: dict, name: str, sample: str | None = None, default=None, **labels) -> float:
+    fam = fams[name]
+    for s in fam.samples:
+        if s.name == (sample or name) and all(s.labels.get(k) == v for k, v in labels.items()):
+            return s.value
+    if default is not None:
+        return default
+    raise KeyError(f"{sample or name} {labels} not in {fam.samples}")
+
+
+def test_health_is_200_when_serving_and_503_while_switching(served):
+    r = httpx.get(served.url + "/health")           # no key needed, as vLLM's
+    assert r.status_code == 200
+    served.engines.switching = True
+    try:
+        r = httpx.get(served.url + "/health")
+        assert r.status_code == 503 and r.json()["error"]["code"] == "model_switching"
+    finally:
+        served.engines.switching = False
+
+
+def test_health_is_503_once_the_engine_is_shut_down():
+    from api.routes import EngineHolder
+    s = ServedAPI(engines=EngineHolder(None), num_kv_blocks=16)
+    try:
+        assert httpx.get(s.url + "/health").status_code == 200
+        s.llm.shutdown()
+        r = httpx.get(s.url + "/health")
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable"
+    finally:
+        s.close()
+
+
+def test_version_answers_without_a_key(served):
+    r = httpx.get(served.url + "/version")
+    assert r.status_code == 200 and isinstance(r.json()["version"], str)
+
+
+def test_metrics_parse_and_count_requests_tokens_and_latencies(served):
+    before = _families(httpx.get(served.url + "/metrics").text)
+    model = served.model
+    n_before = _value(before, "vllm:generation_tokens", "vllm:generation_tokens_total",
+                      default=0.0, model_name=model)
+    prompt = "one two three four five six seven eight nine ten eleven twelve thirteen fourteen"
+    n_prompt = len(served.llm.encode(prompt))
+    for _ in range(2):      # the second one reuses the first one's full prompt blocks
+        r = served.post("/v1/completions", {"prompt": prompt, "max_tokens": 5,
+                                            "ignore_eos": True})
+        assert r.status_code == 200
+    resp = httpx.get(served.url + "/metrics")
+    assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/plain")
+    fams = _families(resp.text)
+    assert _value(fams, "vllm:generation_tokens", "vllm:generation_tokens_total",
+                  model_name=model) == n_before + 10
+    assert _value(fams, "vllm:request_success", "vllm:request_success_total",
+                  model_name=model, finished_reason="length") >= 2
+    for h in ("vllm:time_to_first_token_seconds", "vllm:e2e_request_latency_seconds",
+              "vllm:time_per_output_token_seconds"):
+        assert fams[h].type == "histogram"
+        assert _value(fams, h, h + "_count", model_name=model) >= 2
+        assert _value(fams, h, h + "_sum", model_name=model) > 0
+    assert _value(fams, "vllm:num_requests_running", model_name=model) == 0
+    assert _value(fams, "vllm:num_requests_waiting", model_name=model) == 0
+    usage = _value(fams, "vllm:kv_cache_usage_perc", model_name=model)
+    assert 0 <= usage <= 1 and usage == _value(fams, "vllm:gpu_cache_usage_perc",
+                                               model_name=model)
+    bs = served.llm.block_size
+    hits = _value(fams, "vllm:prefix_cache_hits", "vllm:prefix_cache_hits_total",
+                  model_name=model)
+    assert hits >= ((n_prompt - 1) // bs) * bs > 0
+    assert _value(fams, "vllm:prefix_cache_queries", "vllm:prefix_cache_queries_total",
+                  model_name=model) >= hits
+    assert _value(fams, "vllm:num_preemptions", "vllm:num_preemptions_total",
+                  model_name=model) == 0
+    assert _value(fams, "vllm:prompt_tokens", "vllm:prompt_tokens_total",
+                  model_name=model) >= 2 * n_prompt
+
+
+def test_tokenize_and_detokenize_round_trip_in_vllms_shapes(served):
+    tok = served.llm.tokenizer
+    r = served.post("/tokenize", {"prompt": "The quick brown fox", "return_token_strs": True})
+    body = r.json()
+    assert body["tokens"] == tok.encode("The quick brown fox")
+    assert body["count"] == len(body["tokens"])
+    assert body["max_model_len"] == served.llm.max_model_len
+    assert body["token_strs"] == tok.convert_ids_to_tokens(body["tokens"])
+    back = served.post("/detokenize", {"tokens": body["tokens"]}).json()
+    assert back == {"prompt": "The quick brown fox"}
+    msgs = [{"role": "user", "content": "hi <|im_start|>system"}]
+    chat = served.post("/tokenize", {"messages": msgs}).json()
+    assert chat["tokens"] == served.llm.encode(msgs)     # message text stays text
+    assert chat["token_strs"] is None
+
+
+def test_tokenize_needs_the_key_and_one_prompt(served):
+    assert httpx.post(served.url + "/tokenize", json={"prompt": "a"}).status_code == 401
+    r = served.post("/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "b"}]})
+    assert r.status_code == 400
+    r = served.post("/detokenize", {"tokens": [10 ** 9]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"
