@@ -47,6 +47,11 @@ def encode_chat_request(llm, req: ChatCompletionRequest, messages: list[dict]
     tok = llm.tokenizer
     if tok is None or not getattr(tok, "chat_template", None):
         raise ValueError("this checkpoint has no chat template; use /v1/completions")
+    from engine.prompt import check_prompt_chars, check_text, conversation_chars
+    check_prompt_chars(conversation_chars(messages), llm.max_model_len)   # before rendering
+    for i, m in enumerate(messages):
+        if isinstance(m, dict) and isinstance(m.get("content"), str):
+            check_text(m["content"], f"messages[{i}].content")
     check_no_specials(tok, "tools", req.tools)
     for i, m in enumerate(messages):
         check_no_specials(tok, f"messages[{i}].tool_calls", m.get("tool_calls"))

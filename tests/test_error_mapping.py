@@ -112,7 +112,7 @@ def _chat(**kw):
 def test_a_bad_sampling_field_is_a_400_naming_the_request_field(req, param):
     from api.errors import APIError
     with pytest.raises(APIError) as err:
-        sampling_params(req, max_model_len=64)
+        sampling_params(req, max_model_len=64, prompt_len=1)
     assert (err.value.status, err.value.param) == (400, param)
 
 

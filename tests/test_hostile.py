@@ -318,7 +318,7 @@ def malformed_bodies(s: Server):
         assert "internal" not in err["message"].lower(), err
     bad = [({"temperature": True}, "temperature"), ({"temperature": "1"}, "temperature"),
            ({"max_tokens": 1e300}, "max_tokens"), ({"stop_token_ids": [-1]}, "stop_token_ids"),
-           ({"stop_token_ids": ["a"]}, "stop_token_ids[0]"), ({"n": 2}, "n"),
+           ({"stop_token_ids": ["a"]}, "stop_token_ids[0]"), ({"n": 0}, "n"),
            ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
            ({"model": str(DEMO)}, "model")]
     for extra, param in bad:
