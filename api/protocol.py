@@ -103,6 +103,10 @@ class SamplingRequest(Lenient):
     interventions: list[dict[str, Any]] | None = None
     request_id: str | None = None       # vLLM's: the request's id (X-Request-Id wins)
     prompt_logprobs: int | None = Field(None, ge=0, le=20)   # vLLM's: the prompt's logprobs
+    # vLLM's guided decoding fields (api.structured)
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
 
 
 class ChatCompletionRequest(SamplingRequest):

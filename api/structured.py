@@ -52,7 +52,8 @@ def guided_of(req: SamplingRequest, llm=None):
 def _grammar_of(req: SamplingRequest):
     chat = isinstance(req, ChatCompletionRequest)
     asked = []
-    extra = req.model_extra or {}
+    extra = {"guided_json": req.guided_json, "guided_regex": req.guided_regex,
+             "guided_choice": req.guided_choice}
     if chat and req.response_format and req.response_format.get("type", "text") != "text":
         asked.append("response_format")
     for name in ("guided_json", "guided_regex", "guided_choice"):

@@ -43,6 +43,7 @@ class ScriptedLLM:
     model_path = None
     max_model_len = 4096
     hf_config = _Config()
+    eos_token_ids = {2}
 
     def __init__(self, tokenizer, script, token_s: float = 0.002):
         self.tokenizer, self.script, self.token_s = tokenizer, script, token_s

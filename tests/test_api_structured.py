@@ -138,3 +138,12 @@ def test_guided_decoding_with_overlap_scheduling():
     for o in outs[:2]:
         assert _matches(json.loads(o.text)), o.text
     assert outs[2].token_ids == ref.token_ids
+
+
+def test_guided_fields_are_not_reported_as_ignored(served, caplog):
+    import logging
+    with caplog.at_level(logging.WARNING, logger="glassbox.api"):
+        r = served.post("/v1/completions", {"prompt": "x", "max_tokens": 4,
+                                            "guided_choice": ["a", "b"]})
+    assert r.json()["choices"][0]["text"] in ("a", "b")
+    assert "ignoring" not in " ".join(rec.getMessage() for rec in caplog.records)

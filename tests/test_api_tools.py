@@ -176,10 +176,12 @@ def test_tool_choice_none_leaves_the_text_alone(scripted):
     assert r["choices"][0]["finish_reason"] == "stop"
 
 
-def test_required_tool_choice_is_refused_with_what_to_do(scripted):
+def test_a_forced_tool_choice_needs_tools_and_a_known_value(scripted):
     s = scripted("x")
-    r = s.post({"messages": _msgs(), "tools": [WEATHER], "tool_choice": "required"})
-    assert r.status_code == 400 and "auto" in r.json()["error"]["message"]
+    r = s.post({"messages": _msgs(), "tool_choice": "required"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
+    r = s.post({"messages": _msgs(), "tools": [WEATHER], "tool_choice": "sometimes"})
+    assert r.status_code == 400 and "'required'" in r.json()["error"]["message"]
 
 
 def test_thinking_becomes_reasoning_content_whole_and_streamed(scripted):
