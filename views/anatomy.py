@@ -158,7 +158,7 @@ def build(hub: EngineHub) -> gr.Timer:
                       label="TP degree (what if)", elem_id="anatomy-tp")
         wdtype = gr.Radio([a.dtype, "bfloat16"] if a.dtype != "bfloat16" else ["bfloat16"],
                           value=a.dtype, label="weights dtype", elem_id="anatomy-tp-dtype")
-        gpu_gb = gr.Number(141, label="GPU memory (GB)", minimum=1, elem_id="anatomy-gpu-gb")
+        gpu_gb = gr.Number(141, label="GPU memory (GB as sold: 10⁹ bytes)", minimum=1, elem_id="anatomy-gpu-gb")
         util = gr.Slider(0.5, 1.0, 0.9, step=0.05, label="utilisation",
                          elem_id="anatomy-gpu-util")
     bytes0, map0, table0 = _tp_outputs(a, tp.value, a.dtype, 141, 0.9)

@@ -11,7 +11,7 @@ import numpy as np
 import plotly.graph_objects as go
 
 from engine.anatomy import KVDataPlane, ShapeRow, TPPlan, WeightBreakdown
-from views.figures_common import Figure, empty_figure, make_figure
+from views.figures_common import Figure, empty_figure, fmt_bytes, make_figure  # noqa: F401
 
 GROUP_COLOURS = {
     "embedding": "#4e79a7", "attention": "#f28e2b", "norms": "#bab0ac", "mlp": "#59a14f",
@@ -27,14 +27,6 @@ def fmt_count(n: float) -> str:
         if abs(n) >= scale:
             return f"{n / scale:.3g} {unit}"
     return f"{n:.0f}"
-
-
-def fmt_bytes(n: float) -> str:
-    """Decimal units, as GPU memory is sold (an H200 has 141 GB)."""
-    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if abs(n) >= scale:
-            return f"{n / scale:.3g} {unit}"
-    return f"{n:.0f} B"
 
 
 def _shade(hex_colour: str, t: float) -> str:

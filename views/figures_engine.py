@@ -8,7 +8,7 @@ import numpy as np
 
 from engine.probes.snapshot import RankLayout, StepTrace
 from views.figures_common import (DECODE_COLOUR, PALETTE, PHASE_COLOURS, PREFILL_COLOUR,
-                                  Figure, bar, empty_figure, heatmap, legend_title, make_figure,
+                                  Figure, bar, fmt_bytes, empty_figure, heatmap, legend_title, make_figure,
                                   scatter)
 
 STEP_WINDOW = 64          # steps shown; the x range is fixed to this many
@@ -178,7 +178,7 @@ def tp_map_figure(tp_layout: Sequence[RankLayout], num_heads: int, num_kv_heads:
     traces = []
     for r in tp_layout:
         colour = PALETTE[r.rank % len(PALETTE)]
-        hover = (f"rank {r.rank}<br>KV cache {r.kv_cache_bytes / 2**20:.1f} MiB"
+        hover = (f"rank {r.rank}<br>KV cache {fmt_bytes(r.kv_cache_bytes)}"
                  f"<br>vocab [{r.vocab_slice[0]}, {r.vocab_slice[1]})")
         for axis, heads in (("", r.q_heads), ("2", r.kv_heads)):
             traces.append(scatter(

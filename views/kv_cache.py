@@ -123,7 +123,7 @@ def build(hub: EngineHub) -> LiveTab:
         with gr.Column(scale=1):
             usage = live_plot("kv-usage")
     layout = gr.Markdown("", elem_id="kv-layout")
-    with gr.Accordion("Drilldown: the numbers in one block", open=True):
+    with gr.Accordion("Drilldown: the numbers in one block", open=True, elem_id="kv-drill"):
         with gr.Row():
             block = gr.Number(None, label="block id", precision=0, minimum=0,
                               elem_id="kv-drill-block")
