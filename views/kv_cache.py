@@ -13,6 +13,7 @@ from engine import SamplingParams
 from views import figures as F
 from views.live import TICK_IDLE_S, EngineHub, LiveTab, pace
 from views.live_plot import live_plot, plot_value
+from views.step_history import fold
 
 BURST_SYSTEM = (
     "You are the tour guide of a small museum of computing history. The museum has three "
@@ -138,6 +139,7 @@ def build(hub: EngineHub) -> LiveTab:
         if hub.switching:
             return {last: last_keys}
         snap = hub.snapshot()
+        fold(hub, snap)              # the Engine tab's history keeps counting meanwhile
         now = time.time()
         key = state_key(snap)
         out = {}

@@ -11,6 +11,7 @@ import numpy as np
 from views import figures as F
 from views.live import TICK_IDLE_S, EngineHub, LiveTab, pace
 from views.canvas_chart import canvas_chart, chart_value, empty_chart
+from views.step_history import fold
 
 LOAD_STEPS = 32      # expert load is summed over this many recent steps: one step is too noisy
 AUTO = "auto"        # this page's own latest reply
@@ -100,6 +101,7 @@ def build(hub: EngineHub) -> LiveTab:
         sess = hub.session(request.session_hash if request else None)
         llm = hub.llm
         snap = hub.snapshot()
+        fold(hub, snap)              # the Engine tab's history keeps counting meanwhile
         traced = llm.traced_requests()
         moe = snap.moe is not None
         out = dict(zip(outputs, skip_all))
