@@ -3,6 +3,7 @@ tab's aggregated step history and latencies (each step counted once however ofte
 read), the CPU batch panel, a palette that tells 32 requests apart, one byte convention, the
 Layers tab's request choice and slider bounds."""
 import random
+import re
 from types import SimpleNamespace
 
 import numpy as np
@@ -171,3 +172,33 @@ def test_layers_follow_this_pages_reply_and_server_wide_is_one_choice():
     for t in range(1, 300):
         assert slider_max(t, True) == max(t - 1, 1)
         assert t - 1 <= slider_max(t, False) <= t + 7
+
+
+def test_norm_weights_get_a_callout_in_the_weights_bar():
+    from test_figures_anatomy import make_anatomy
+    from views import figures_anatomy as FA
+    a = make_anatomy("qwen3")
+    fig = FA.weights_figure(a.weights)
+    total = a.weights.total_params * a.weights.elem_bytes
+    thin = [p for p in a.weights.parts if p.params and p.params * a.weights.elem_bytes
+            < FA.MIN_VISIBLE * total]
+    assert thin, "the tiny model has norms far under the visible share"
+    notes = fig["layout"]["annotations"]
+    assert len(notes) == len(thin)
+    for p, n in zip(thin, notes):
+        assert p.label in n["text"] and fmt_bytes(p.params * a.weights.elem_bytes) in n["text"]
+    assert sum(t["x"][0] for t in fig["data"]) == a.weights.total_bytes    # widths exact
+
+
+def test_byte_tokens_show_their_bytes_not_replacement_characters():
+    from transformers import AutoTokenizer
+    from ui_helpers import ROOT
+    from views.token_text import readable
+    tok = AutoTokenizer.from_pretrained(str(ROOT / "assets" / "demo-qwen3"))
+    text = "héllo → 日本"
+    ids = tok.encode(text, add_special_tokens=False)
+    shown = [readable(tok, i, tok.decode([i])) for i in ids]
+    assert not any("\ufffd" in s for s in shown), shown
+    raw = b"".join(bytes(int(h, 16) for h in re.findall(r"<0x([0-9A-F]{2})>", s)) if "<0x" in s
+                   else s.encode() for s in shown)
+    assert raw.decode() == text
