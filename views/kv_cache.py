@@ -85,6 +85,12 @@ MAP_TEMPLATE = ('<div class="kv-map"><div class="kv-legend"></div>'
                 '<canvas class="kv-canvas"></canvas><div class="kv-note"></div>'
                 '<div class="kv-tip"></div></div>')
 MAP_JS = (Path(__file__).with_name("kv_map.js")).read_text()
+HELP = ("**What this shows:** the paged KV cache. Each cell is one physical block of "
+        "`block size` token slots; a block holds the keys and values of those tokens for every "
+        "layer (L × 2 regions: see Anatomy §3). Colour = the request that owns it, height of the "
+        "fill = slots written, a dot = shared by several requests (a cached prefix), hatching = "
+        "free but still holding a reusable prefix. Hover a block for its text; click it for its "
+        "numbers.")
 DRILL_HINT = ("Click a block in the map (or type its id) to see its K or V numbers: one row per "
               "token slot, one column per head dimension.")
 
@@ -99,6 +105,7 @@ def build(hub: EngineHub) -> LiveTab:
     """The KV tab's components and events; returns its timer and refresh."""
     timer = gr.Timer(TICK_IDLE_S, active=False)
     last = gr.State({})
+    gr.Markdown(HELP, elem_classes=["gb-help"], elem_id="kv-help")
     stats = gr.Markdown("", elem_id="kv-stats")
     with gr.Row():
         burst_n = gr.Slider(2, 16, 6, step=1, label="requests in burst", scale=1,
