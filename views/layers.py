@@ -22,6 +22,16 @@ SLIDER_CHUNK = 8      # tokens the slider's range grows by at a time while a rep
 NO_REQUEST = ("Nothing traced yet. Send a message in the **Chat** tab: its reply is traced "
               "here token by token (norms, logit lens, attention, routing), and so is any API "
               "request that asks for a trace.")
+NO_OWN = ("This page has sent no message yet: send one in the **Chat** tab and its reply shows "
+          "here token by token. To watch what others (other pages, API clients) are running, "
+          "pick *server-wide* under *traced request*.")
+HELP = ("**What this shows:** one traced reply inside the model, token by token. *Residual "
+        "norms*: the size of the residual stream after each layer (layer × token). *Logit "
+        "lens*: what each layer would predict if the model stopped there. *Attention*: where "
+        "the chosen token looks, per head, rebuilt from the paged KV cache. Scrub with the "
+        "slider, or click a token or a head.")
+
+
 def resolve_request(choice: str | None, own: str | None, traced: list[str]) -> str | None:
     """The request to show: an explicit choice; server-wide: the newest traced request;
     else (the default) this page's own latest reply, or nothing while it has none (a new
