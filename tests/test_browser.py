@@ -188,7 +188,8 @@ def test_tour_chat_streams_and_every_tab_renders(running, browser):
     wait_js(page, "() => document.querySelectorAll('#kv-tables .kv-trow').length >= 2",
             what="two block tables")
     assert int(kv_map(page)["cells"]) == running.llm.num_kv_blocks     # a small cache: whole
-    # hover a shared block: its card names the block and, from the server, its owners
+    # hover a shared block: its card (on the page's body, never clipped by the map) names
+    # the block and, from the server, its owners
     shared = next(b.block_id for b in running.hub.snapshot(max_age=0).blocks
                   if b.ref_count > 1)
     page.locator("#kv-grid canvas").scroll_into_view_if_needed()
@@ -196,12 +197,12 @@ def test_tour_chat_streams_and_every_tab_renders(running, browser):
                        shared)
     page.mouse.move(xy["x"], xy["y"])
     try:
-        wait_js(page, "(id) => { const t = document.querySelector('#kv-grid .kv-tip')"
+        wait_js(page, "(id) => { const t = document.querySelector('.kv-tip')"
                       ".textContent; return t.includes('block ' + id) && t.includes('owners:'); }",
                 shared, "the hover card of a shared block, with its owners from the server")
     except AssertionError as e:
         raise AssertionError(f"{e}; the card reads "
-                             f"{page.inner_text('#kv-grid .kv-tip')!r}") from None
+                             f"{page.inner_text('.kv-tip')!r}") from None
     screenshot(page, "kv_cache")
 
     show_tab(page, "layers")

@@ -296,8 +296,6 @@ def build(hub: EngineHub) -> ChatParts:
         btn.click(lambda text=text: text, None, box, api_visibility="private",
                   queue=False).then(respond_alone, inputs, outputs, api_visibility="private",
                                     show_progress="hidden")
-    max_tokens.change(lambda n: context_line(hub.llm.max_model_len, int(n)), max_tokens,
-                      context, api_visibility="private", queue=False, show_progress="hidden")
 
     def on_stop(request: gr.Request):
         """Abort in the engine; the reply's own handler writes the stats line ("cut: stopped

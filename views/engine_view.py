@@ -15,6 +15,7 @@ from views.live_plot import live_plot, plot_value
 from views.step_history import LATENCY_WINDOW_S, StepHistory, fold
 
 IDLE_NOTE_S = 1.0
+SIDE_EVERY_S = 0.5      # step-time and graphs panels: at most twice a second
 RATE_SPAN_S = 60.0      # the headline's token rates: busy time of the last minute
 HELP = ("**What this shows:** the engine's step loop. Each step runs one batch: chunks of "
         "prompts (prefill) and one new token for each running reply (decode), batched "
@@ -94,9 +95,14 @@ def build(hub: EngineHub) -> LiveTab:
                 out[tp] = plot_value(F.tp_map_figure(snap.tp_layout, snap.num_heads,
                                                      snap.num_kv_heads))
             out.update({stats: stats_line(snap, now, hist),
-                        timeline: plot_value(F.batch_timeline_figure(snap.steps)),
-                        steptime: plot_value(F.step_time_figure(snap.steps)),
+                        timeline: plot_value(F.batch_timeline_figure(snap.steps))})
+        # the two side panels at most SIDE_EVERY_S apart (and once more when the engine went
+        # quiet): every plotly redraw costs the page's main thread, and the timeline is the
+        # one that shows each step
+        if keys.get("side_key") != key and now - keys.get("side_t", 0) >= SIDE_EVERY_S:
+            out.update({steptime: plot_value(F.step_time_figure(snap.steps)),
                         graphs: plot_value(graphs_figure(snap))})
+            keys.update(side_t=now, side_key=key)
         # the minutes-long views move slowly: once a second is enough
         if now - keys.get("slow_t", 0) >= 1.0:
             out[history] = plot_value(history_figure(hist.series(), now))
