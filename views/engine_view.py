@@ -15,7 +15,8 @@ from views.live_plot import live_plot, plot_value
 from views.step_history import LATENCY_WINDOW_S, StepHistory, fold
 
 IDLE_NOTE_S = 1.0
-SIDE_EVERY_S = 0.5      # step-time and graphs panels: at most twice a second
+SIDE_EVERY_S = 1.0      # step-time and graphs panels: at most once a second
+SLOW_EVERY_S = 2.0      # history plot and latency table
 RATE_SPAN_S = 60.0      # the headline's token rates: busy time of the last minute
 HELP = ("**What this shows:** the engine's step loop. Each step runs one batch: chunks of "
         "prompts (prefill) and one new token for each running reply (decode), batched "
@@ -103,8 +104,8 @@ def build(hub: EngineHub) -> LiveTab:
             out.update({steptime: plot_value(F.step_time_figure(snap.steps)),
                         graphs: plot_value(graphs_figure(snap))})
             keys.update(side_t=now, side_key=key)
-        # the minutes-long views move slowly: once a second is enough
-        if now - keys.get("slow_t", 0) >= 1.0:
+        # the minutes-long views move slowly: every SLOW_EVERY_S is enough
+        if now - keys.get("slow_t", 0) >= SLOW_EVERY_S:
             out[history] = plot_value(history_figure(hist.series(), now))
             lat = latency_markdown(hist.latency(now), LATENCY_WINDOW_S)
             if lat != keys.get("latency"):
