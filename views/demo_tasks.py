@@ -18,10 +18,11 @@ DEMO_PLACEHOLDER = ("Try a trained task: What is 2+3? · Copy: hello world · Re
 _TASKS = [re.compile(p, re.IGNORECASE) for p in (
     r"what is \d{1,3} ?\+ ?\d{1,3}\?", r"\d{1,3}\+\d{1,3}=\?", r"add \d{1,3} and \d{1,3}\.?",
     r"copy: .+", r"repeat after me: .+", r"reverse: .+", r"write backwards: .+",
-    r"count the words: .+", r"how many words\? .+", r"sort: [\d ]+", r"sort these numbers: [\d ]+",
+    r"count the words: .+", r"how many words\? .+", r"sort: [\d ]+",
+    r"sort these numbers: [\d ]+",
     r"tell me about .+", r"continue: .+")]
-DEMO_NOTE = ("ℹ️ This demo checkpoint (2.9 M parameters) was trained only on sums, copy, reverse, "
-             "word counts and sorting (the example buttons) and on Python-docs prose "
+DEMO_NOTE = ("ℹ️ This tiny demo checkpoint (3–5 M parameters) was trained only on sums, copy, "
+             "reverse, word counts and sorting (the example buttons) and on Python-docs prose "
              "(assets/README.md): other prompts get fluent nonsense. For a real model run "
              "`python app.py --model Qwen/Qwen3-0.6B` (any HF Qwen directory or hub id).")
 

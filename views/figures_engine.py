@@ -8,8 +8,8 @@ import numpy as np
 
 from engine.probes.snapshot import RankLayout, StepTrace
 from views.figures_common import (DECODE_COLOUR, PALETTE, PHASE_COLOURS, PREFILL_COLOUR,
-                                  Figure, bar, fmt_bytes, empty_figure, heatmap, legend_title, make_figure,
-                                  scatter)
+                                  Figure, bar, empty_figure, fmt_bytes, heatmap, legend_title,
+                                  make_figure, scatter)
 
 STEP_WINDOW = 64          # steps shown; the x range is fixed to this many
 MAX_TIMELINE_ROWS = 24    # most recent requests in the timeline
@@ -270,7 +270,10 @@ def history_figure(buckets: Sequence, now: float, span_s: float = 15 * 60) -> Fi
         traces, legend_title(title, {"prefill tok/s": PREFILL_COLOUR,
                                      "decode tok/s": DECODE_COLOUR, "running (right)": "#333"}),
         uirevision="engine-history", height=260, margin=dict(l=60, r=50, t=62, b=40),
-        xaxis=dict(title="seconds ago", range=[-span_s, 0]),
+        # the span with data (at least a minute, at most span_s): a new server's first burst
+        # is not squeezed into the right edge of an empty quarter hour
+        xaxis=dict(title="seconds ago",
+                   range=[-min(span_s, max(60.0, now - buckets[0].t)), 0]),
         yaxis=dict(title="tok/s", rangemode="tozero"),
         yaxis2=dict(overlaying="y", side="right", rangemode="tozero", tickformat="d",
                     showgrid=False, title="running"))
