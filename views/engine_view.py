@@ -21,7 +21,8 @@ RATE_SPAN_S = 60.0      # the headline's token rates: busy time of the last minu
 HELP = ("**What this shows:** the engine's step loop. Each step runs one batch: chunks of "
         "prompts (prefill) and one new token for each running reply (decode), batched "
         "together (continuous batching). *Batch timeline*: which request ran in which step. "
-        "*Step time*: where a step's time went. *History* and *Latency* reach back minutes.")
+        "*Step time*: where a step's time went. *History* and *Latency* reach back minutes. "
+        "*TP map*: which rank holds which heads (the tensor-parallel head split).")
 
 
 def stats_line(snap, now: float | None = None, history: StepHistory | None = None) -> str:
