@@ -62,7 +62,22 @@ def open_page(browser, url):
     return page, errors
 
 
+SECTIONS = ["#anatomy-sec-1", "#anatomy-sec-2", "#anatomy-sec-3", "#anatomy-sec-4",
+            "#anatomy-sec-5", "#anatomy-code-fold"]
+
+
+def open_sections(page):
+    """Unfold every section of the tab (they start folded, so the tab fits a screen or two)."""
+    for sel in SECTIONS:
+        wrap = page.locator(f"{sel} .label-wrap").first
+        if "open" not in (wrap.get_attribute("class") or "").split():
+            wrap.click()
+        wait_js(page, "(s) => document.querySelector(s + ' .label-wrap').classList"
+                      ".contains('open')", sel, f"{sel} to unfold")
+
+
 def check_anatomy_renders(page, hub, moe: bool, tp: int):
+    open_sections(page)
     for elem, title in PLOTS:
         plot_rendered(page, elem, title)
     llm = hub.llm

@@ -315,7 +315,7 @@ def test_norms_chart_is_layer_by_token_with_prompt_colour_range(rng):
     prompt = tr.norms()[:n_prompt]
     assert spec["zmin"] == pytest.approx(prompt.min())
     assert spec["zmax"] == pytest.approx(np.percentile(prompt, 99))
-    assert spec["vlines"] == [{"at": n_prompt, "colour": "#ffffff"}]    # prompt | reply
+    assert spec["vlines"] == [{"at": n_prompt, "colour": "#ffffff", "label": "reply →"}]  # labelled
     assert [(m["from"], m["to"]) for m in spec["col_outlines"]] == [(token, token + 1)]
     assert spec["x_labels"] == [f"{i}:tok{i}" for i in range(t)]
     # the x axis ends on a step (16, then multiples of 32), not on the newest token: it stays

@@ -4,6 +4,7 @@ numbers for the watched reply's token), one KV block as its L × 2 physical regi
 tensor-parallel rank holds, and depth vs width beside published Qwen shapes."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import threading
 
@@ -19,6 +20,7 @@ from views import figures_anatomy_path as FP
 from views.figures_engine import tp_map_figure
 from views.live import EngineHub
 from views.live_plot import live_plot, plot_value
+from views.token_text import readable
 
 TICK_S = 0.5
 TP_DEGREES = (1, 2, 4, 8)
@@ -109,6 +111,11 @@ def numbers_of(raw: bytes, dtype: str) -> np.ndarray:
     return np.frombuffer(raw, {"float16": "<f2", "float64": "<f8"}.get(dtype, "<f4")).astype(float)
 
 
+def shown_pieces(tokenizer, pieces):
+    """Token pieces with byte fragments shown as <0xNN> instead of "�"."""
+    return [dataclasses.replace(p, text=readable(tokenizer, p.id, p.text)) for p in pieces]
+
+
 def _tp_outputs(a: ModelAnatomy, tp, weights_dtype: str, gpu_gb, utilisation) -> tuple:
     elem = 2 if weights_dtype == "bfloat16" else a.weights.elem_bytes
     try:
@@ -135,78 +142,92 @@ def build(hub: EngineHub) -> gr.Timer:
     timer = gr.Timer(TICK_S, active=False)
     # the statics below are drawn for this engine, block 0
     last = gr.State({"llm": id(hub.llm), "block": (id(hub.llm), 0, None)})
-    gr.Markdown("Everything below is read from the running engine — its config, its modules, "
-                "its tensors and its code — except the published shapes in section 5.",
-                elem_id="anatomy-intro")
+    gr.Markdown("**What this shows:** the loaded model opened up, read from the running engine "
+                "(its config, modules, tensors and code; only section 5's published shapes are "
+                "typed in). Open a section to read it: each fits a screen.",
+                elem_id="anatomy-intro", elem_classes=["gb-help"])
 
-    gr.Markdown("### 1 · What a model is: vocabulary + weights + runtime code")
-    with gr.Row():
-        with gr.Column(scale=1):
-            text = gr.Textbox(SAMPLE_TEXT, label="type text → tokens and ids",
-                              elem_id="anatomy-text")
-            toks = gr.HTML(FH.tokens_html(tokenize(hub.llm.tokenizer, SAMPLE_TEXT))
-                           if hub.llm.tokenizer else "", elem_id="anatomy-tokens")
-            ids = gr.Textbox("", label="or type ids → text", placeholder="e.g. 1 882 27",
-                             elem_id="anatomy-ids")
-            decoded = gr.HTML("", elem_id="anatomy-decoded")
-        with gr.Column(scale=1):
-            vocab = gr.HTML(FH.vocabulary_html(a.vocabulary), elem_id="anatomy-vocab")
-    weights_plot = live_plot("anatomy-weights", FA.weights_figure(a.weights))
-    with gr.Accordion("Weights: every part, its shape and size", open=False):
-        weights_table = gr.HTML(FH.weights_table_html(a.weights), elem_id="anatomy-weights-table")
-    with gr.Accordion("Runtime code: which file and kernel runs each stage", open=True):
-        code = gr.HTML(FH.code_table_html(a.code, a.device), elem_id="anatomy-code")
+    with gr.Accordion("1 · What a model is: vocabulary + weights + runtime code", open=True,
+                      elem_id="anatomy-sec-1"):
+        with gr.Row():
+            with gr.Column(scale=1):
+                text = gr.Textbox(SAMPLE_TEXT, label="type text → tokens and ids",
+                                  elem_id="anatomy-text")
+                tok = hub.llm.tokenizer
+                toks = gr.HTML(FH.tokens_html(shown_pieces(tok, tokenize(tok, SAMPLE_TEXT)))
+                               if tok else "", elem_id="anatomy-tokens")
+                ids = gr.Textbox("", label="or type ids → text", placeholder="e.g. 1 882 27",
+                                 elem_id="anatomy-ids")
+                decoded = gr.HTML("", elem_id="anatomy-decoded")
+            with gr.Column(scale=1):
+                vocab = gr.HTML(FH.vocabulary_html(a.vocabulary), elem_id="anatomy-vocab")
+        weights_plot = live_plot("anatomy-weights", FA.weights_figure(a.weights))
+        with gr.Accordion("Weights: every part, its shape and size", open=False):
+            weights_table = gr.HTML(FH.weights_table_html(a.weights),
+                                    elem_id="anatomy-weights-table")
+        with gr.Accordion("Runtime code: which file and kernel runs each stage", open=False,
+                          elem_id="anatomy-code-fold"):
+            code = gr.HTML(FH.code_table_html(a.code, a.device), elem_id="anatomy-code")
 
-    gr.Markdown("### 2 · The path of one token")
-    status = gr.Markdown(NO_TRACE, elem_id="anatomy-live-status")
-    with gr.Row():
-        token = gr.Slider(0, 1, 0, step=1, label="watched reply's token (position)",
-                          elem_id="anatomy-token", scale=4)
-        follow = gr.Checkbox(True, label="follow newest token", elem_id="anatomy-follow",
-                             scale=1)
-    path = gr.HTML(FP.token_path_html(a), elem_id="anatomy-path")
-    inside = gr.HTML(FP.layer_html(a), elem_id="anatomy-layer")
+    with gr.Accordion("2 · The path of one token: id → embedding → layers → LM head → "
+                      "sampling, with the watched reply's live numbers", open=False,
+                      elem_id="anatomy-sec-2"):
+        status = gr.Markdown(NO_TRACE, elem_id="anatomy-live-status")
+        with gr.Row():
+            token = gr.Slider(0, 1, 0, step=1, label="watched reply's token (position)",
+                              elem_id="anatomy-token", scale=4)
+            follow = gr.Checkbox(True, label="follow newest token", elem_id="anatomy-follow",
+                                 scale=1)
+        path = gr.HTML(FP.token_path_html(a), elem_id="anatomy-path")
+        inside = gr.HTML(FP.layer_html(a), elem_id="anatomy-layer")
 
-    gr.Markdown("### 3 · The KV cache data plane: one logical block, L × 2 physical regions")
-    plane = gr.HTML(FH.kv_plane_html(a.kv, a.tp_size), elem_id="anatomy-kv-plane")
-    block = gr.Number(0, label="block id", precision=0, minimum=0, elem_id="anatomy-block")
-    fig0, info0 = _block_outputs(hub, a, 0)
-    regions = live_plot("anatomy-regions", fig0)
-    block_info = gr.HTML(info0, elem_id="anatomy-block-info")
+    with gr.Accordion("3 · The KV cache data plane: one logical block = L × 2 physical "
+                      "regions (K and V of every layer)", open=False,
+                      elem_id="anatomy-sec-3"):
+        plane = gr.HTML(FH.kv_plane_html(a.kv, a.tp_size), elem_id="anatomy-kv-plane")
+        block = gr.Number(0, label="block id", precision=0, minimum=0, elem_id="anatomy-block")
+        fig0, info0 = _block_outputs(hub, a, 0)
+        regions = live_plot("anatomy-regions", fig0)
+        block_info = gr.HTML(info0, elem_id="anatomy-block-info")
 
-    gr.Markdown("### 4 · Tensor parallelism: what each rank holds")
-    with gr.Row():
-        tp = gr.Radio(list(TP_DEGREES), value=a.tp_size if a.tp_size in TP_DEGREES else 1,
-                      label="TP degree (what if)", elem_id="anatomy-tp")
-        wdtype = gr.Radio([a.dtype, "bfloat16"] if a.dtype != "bfloat16" else ["bfloat16"],
-                          value=a.dtype, label="weights dtype", elem_id="anatomy-tp-dtype")
-        gpu_gb = gr.Number(141, label="GPU memory (GB)", minimum=1, elem_id="anatomy-gpu-gb")
-        util = gr.Slider(0.5, 1.0, 0.9, step=0.05, label="utilisation",
-                         elem_id="anatomy-gpu-util")
-    bytes0, map0, table0 = _tp_outputs(a, tp.value, a.dtype, 141, 0.9)
-    with gr.Row():
-        with gr.Column(scale=1):
-            tp_bytes = live_plot("anatomy-tp-bytes", bytes0)
-        with gr.Column(scale=1):
-            tp_map = live_plot("anatomy-tp-map", map0)
-    tp_table = gr.HTML(table0, elem_id="anatomy-tp-table")
+    with gr.Accordion("4 · Tensor parallelism: how heads, MLP slices and vocabulary split "
+                      "across ranks", open=False, elem_id="anatomy-sec-4"):
+        with gr.Row():
+            tp = gr.Radio(list(TP_DEGREES), value=a.tp_size if a.tp_size in TP_DEGREES else 1,
+                          label="TP degree (what if)", elem_id="anatomy-tp")
+            wdtype = gr.Radio([a.dtype, "bfloat16"] if a.dtype != "bfloat16" else ["bfloat16"],
+                              value=a.dtype, label="weights dtype", elem_id="anatomy-tp-dtype")
+            gpu_gb = gr.Number(141, label="GPU memory (GB as sold: 10⁹ bytes)", minimum=1,
+                               elem_id="anatomy-gpu-gb")
+            util = gr.Slider(0.5, 1.0, 0.9, step=0.05, label="utilisation",
+                             elem_id="anatomy-gpu-util")
+        bytes0, map0, table0 = _tp_outputs(a, tp.value, a.dtype, 141, 0.9)
+        with gr.Row():
+            with gr.Column(scale=1):
+                tp_bytes = live_plot("anatomy-tp-bytes", bytes0)
+            with gr.Column(scale=1):
+                tp_map = live_plot("anatomy-tp-map", map0)
+        tp_table = gr.HTML(table0, elem_id="anatomy-tp-table")
 
-    gr.Markdown("### 5 · Depth vs width: the loaded model beside published Qwen shapes")
-    rows = _shape_rows(a)
-    depth = live_plot("anatomy-depth", FA.depth_width_figure(rows))
-    shapes = gr.HTML(FH.shapes_table_html(rows, SOURCE), elem_id="anatomy-shapes")
+    with gr.Accordion("5 · Depth vs width: the loaded model beside published Qwen shapes",
+                      open=False, elem_id="anatomy-sec-5"):
+        rows = _shape_rows(a)
+        depth = live_plot("anatomy-depth", FA.depth_width_figure(rows))
+        shapes = gr.HTML(FH.shapes_table_html(rows, SOURCE), elem_id="anatomy-shapes")
 
     # ---- events ------------------------------------------------------------------------------
     def on_text(t: str):
         try:
-            return FH.tokens_html(tokenize(hub.llm.tokenizer, t or ""))
+            tok = hub.llm.tokenizer
+            return FH.tokens_html(shown_pieces(tok, tokenize(tok, t or "")))
         except ValueError as e:
             return f"<div style='color:#d62728'>{FH.esc(e)}</div>"
 
     def on_ids(t: str):
         llm = hub.llm
         try:
-            pieces = pieces_of_ids(llm.tokenizer, parse_ids(t or "", llm.hf_config.vocab_size))
+            pieces = shown_pieces(llm.tokenizer, pieces_of_ids(
+                llm.tokenizer, parse_ids(t or "", llm.hf_config.vocab_size)))
         except ValueError as e:
             return f"<div style='color:#d62728'>{FH.esc(e)}</div>"
         if not pieces:

@@ -58,7 +58,7 @@ function drawHeatmap(ctx, s, width, height) {
                  + (s.x_title ? 18 : 4);
   const right = s.colorbar ? 62 : 12;
   const span = Math.max(cols, s.x_end || cols);       // the x range may run past the data
-  const px = yw, py = 28, pw = Math.max(40, width - yw - right), ph = Math.max(20, height - py - bottom);
+  const px = yw, py = (s.vlines || []).some(m => m.label) ? 40 : 28, pw = Math.max(40, width - yw - right), ph = Math.max(20, height - py - bottom);
   const cw = pw / span, rh = ph / Math.max(rows, 1);
   geom = {px, py, pw, ph, cw, rh, rows, cols};
   // cells: one pixel each in an offscreen image, scaled up without smoothing
@@ -101,12 +101,21 @@ function drawHeatmap(ctx, s, width, height) {
   for (const m of s.spans || []) {
     const x0 = px + m.from * cw, w = (m.to - m.from) * cw;
     if (m.fill) { ctx.fillStyle = m.fill; ctx.fillRect(x0, py, w, ph); }
-    if (m.label) text(ctx, m.label, x0 + 3, py + 8, 'left', 'middle', '#495057');
+    // the label only where it fits inside its span, never over the cells beside it
+    if (m.label && ctx.measureText(m.label).width + 6 <= w) {
+      ctx.save(); ctx.beginPath(); ctx.rect(x0, py, w, ph); ctx.clip();
+      text(ctx, m.label, x0 + 3, py + 8, 'left', 'middle', '#495057'); ctx.restore();
+    }
   }
   for (const m of s.vlines || []) {
     ctx.strokeStyle = m.colour; ctx.setLineDash([4, 3]); ctx.lineWidth = 1;
     ctx.beginPath(); ctx.moveTo(px + m.at * cw, py); ctx.lineTo(px + m.at * cw, py + ph); ctx.stroke();
     ctx.setLineDash([]);
+    if (m.label) {                    // named above the plot, beside the title's baseline
+      ctx.font = '10px Inter, system-ui, sans-serif';
+      text(ctx, m.label, px + m.at * cw + 2, py - 6, 'left', 'middle', '#495057');
+      ctx.font = FONT;
+    }
   }
   ctx.lineWidth = 2;
   for (const m of s.col_outlines || []) {
@@ -123,8 +132,12 @@ function drawHeatmap(ctx, s, width, height) {
   // axes: row labels, column ticks, titles
   const every = Math.max(1, Math.ceil(12 / rh));
   s.y_labels.forEach((l, r) => { if (r % every === 0) text(ctx, l, px - 6, py + (r + 0.5) * rh, 'right'); });
+  let labelEvery = 0;                 // rotated labels drawn >= 14 px apart, the rest thinned
   if (labelled) {
+    labelEvery = Math.max(1, Math.ceil(14 / cw));
+    geom.labelEvery = labelEvery;
     xl.forEach((l, c) => {
+      if (c % labelEvery) return;
       ctx.save(); ctx.translate(px + (c + 0.5) * cw, py + ph + 6); ctx.rotate(-Math.PI / 3);
       text(ctx, l, 0, 0, 'right', 'middle'); ctx.restore();
     });
@@ -234,6 +247,7 @@ function draw() {
   renders += 1;
   root.dataset.renders = renders;
   root.dataset.title = s.title || '';
+  root.dataset.labelEvery = (geom && geom.labelEvery) || '';
 }
 
 function cellAt(ev) {

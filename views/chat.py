@@ -15,17 +15,17 @@ from typing import Iterator, NamedTuple
 import gradio as gr
 
 from engine import ProbeSpec, SamplingParams
+from views.chat_context import context_line, fit_conversation
+from views.demo_tasks import DEMO_EXAMPLES, DEMO_NOTE, DEMO_PLACEHOLDER, is_demo_task
 from views.live import EngineHub
 
 DEFAULT_SYSTEM = "You are a helpful assistant. Answer briefly."
 DEMO_SYSTEM = "You are Glassbox, a tiny demo model."    # one the demo models were trained with
 MAX_MESSAGE_CHARS = 20_000
-# the demo models' trained tasks, in their exact prompt formats (tools/demo_data.py)
-DEMO_EXAMPLES = ("What is 47+38?", "Copy: glass box", "Reverse: c a t s",
-                 "Count the words: red fox moon", "Sort: 42 7 19 3")
 # the conversation so far goes with each message (the demos were trained on 1-3-turn chats);
 # untick it to send a message alone
-HISTORY_LABEL = "send the conversation so far (off: each message alone)"
+HISTORY_LABEL = ("send the conversation so far (off: each message alone; an example button "
+                 "always sends its task alone)")
 PATTERN_BYTES = 8 << 20     # the prompt's full attention pattern is kept when it fits this
 BUSY = "A reply is still streaming: wait for it, or press Stop. Your message stays in the box."
 
@@ -57,6 +57,29 @@ def build_messages(system: str, history: list[dict], message: str) -> list[dict]
     msgs += [{"role": m["role"], "content": _text_of(m["content"])} for m in history
              if m.get("role") in ("user", "assistant")]
     return msgs + [{"role": "user", "content": message}]
+
+
+def prompt_counter(llm):
+    """Messages -> prompt tokens, as the engine will encode them; None without a chat
+    template (then nothing is trimmed and the engine's own error speaks)."""
+    tok = llm.tokenizer
+    if tok is None or not getattr(tok, "chat_template", None):
+        return None
+    from engine.prompt import encode_chat
+    return lambda msgs: len(encode_chat(tok, msgs)[0])
+
+
+def fit_messages(llm, system: str, history: list[dict], message: str, max_tokens: int):
+    """build_messages, trimmed to the model's context (views/chat_context.py): (messages,
+    turns dropped, prompt tokens or None, reply budget)."""
+    msgs = build_messages(system, history, message)
+    count = prompt_counter(llm)
+    if count is None:
+        return msgs, 0, None, max_tokens
+    sys_msgs = msgs[:1] if msgs[0]["role"] == "system" else []
+    fitted = fit_conversation(sys_msgs, msgs[len(sys_msgs):-1], msgs[-1], max_tokens,
+                              int(llm.max_model_len), count)
+    return fitted
 
 
 def display(history: list[dict]) -> list[dict]:
@@ -158,28 +181,36 @@ def build(hub: EngineHub) -> ChatParts:
     demo = hub.is_demo()
     llm = hub.llm
     conversation = gr.State([])     # the messages as typed / generated: the model's history
+    noted = gr.State(False)         # the demo's "what I was trained on" note was shown
     with gr.Row():
         with gr.Column(scale=3):
+            gr.Markdown("Each reply is one engine request, streamed token by token; the other "
+                        "tabs show its internals live (Layers follows your latest reply).",
+                        elem_classes=["gb-help"], elem_id="chat-help")
             chatbot = gr.Chatbot(elem_id="chat-log", height=440, show_label=False,
                                  render_markdown=False, latex_delimiters=[], buttons=[],
                                  feedback_options=None,
                                  placeholder="Say something: the reply streams from the engine, "
                                              "and the other tabs show its internals live.")
             with gr.Row(visible=demo, elem_id="chat-examples") as examples:
-                gr.Markdown("Try a task the demo model was trained on:",
+                gr.Markdown("Try a task the demo model was trained on (sent alone):",
                             elem_id="chat-examples-label")
                 example_buttons = [gr.Button(text, size="sm", variant="secondary",
                                              elem_id=f"chat-example-{i}", min_width=60)
                                    for i, text in enumerate(DEMO_EXAMPLES)]
             with gr.Row():
-                box = gr.Textbox(placeholder="Message", show_label=False, scale=6,
-                                 elem_id="chat-input", autofocus=True, max_lines=6)
+                box = gr.Textbox(placeholder=DEMO_PLACEHOLDER if demo else "Message",
+                                 show_label=False, scale=6, elem_id="chat-input",
+                                 autofocus=True, max_lines=6)
                 send = gr.Button("Send", variant="primary", scale=1, elem_id="chat-send",
                                  min_width=80)
                 stop = gr.Button("Stop", variant="stop", scale=1, elem_id="chat-stop",
                                  min_width=80)
                 clear = gr.Button("Clear", scale=1, elem_id="chat-clear", min_width=80)
             stats = gr.Markdown("", elem_id="chat-stats")
+            context = gr.Markdown(context_line(llm.max_model_len, min(128, max_tokens_limit(llm))),
+                                  elem_id="chat-context")
+            note = gr.Markdown("", elem_id="chat-note")
         with gr.Column(scale=1, min_width=260):
             system = gr.Textbox(DEMO_SYSTEM if demo else DEFAULT_SYSTEM, label="System prompt",
                                 lines=3, elem_id="chat-system")
@@ -197,64 +228,89 @@ def build(hub: EngineHub) -> ChatParts:
     whatif = interventions.build(hub, conversation, box, system, max_tokens)
 
     def respond(message, history, system, temperature, top_p, top_k, max_tokens, ignore_eos,
-                keep, request: gr.Request):
+                keep, noted_before, request: gr.Request, alone: bool = False):
         key = request.session_hash if request else None
         history = list(history or [])
+        before = list(history)
         sess = hub.sessions.get(key or "anonymous")
+        skip = [gr.skip()] * 7
         if sess is not None and any(r.startswith("chat-") for r in sess.active):
             gr.Warning(BUSY)
-            yield gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip()
+            yield [gr.skip()] * 8
             return
         try:
             message = check_message(message)
             sampling = make_sampling(temperature, top_p, top_k, max_tokens, ignore_eos)
-            sent = build_messages(system, history if keep else [], message)
-            events = stream_reply(hub, key, sent, sampling,
-                                  watch=True)
+            llm = hub.llm
+            sent, dropped, n_prompt, budget = fit_messages(
+                llm, system, history if keep and not alone else [], message, sampling.max_tokens)
+            ctx = context_line(llm.max_model_len, budget, n_prompt, dropped)
+            # a free prompt on a demo: the model's answer, plus (once) what the demo can do
+            show_note = hub.is_demo() and not noted_before and not is_demo_task(message)
+            note_out = DEMO_NOTE if show_note else gr.skip()
+            noted_now = True if show_note else gr.skip()
+            events = stream_reply(hub, key, sent, sampling, watch=True)
             ev = None
             history = history + [{"role": "user", "content": message},
                                  {"role": "assistant", "content": ""}]
-            yield display(history), history, "", "generating…", busy_send()
+            yield (display(history), history, "", "generating…", busy_send(), ctx, note_out,
+                   noted_now)
             for ev in events:
                 history[-1]["content"] = ev.output_text
                 if not ev.finished:
-                    yield display(history), gr.skip(), gr.skip(), gr.skip(), gr.skip()
+                    yield [display(history)] + skip
             if ev is None:
+                yield display(before), before, gr.skip(), "", idle_send(), gr.skip(), \
+                    gr.skip(), gr.skip()
                 return
             reason = hub.abort_reason(ev.request_id) if ev.finish_reason == "abort" else None
             if reason == CLEARED:            # Clear emptied the chat: leave it empty
-                yield [], [], gr.skip(), "", idle_send()
+                yield [], [], gr.skip(), "", idle_send(), gr.skip(), gr.skip(), gr.skip()
                 return
             if reason:
                 history[-1]["cut"] = reason
-            yield (display(history), history, gr.skip(),
-                   format_stats(ev, finish_note(ev, hub.llm.max_model_len, reason)), idle_send())
+            done = finish_note(ev, hub.llm.max_model_len, reason)
+            if alone and keep:
+                done += " · sent alone (an example is its own conversation)"
+            yield (display(history), history, gr.skip(), format_stats(ev, done), idle_send(),
+                   gr.skip(), gr.skip(), gr.skip())
         except ValueError as e:      # bad input: say so, keep the conversation as it was
             gr.Warning(str(e))
-            yield gr.skip(), gr.skip(), gr.skip(), f"⚠️ {e}", idle_send()
+            yield (display(before), before, gr.skip(), f"⚠️ {e}", idle_send(), gr.skip(),
+                   gr.skip(), gr.skip())
         except RuntimeError as e:    # the engine failed or was shut down under this reply
             gr.Warning(str(e))
             if history and history[-1]["role"] == "assistant":
                 history[-1]["cut"] = str(e)
-            yield display(history), history, gr.skip(), f"⚠️ {e}", idle_send()
+            yield (display(history), history, gr.skip(), f"⚠️ {e}", idle_send(), gr.skip(),
+                   gr.skip(), gr.skip())
+
+    def respond_alone(message, history, system, temperature, top_p, top_k, max_tokens,
+                      ignore_eos, keep, noted_before, request: gr.Request):
+        yield from respond(message, history, system, temperature, top_p, top_k, max_tokens,
+                           ignore_eos, keep, noted_before, request, alone=True)
 
     inputs = [box, conversation, system, temperature, top_p, top_k, max_tokens, ignore_eos,
-              keep_history]
-    outputs = [chatbot, conversation, box, stats, send]
+              keep_history, noted]
+    outputs = [chatbot, conversation, box, stats, send, context, note, noted]
     # one dependency for Enter and Send: a second message while a reply streams is ignored
     # (trigger_mode "once"), and stays in the box; Send shows it is disabled meanwhile
     ev_send = gr.on([box.submit, send.click], respond, inputs, outputs, api_visibility="private",
                     show_progress="hidden", trigger_mode="once")
+    # an example is sent alone: each of the demo's tasks answers as trained whatever came
+    # before (the dense demo misses some tasks asked after another one in one conversation)
     for btn, text in zip(example_buttons, DEMO_EXAMPLES):
         btn.click(lambda text=text: text, None, box, api_visibility="private",
-                  queue=False).then(respond, inputs, outputs, api_visibility="private",
+                  queue=False).then(respond_alone, inputs, outputs, api_visibility="private",
                                     show_progress="hidden")
 
     def on_stop(request: gr.Request):
-        n = hub.abort_session(request.session_hash if request else None, "stopped by user")
-        return "stopping…" if n else gr.skip()
+        """Abort in the engine; the reply's own handler writes the stats line ("cut: stopped
+        by user") when its stream ends. Stop writes nothing there itself: its answer could
+        arrive after the reply's last update and leave a stale "stopping…" for good."""
+        hub.abort_session(request.session_hash if request else None, "stopped by user")
 
-    stop.click(on_stop, None, stats, api_visibility="private", queue=False)
+    stop.click(on_stop, None, None, api_visibility="private", queue=False)
 
     def on_clear(request: gr.Request):
         hub.abort_session(request.session_hash if request else None, CLEARED)

@@ -1,4 +1,6 @@
-"""Engine tab: the batch timeline, where step time goes, CUDA-graph use, and the TP map."""
+"""Engine tab: the batch timeline, where step time goes, CUDA-graph use (on the GPU) or the
+batch per step (on the CPU), a step history that outlives a burst, request latency
+percentiles, and the TP map."""
 from __future__ import annotations
 
 import time
@@ -6,26 +8,41 @@ import time
 import gradio as gr
 
 from views import figures as F
-from views.figures_engine import STEP_WINDOW, step_stats
+from views.figures_engine import (STEP_WINDOW, cpu_batch_figure, history_figure,
+                                  latency_markdown, step_stats)
 from views.live import TICK_IDLE_S, EngineHub, LiveTab, pace
 from views.live_plot import live_plot, plot_value
+from views.step_history import LATENCY_WINDOW_S, StepHistory, fold
 
 IDLE_NOTE_S = 1.0
+SIDE_EVERY_S = 1.0      # step-time and graphs panels: at most once a second
+SLOW_EVERY_S = 2.0      # history plot and latency table
+RATE_SPAN_S = 60.0      # the headline's token rates: busy time of the last minute
+HELP = ("**What this shows:** the engine's step loop. Each step runs one batch: chunks of "
+        "prompts (prefill) and one new token for each running reply (decode), batched "
+        "together (continuous batching). *Batch timeline*: which request ran in which step. "
+        "*Step time*: where a step's time went. *History* and *Latency* reach back minutes. "
+        "*TP map*: which rank holds which heads (the tensor-parallel head split).")
 
 
-def stats_line(snap, now: float | None = None) -> str:
-    """The tab's headline: step, median step time and busy-time token rates over the same
-    window of steps as the plots (so the median here is the step-time plot's)."""
+def stats_line(snap, now: float | None = None, history: StepHistory | None = None) -> str:
+    """The tab's headline: step, median step time over the plots' window, and token rates
+    per busy second over the last minute (from the aggregated history, so a burst's prefill
+    still counts after its steps left the engine's ring)."""
     steps = snap.steps
     if not steps:
         return "No engine steps yet: send a message or fire a burst from the KV cache tab."
     st = step_stats(steps, STEP_WINDOW)
     now = time.time() if now is None else now
     idle = now - steps[-1].wall_time
-    rates = ""
-    if st.decode_tok_s is not None:
+    if history is not None:
+        pre, dec, busy = history.rates(now, RATE_SPAN_S)
+        rates = (f" · **{dec:.0f}** decode tok/s, **{pre:.0f}** prefill tok/s while busy in the "
+                 f"last minute ({busy:.2f} s busy)") if busy > 0 else ""
+    else:
         rates = (f" · **{st.decode_tok_s:.0f}** decode tok/s, {st.prefill_tok_s:.0f} prefill "
-                 f"tok/s while busy ({st.busy_s:.2f} s busy)")
+                 f"tok/s while busy ({st.busy_s:.2f} s busy)") if st.decode_tok_s is not None \
+            else ""
     state = (f" · idle for {idle:.0f} s" if idle >= IDLE_NOTE_S and not snap.running
              else f" · {len(snap.running)} running, {len(snap.waiting)} waiting")
     return (f"step **{steps[-1].step_id}** · median **{st.median_ms:.1f} ms**/step over the "
@@ -33,10 +50,18 @@ def stats_line(snap, now: float | None = None) -> str:
             f"{steps[-1].collectives} collectives/step")
 
 
+def graphs_figure(snap):
+    """CUDA graphs on the GPU; on the CPU (no graphs there) the batch of each step."""
+    if str(snap.device).startswith("cpu"):
+        return cpu_batch_figure(snap.steps)
+    return F.cuda_graph_figure(snap.steps)
+
+
 def build(hub: EngineHub) -> LiveTab:
     """The Engine tab's components and events; returns its timer and refresh."""
     timer = gr.Timer(TICK_IDLE_S, active=False)
     last = gr.State({})
+    gr.Markdown(HELP, elem_classes=["gb-help"], elem_id="engine-help")
     stats = gr.Markdown("", elem_id="engine-stats")
     timeline = live_plot("engine-timeline")
     with gr.Row():
@@ -44,14 +69,20 @@ def build(hub: EngineHub) -> LiveTab:
             steptime = live_plot("engine-steptime")
         with gr.Column(scale=1):
             graphs = live_plot("engine-graphs")
+    with gr.Row():
+        with gr.Column(scale=3):
+            history = live_plot("engine-history")
+        with gr.Column(scale=2):
+            latency = gr.Markdown("", elem_id="engine-latency")
     tp = live_plot("engine-tp")
-    outputs = [stats, timeline, steptime, graphs, tp, last, timer]
+    outputs = [stats, timeline, steptime, graphs, history, latency, tp, last, timer]
 
     def tick(last_keys: dict):
         out = {o: gr.skip() for o in outputs}
         if hub.switching:
             return out
         snap = hub.snapshot()
+        hist = fold(hub, snap)
         now = time.time()
         keys = dict(last_keys)
         pace(timer, keys, snap, out)
@@ -60,15 +91,27 @@ def build(hub: EngineHub) -> LiveTab:
         idle_s = int(now - snap.steps[-1].wall_time) if snap.steps else 0
         if keys.get("key") == key:          # idle: only the "idle for" note moves
             if idle_s != keys.get("idle"):
-                out[stats] = stats_line(snap, now)
+                out[stats] = stats_line(snap, now, hist)
         else:
             if keys.get("model") != snap.model_name:
                 out[tp] = plot_value(F.tp_map_figure(snap.tp_layout, snap.num_heads,
                                                      snap.num_kv_heads))
-            out.update({stats: stats_line(snap, now),
-                        timeline: plot_value(F.batch_timeline_figure(snap.steps)),
-                        steptime: plot_value(F.step_time_figure(snap.steps)),
-                        graphs: plot_value(F.cuda_graph_figure(snap.steps))})
+            out.update({stats: stats_line(snap, now, hist),
+                        timeline: plot_value(F.batch_timeline_figure(snap.steps))})
+        # the two side panels at most SIDE_EVERY_S apart (and once more when the engine went
+        # quiet): every plotly redraw costs the page's main thread, and the timeline is the
+        # one that shows each step
+        if keys.get("side_key") != key and now - keys.get("side_t", 0) >= SIDE_EVERY_S:
+            out.update({steptime: plot_value(F.step_time_figure(snap.steps)),
+                        graphs: plot_value(graphs_figure(snap))})
+            keys.update(side_t=now, side_key=key)
+        # the minutes-long views move slowly: every SLOW_EVERY_S is enough
+        if now - keys.get("slow_t", 0) >= SLOW_EVERY_S:
+            out[history] = plot_value(history_figure(hist.series(), now))
+            lat = latency_markdown(hist.latency(now), LATENCY_WINDOW_S)
+            if lat != keys.get("latency"):
+                out[latency] = keys["latency"] = lat
+            keys["slow_t"] = now
         keys.update(key=key, model=snap.model_name, idle=idle_s)
         out[last] = keys
         return out

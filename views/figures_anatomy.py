@@ -11,13 +11,14 @@ import numpy as np
 import plotly.graph_objects as go
 
 from engine.anatomy import KVDataPlane, ShapeRow, TPPlan, WeightBreakdown
-from views.figures_common import Figure, empty_figure, make_figure
+from views.figures_common import Figure, empty_figure, fmt_bytes, make_figure  # noqa: F401
 
 GROUP_COLOURS = {
     "embedding": "#4e79a7", "attention": "#f28e2b", "norms": "#bab0ac", "mlp": "#59a14f",
     "router": "#e15759", "experts": "#76b7b2", "shared expert": "#edc948",
     "shared gate": "#b07aa1", "final norm": "#9c755f", "lm head": "#ff9da7",
 }
+MIN_VISIBLE = 0.006        # the narrowest share of the weights bar drawn (see weights_figure)
 K_COLOUR, V_COLOUR = "#4e79a7", "#f28e2b"
 TOP_LEGEND = dict(orientation="h", y=1.02, x=1, xanchor="right", yanchor="bottom")
 
@@ -27,14 +28,6 @@ def fmt_count(n: float) -> str:
         if abs(n) >= scale:
             return f"{n / scale:.3g} {unit}"
     return f"{n:.0f}"
-
-
-def fmt_bytes(n: float) -> str:
-    """Decimal units, as GPU memory is sold (an H200 has 141 GB)."""
-    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if abs(n) >= scale:
-            return f"{n / scale:.3g} {unit}"
-    return f"{n:.0f} B"
 
 
 def _shade(hex_colour: str, t: float) -> str:
@@ -58,7 +51,8 @@ def _figure(traces: list, title: str, **kw) -> Figure:
 def weights_figure(w: WeightBreakdown) -> Figure:
     """Bytes per part as one stacked bar (and, for MoE, the bytes one token reads)."""
     rows = ["all weights"] + (["read per token"] if w.active_params != w.total_params else [])
-    traces, shown = [], set()
+    traces, shown, callouts, offset = [], set(), [], 0
+    sum_bytes = w.total_params * w.elem_bytes
     for p in w.parts:
         if p.params == 0:
             continue
@@ -66,22 +60,33 @@ def weights_figure(w: WeightBreakdown) -> Figure:
         shape = " + ".join("×".join(map(str, s)) for s in p.shapes)
         where = f"× {p.instances} layers" if p.layers else "once"
         values = [p.params * w.elem_bytes, p.active_params * w.elem_bytes][:len(rows)]
+        # a part under MIN_VISIBLE of the bar (the norms: KiB beside MiB of matrices) is too
+        # thin to see: a callout points at it with its size
+        if values[0] < MIN_VISIBLE * sum_bytes:
+            callouts.append(dict(x=offset + values[0] / 2, y=rows[0], xref="x", yref="y",
+                                 text=f"{p.label}: {fmt_bytes(values[0])} "
+                                      f"({100 * values[0] / max(1, sum_bytes):.2g} %)",
+                                 showarrow=True, arrowhead=2, ax=0, ay=-28 - 16 * len(callouts),
+                                 font=dict(size=11, color=colour)))
+        offset += values[0]
         traces.append(go.Bar(
             y=rows, x=values, orientation="h", name=p.group, legendgroup=p.group,
             showlegend=p.group not in shown, marker=dict(color=colour, line=dict(color="white",
                                                                               width=1)),
-            customdata=[[p.label, shape, where, fmt_count(p.params), fmt_count(p.active_params)]]
-            * len(rows),
+            customdata=[[p.label, shape, where, fmt_count(p.params), fmt_count(p.active_params),
+                         fmt_bytes(p.params * w.elem_bytes)]] * len(rows),
             hovertemplate="<b>%{customdata[0]}</b> [%{customdata[1]}] %{customdata[2]}<br>"
-                          "%{customdata[3]} params · %{x:,} bytes<br>"
+                          "%{customdata[3]} params · %{customdata[5]}<br>"
                           "per token: %{customdata[4]}<extra>%{fullData.name}</extra>"))
         shown.add(p.group)
     title = (f"Weights: {fmt_count(w.total_params)} parameters = {fmt_bytes(w.total_bytes)} "
              f"as {w.dtype}" + (", embedding tied to the LM head" if w.tied else ""))
     if len(rows) > 1:
         title += f" · {fmt_count(w.active_params)} read per token"
-    return _figure(traces, title, uirevision="anatomy-weights", height=150 + 40 * len(rows),
-                       barmode="stack", legend=TOP_LEGEND, margin=dict(l=110, r=20, t=80, b=40),
+    return _figure(traces, title, uirevision="anatomy-weights",
+                   height=150 + 40 * len(rows) + 16 * len(callouts), annotations=callouts,
+                       barmode="stack", legend=TOP_LEGEND,
+                       margin=dict(l=110, r=20, t=80 + 16 * len(callouts), b=40),
                        xaxis=dict(title="bytes", rangemode="tozero"),
                        yaxis=dict(autorange="reversed"))
 

@@ -12,10 +12,15 @@ import zlib
 
 import numpy as np
 
-# Qualitative palette (Tableau 20 order, dark shades first) so neighbouring request ids differ.
+# 32 request colours, each >= 27 CIELAB ΔE76 from every other and from the free, evictable and
+# shared-outline greys (chosen greedily, max-min distance, from an RGB grid with lightness 30-78
+# and chroma > 35; tests/test_figures_palette.py checks it): a busy cache with dozens of
+# requests keeps them apart, and sequential ids (trailing counters) get the most distinct first.
 PALETTE = [
-    "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#17becf",
-    "#bcbd22", "#393b79", "#e6550d", "#31a354", "#843c39", "#7b4173", "#3182bd", "#637939",
+    "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#0000ff", "#ff46d1", "#745d00", "#5d5de8",
+    "#8b2e5d", "#00d1b9", "#d1b900", "#ffa28b", "#e8a2e8", "#175d2e", "#d117ff", "#a2b974",
+    "#ff0074", "#00d1ff", "#8b00a2", "#00d100", "#8b462e", "#5d468b", "#a2d100", "#008bff",
+    "#e8a246", "#748b00", "#ff74a2", "#a2b9ff", "#d174ff", "#5d17d1", "#ff0000", "#b946a2",
 ]
 FREE_COLOUR = "#e9ecef"
 EVICTABLE_COLOUR = "#adb5bd"
@@ -128,6 +133,19 @@ def plotly_text(text: str) -> str:
     """Text for a plotly label, title or hover, which render a subset of HTML: markup in
     token text (`<b>`, `<a href=...>`) shows as typed instead."""
     return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+
+
+def fmt_bytes(n: float) -> str:
+    """Bytes in binary units (KiB, MiB, GiB, TiB), the one convention of every tab: the KV
+    tab, the Engine tab and Anatomy print the same cache with the same number."""
+    n = float(n)
+    if abs(n) < 1024:
+        return f"{n:.0f} B"
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        n /= 1024
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}"
+    return f"{n:.1f} TiB"
 
 
 def short_text(text: str, limit: int = 12) -> str:

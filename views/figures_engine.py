@@ -8,8 +8,8 @@ import numpy as np
 
 from engine.records import RankLayout, StepTrace
 from views.figures_common import (DECODE_COLOUR, PALETTE, PHASE_COLOURS, PREFILL_COLOUR,
-                                  Figure, bar, empty_figure, heatmap, legend_title, make_figure,
-                                  scatter)
+                                  Figure, bar, empty_figure, fmt_bytes, heatmap, legend_title,
+                                  make_figure, scatter)
 
 STEP_WINDOW = 64          # steps shown; the x range is fixed to this many
 MAX_TIMELINE_ROWS = 24    # most recent requests in the timeline
@@ -106,7 +106,10 @@ def batch_timeline_figure(steps: Sequence[StepTrace], window: int = STEP_WINDOW)
         traces, legend_title("Batch timeline: tokens per step (top), requests in each step "
                              "(below)", {"prefill": PREFILL_COLOUR, "decode": DECODE_COLOUR}),
         uirevision="engine-timeline", height=max(340, 18 * len(rids) + 240),
-        margin=dict(l=70, r=20, t=62, b=40), xaxis=dict(range=xrange, title="step", anchor="y2", tickformat="d"),
+        # the left margin fits the longest request id: ids are never cut ("chatcmpl-5df0d9a-5")
+        margin=dict(l=min(280, 40 + 7 * max(len(r) for r in rids)) if rids else 70, r=20, t=62,
+                    b=40),
+        xaxis=dict(range=xrange, title="step", anchor="y2", tickformat="d"),
         yaxis=int_axis(max(p + d for p, d in zip(prefill, decode)), domain=[0.68, 1],
                        title="tokens"),
         yaxis2=dict(domain=[0, 0.62], title="request", type="category", autorange="reversed"))
@@ -177,7 +180,7 @@ def tp_map_figure(tp_layout: Sequence[RankLayout], num_heads: int, num_kv_heads:
     traces = []
     for r in tp_layout:
         colour = PALETTE[r.rank % len(PALETTE)]
-        hover = (f"rank {r.rank}<br>KV cache {r.kv_cache_bytes / 2**20:.1f} MiB"
+        hover = (f"rank {r.rank}<br>KV cache {fmt_bytes(r.kv_cache_bytes)}"
                  f"<br>vocab [{r.vocab_slice[0]}, {r.vocab_slice[1]})")
         for axis, heads in (("", r.q_heads), ("2", r.kv_heads)):
             traces.append(scatter(
@@ -211,3 +214,85 @@ def tp_map_figure(tp_layout: Sequence[RankLayout], num_heads: int, num_kv_heads:
         yaxis2=dict(domain=panels[1], **cat),
         xaxis3=dict(title="intermediate dim", anchor="y3"),
         yaxis3=dict(domain=panels[2], **cat))
+
+
+def cpu_batch_figure(steps: Sequence[StepTrace], window: int = STEP_WINDOW) -> Figure:
+    """On the CPU, where CUDA graphs do not exist: what each step ran (requests in the batch,
+    prefill and decode tokens), instead of a panel of 'eager' steps that could be nothing else."""
+    if not steps:
+        return empty_figure("No engine steps yet", "Batch per step")
+    steps, xrange = _window(steps, window)
+    x = [s.step_id for s in steps]
+    traces = [
+        scatter(x=x, y=[len(s.entries) for s in steps], mode="lines", name="requests in batch",
+                line=dict(color="#333", width=1.5, shape="hv"),
+                hovertemplate="step %{x}<br>%{y} requests<extra></extra>"),
+        scatter(x=x, y=[s.num_running for s in steps], mode="lines", name="running",
+                line=dict(color=DECODE_COLOUR, width=1, shape="hv", dash="dot"),
+                hovertemplate="step %{x}<br>%{y} running<extra></extra>"),
+        scatter(x=x, y=[s.num_waiting for s in steps], mode="lines", name="waiting",
+                line=dict(color=PREFILL_COLOUR, width=1, shape="hv", dash="dot"),
+                hovertemplate="step %{x}<br>%{y} waiting<extra></extra>"),
+    ]
+    top = max([len(s.entries) for s in steps] + [s.num_running + s.num_waiting for s in steps])
+    return make_figure(
+        traces, legend_title("Batch per step (CPU: no CUDA graphs — each step runs eagerly, "
+                             "one at a time)", {"requests in batch": "#333",
+                                               "running": DECODE_COLOUR,
+                                               "waiting": PREFILL_COLOUR}),
+        uirevision="engine-graphs", height=290, margin=dict(l=60, r=20, t=62, b=40),
+        xaxis=dict(title="step", range=xrange, tickformat="d"),
+        yaxis=int_axis(top, title="requests"))
+
+
+def history_figure(buckets: Sequence, now: float, span_s: float = 15 * 60) -> Figure:
+    """Tokens per second over the last `span_s` seconds from the view's aggregated history
+    (views/step_history.py): 1-second buckets for the last two minutes, 10-second ones before."""
+    title = "Engine history: tokens/s, last 15 min (older than 2 min: 10-s averages)"
+    if not buckets:
+        return empty_figure("No engine steps yet", title)
+    x = [round(b.t + b.width / 2 - now, 1) for b in buckets]
+    pre = [b.prefill_tokens / b.width for b in buckets]
+    dec = [b.decode_tokens / b.width for b in buckets]
+    traces = [
+        scatter(x=x, y=pre, name="prefill tok/s", mode="lines", stackgroup="tok",
+                line=dict(color=PREFILL_COLOUR, width=1, shape="hv"),
+                hovertemplate="%{x:.0f} s: %{y:.0f} prefill tok/s<extra></extra>"),
+        scatter(x=x, y=dec, name="decode tok/s", mode="lines", stackgroup="tok",
+                line=dict(color=DECODE_COLOUR, width=1, shape="hv"),
+                hovertemplate="%{x:.0f} s: %{y:.0f} decode tok/s<extra></extra>"),
+        scatter(x=x, y=[b.max_running for b in buckets], name="running", mode="lines",
+                line=dict(color="#333", width=1, shape="hv"), yaxis="y2",
+                hovertemplate="%{x:.0f} s: %{y} running<extra></extra>"),
+    ]
+    return make_figure(
+        traces, legend_title(title, {"prefill tok/s": PREFILL_COLOUR,
+                                     "decode tok/s": DECODE_COLOUR, "running (right)": "#333"}),
+        uirevision="engine-history", height=260, margin=dict(l=60, r=50, t=62, b=40),
+        # the span with data (at least a minute, at most span_s): a new server's first burst
+        # is not squeezed into the right edge of an empty quarter hour
+        xaxis=dict(title="seconds ago",
+                   range=[-min(span_s, max(60.0, now - buckets[0].t)), 0]),
+        yaxis=dict(title="tok/s", rangemode="tozero"),
+        yaxis2=dict(overlaying="y", side="right", rangemode="tozero", tickformat="d",
+                    showgrid=False, title="running"))
+
+
+def _ms(v: float) -> str:
+    return f"{1e3 * v:.0f}" if v >= 0.01 else f"{1e3 * v:.1f}"
+
+
+def latency_markdown(lat: dict, window_s: float) -> str:
+    """The latency panel: TTFT, inter-token and end-to-end p50 / p90 / p99, in ms."""
+    head = (f"**Latency, last {window_s / 60:.0f} min** ({lat['requests']} requests finished, "
+            f"{lat['tokens']} token gaps; measured in engine steps from each request's first "
+            "scheduled step, queueing before it not included)")
+    if not lat["requests"] and not lat["tokens"]:
+        return head + ": none yet."
+    rows = ["| | p50 | p90 | p99 |", "| --- | --- | --- | --- |"]
+    for name, key in (("time to first token (ms)", "ttft"), ("inter-token (ms)", "itl"),
+                      ("end to end (ms)", "e2e")):
+        p = lat[key]
+        rows.append(f"| {name} | " + (" | ".join(_ms(v) for v in p) if p else "— | — | —")
+                    + " |")
+    return head + "\n\n" + "\n".join(rows)

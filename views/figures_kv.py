@@ -9,8 +9,9 @@ from typing import Callable, Sequence
 import numpy as np
 
 from engine.records import EngineSnapshot, KVLayout
-from views.figures_common import (EVICTABLE_COLOUR, FREE_COLOUR, Figure, heatmap, legend_title,
-                                  make_figure, plotly_text, request_colour, scatter, short_text)
+from views.figures_common import (EVICTABLE_COLOUR, FREE_COLOUR, Figure, fmt_bytes, heatmap,
+                                  legend_title, make_figure, plotly_text, request_colour, scatter,
+                                  short_text)
 
 Decode = Callable[[Sequence[int]], str]
 MAX_MAP_CELLS = 16384     # a GPU cache can hold 100k blocks; past this only busy ones are drawn
@@ -18,14 +19,6 @@ MAP_ROW = 32              # the drawn region grows a row of this many blocks at 
 MAP_MIN_CELLS = 256       # ... and is never smaller than this
 MAX_TABLE_ROWS = 24
 MAX_TABLE_CELLS = 96
-
-
-def _fmt_bytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"
 
 
 def block_state(block) -> str:
@@ -190,8 +183,8 @@ def kv_layout_markdown(layout: KVLayout, block_size: int) -> str:
         if len(layout.shape) == len(names) else " × ".join(map(str, layout.shape))
     return (f"**Physical KV cache** `{list(layout.shape)}` ({dims}), `{layout.dtype}`\n\n"
             f"| per token | per block ({block_size} tokens) | total |\n|---|---|---|\n"
-            f"| {_fmt_bytes(layout.bytes_per_token)} | {_fmt_bytes(layout.bytes_per_block)} | "
-            f"{_fmt_bytes(layout.total_bytes)} |")
+            f"| {fmt_bytes(layout.bytes_per_token)} | {fmt_bytes(layout.bytes_per_block)} | "
+            f"{fmt_bytes(layout.total_bytes)} |")
 
 
 def kv_block_figure(data: np.ndarray, block_id: int, layer: int, head: int, which: str,
@@ -209,4 +202,7 @@ def kv_block_figure(data: np.ndarray, block_id: int, layer: int, head: int, whic
         [heat], f"{which.upper()} of block {block_id}, layer {layer}, kv head {head}",
         uirevision=f"kv-block-{data.shape}", height=max(260, 18 * data.shape[0] + 90),
         xaxis=dict(title="head dim"),
-        yaxis=dict(title="slot: token", autorange="reversed", type="category"))
+        # automargin: the slot labels ("3: <|im_end|>") are never cut at the left edge (this
+        # figure is drawn once per click, so plotly's label measuring costs nothing live)
+        yaxis=dict(title="slot: token", autorange="reversed", type="category",
+                   automargin=True))

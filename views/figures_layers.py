@@ -57,7 +57,8 @@ def norms_figure(trace: RequestTrace, token: int | None = None) -> Chart:
     """Residual-stream L2 norm, layer × token; prompt/reply boundary and scrubbed token marked,
     prefix-cached tokens (never computed for this request) greyed."""
     norms = trace.norms()                                     # [T, num_layers + 1]
-    title = "Residual norms (layer × token) · click a token to scrub to it"
+    title = ("Residual norms (layer × token) · dashed line: where the reply starts · click a "
+             "token to scrub to it")
     if len(norms) == 0:
         return empty_chart("No tokens processed yet", title)
     t = len(norms)
@@ -84,7 +85,8 @@ def norms_figure(trace: RequestTrace, token: int | None = None) -> Chart:
         else None,
         "col_text": texts, "x_name": "token", "value_name": "‖resid‖", "x_title": "token position",
         "spans": spans,
-        "vlines": [{"at": n_prompt, "colour": "#ffffff"}] if 0 < n_prompt < t else [],
+        "vlines": [{"at": n_prompt, "colour": "#ffffff", "label": "reply →"}]
+        if 0 < n_prompt < t else [],
         "col_outlines": [{"from": token, "to": token + 1, "colour": CHOSEN}]
         if token is not None and 0 <= token < t else [],
         "colorbar": {"title": "‖resid‖", "ticks": _ticks(zmin, zmax)},

@@ -13,6 +13,7 @@ from engine import SamplingParams
 from views import figures as F
 from views.live import TICK_IDLE_S, EngineHub, LiveTab, pace
 from views.live_plot import live_plot, plot_value
+from views.step_history import fold
 
 BURST_SYSTEM = (
     "You are the tour guide of a small museum of computing history. The museum has three "
@@ -103,6 +104,12 @@ MAP_TEMPLATE = ('<div class="kv-map"><div class="kv-legend"></div>'
                 '<canvas class="kv-canvas"></canvas><div class="kv-note"></div>'
                 '<div class="kv-tip"></div></div>')
 MAP_JS = (Path(__file__).with_name("kv_map.js")).read_text()
+HELP = ("**What this shows:** the paged KV cache. Each cell is one physical block of "
+        "`block size` token slots; a block holds the keys and values of those tokens for every "
+        "layer (L × 2 regions: see Anatomy §3). Colour = the request that owns it, height of the "
+        "fill = slots written, a dot = shared by several requests (a cached prefix), hatching = "
+        "free but still holding a reusable prefix. Hover a block for its text; click it for its "
+        "numbers.")
 DRILL_HINT = ("Click a block in the map (or type its id) to see its K or V numbers: one row per "
               "token slot, one column per head dimension.")
 
@@ -117,6 +124,7 @@ def build(hub: EngineHub) -> LiveTab:
     """The KV tab's components and events; returns its timer and refresh."""
     timer = gr.Timer(TICK_IDLE_S, active=False)
     last = gr.State({})
+    gr.Markdown(HELP, elem_classes=["gb-help"], elem_id="kv-help")
     stats = gr.Markdown("", elem_id="kv-stats")
     with gr.Row(visible=getattr(hub, "burst_enabled", True)):      # --no-burst hides it
         burst_n = gr.Slider(2, MAX_BURST, 6, step=1, label="requests in burst", scale=1,
@@ -144,7 +152,7 @@ def build(hub: EngineHub) -> LiveTab:
         with gr.Column(scale=1):
             usage = live_plot("kv-usage")
     layout = gr.Markdown("", elem_id="kv-layout")
-    with gr.Accordion("Drilldown: the numbers in one block", open=True):
+    with gr.Accordion("Drilldown: the numbers in one block", open=True, elem_id="kv-drill"):
         with gr.Row():
             block = gr.Number(None, label="block id", precision=0, minimum=0,
                               elem_id="kv-drill-block")
@@ -159,6 +167,7 @@ def build(hub: EngineHub) -> LiveTab:
         if hub.switching:
             return {last: last_keys}
         snap = hub.snapshot()
+        fold(hub, snap)              # the Engine tab's history keeps counting meanwhile
         now = time.time()
         key = state_key(snap)
         out = {}

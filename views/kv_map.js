@@ -99,9 +99,15 @@ function draw() {
   const c = v.counts;
   const sw = (cls, colour, label) =>
     `<span><i class="kv-swatch ${cls}" style="background:${colour}"></i>${label}</span>`;
+  // the owned / shared swatches show the colours of the requests drawn (one stripe each, up
+  // to six), never a colour that is no request's
+  const inUse = v.colours.slice(0, 6), stripes = inUse.length
+    ? `linear-gradient(90deg, ${inUse.map((col, k) => `${col} ${100 * k / inUse.length}% ` +
+                                           `${100 * (k + 1) / inUse.length}%`).join(', ')})`
+    : '#495057';
   legend.innerHTML = [
-    sw('kv-owned', '#1f77b4', `owned ${c.owned}`),
-    sw('kv-shared', '#1f77b4', `shared (ref&gt;1) ${c.shared}`),
+    sw('kv-owned', stripes, `owned ${c.owned} (colour = request)`),
+    sw('kv-shared', stripes, `shared (ref&gt;1) ${c.shared}`),
     sw('kv-evictable', v.colour_evictable, `cached, free (evictable) ${c.evictable}`),
     sw('kv-free', v.colour_free, `free ${c.free}`),
     `<span class="kv-legend-fill">fill = slots written / ${bs} · hover a block for its text, ` +
@@ -138,14 +144,28 @@ root.kvCellCenter = (id) => {
           y: r.top + PAD + Math.floor(k / layout.cols) * step + layout.cell / 2};
 };
 
+// the hover card lives on <body> with fixed position: inside the map's box (overflow hidden,
+// CSS containment) it was clipped at the box's edge; here it is kept inside the window
+document.body.appendChild(tip);
+tip.style.position = 'fixed';
+function placeTip(ev) {
+  tip.style.display = 'block';
+  const w = tip.offsetWidth, h = tip.offsetHeight;
+  let x = ev.clientX + 14, y = ev.clientY + 14;
+  if (x + w > window.innerWidth - 4) x = Math.max(4, ev.clientX - w - 10);
+  if (y + h > window.innerHeight - 4) y = Math.max(4, ev.clientY - h - 10);
+  tip.style.left = x + 'px'; tip.style.top = y + 'px';
+}
+let lastEv = null;
+new MutationObserver(() => { if (lastEv && tip.style.display === 'block') placeTip(lastEv); })
+  .observe(tip, {childList: true, characterData: true, subtree: true});
+
 let hovered = null, pending = null;
 canvas.addEventListener('mousemove', (ev) => {
   const id = cellAt(ev);
   if (id === null) { tip.style.display = 'none'; hovered = null; return; }
-  const r = root.getBoundingClientRect();
-  tip.style.left = (ev.clientX - r.left + 14) + 'px';
-  tip.style.top = (ev.clientY - r.top + 14) + 'px';
-  tip.style.display = 'block';
+  lastEv = ev;
+  placeTip(ev);
   if (id === hovered) return;
   hovered = id;
   const v = data(), i = byId.get(id);
@@ -163,7 +183,11 @@ canvas.addEventListener('mousemove', (ev) => {
 canvas.addEventListener('mouseleave', () => { tip.style.display = 'none'; hovered = null; });
 canvas.addEventListener('click', (ev) => {
   const id = cellAt(ev);
-  if (id !== null) trigger('click', {block: id});
+  if (id === null) return;
+  trigger('click', {block: id});
+  // the K/V numbers open below the map: bring them into view, or the click seems to do nothing
+  const target = document.getElementById('kv-drill');
+  if (target) target.scrollIntoView({behavior: 'smooth', block: 'start'});
 });
 // redraw when the tab shows or the window resizes (the canvas never widens its box: the
 // box's width is the parent's, so drawing cannot feed back into a resize)

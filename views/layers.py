@@ -11,21 +11,36 @@ import numpy as np
 from views import figures as F
 from views.live import TICK_IDLE_S, EngineHub, LiveTab, pace
 from views.canvas_chart import canvas_chart, chart_value, empty_chart
+from views.step_history import fold
 
 LOAD_STEPS = 32      # expert load is summed over this many recent steps: one step is too noisy
-AUTO = "auto"
-SLIDER_CHUNK = 64     # tokens the slider's range grows by at a time
+AUTO = "auto"        # this page's own latest reply
+SERVER = "server"    # the newest traced request on the server, whoever sent it (API too)
+AUTO_LABEL = "yours: this page's latest reply"
+SERVER_LABEL = "server-wide: the newest traced request (any page or API client)"
+SLIDER_CHUNK = 8      # tokens the slider's range grows by at a time while a reply streams
 NO_REQUEST = ("Nothing traced yet. Send a message in the **Chat** tab: its reply is traced "
               "here token by token (norms, logit lens, attention, routing), and so is any API "
               "request that asks for a trace.")
+NO_OWN = ("This page has sent no message yet: send one in the **Chat** tab and its reply shows "
+          "here token by token. To watch what others (other pages, API clients) are running, "
+          "pick *server-wide* under *traced request*.")
+HELP = ("**What this shows:** one traced reply inside the model, token by token. *Residual "
+        "norms*: the size of the residual stream after each layer (layer × token). *Logit "
+        "lens*: what each layer would predict if the model stopped there. *Attention*: where "
+        "the chosen token looks, per head, rebuilt from the paged KV cache. Scrub with the "
+        "slider, or click a token or a head.")
+
+
 def resolve_request(choice: str | None, own: str | None, traced: list[str]) -> str | None:
-    """The request to show: an explicit choice, else (auto) the session's own latest reply,
-    else the newest traced request."""
+    """The request to show: an explicit choice; server-wide: the newest traced request;
+    else (the default) this page's own latest reply, or nothing while it has none (a new
+    page never opens on someone else's reply)."""
+    if choice == SERVER:
+        return traced[0] if traced else None
     if choice and choice != AUTO:
         return choice
-    if own and own in traced:
-        return own
-    return traced[0] if traced else None
+    return own if own and own in traced else None
 
 
 def request_choices(traced: list[str], own: set[str], running: set[str]) -> list[tuple[str, str]]:
@@ -33,7 +48,17 @@ def request_choices(traced: list[str], own: set[str], running: set[str]) -> list
     def label(r):
         tags = (["yours"] if r in own else []) + (["streaming"] if r in running else [])
         return f"{r} ({', '.join(tags)})" if tags else r
-    return [("auto: your latest reply, else the newest", AUTO)] + [(label(r), r) for r in traced]
+    return [(AUTO_LABEL, AUTO), (SERVER_LABEL, SERVER)] + [(label(r), r) for r in traced]
+
+
+def slider_max(t: int, finished: bool) -> int:
+    """The token slider's end for a trace of `t` tokens: the last token once the reply is
+    finished (the knob at the end is the last token); while it streams, the range grows
+    SLIDER_CHUNK tokens at a time (a props update costs the browser ~45 ms, a value a few),
+    so the knob stays within a chunk of the end."""
+    if finished or t <= 1:
+        return max(t - 1, 1)
+    return max(-(-t // SLIDER_CHUNK) * SLIDER_CHUNK - 1, 1)
 
 
 def attention_note(tr, tok: int) -> str:
@@ -49,10 +74,12 @@ def build(hub: EngineHub) -> LiveTab:
     """The Layers tab's components and events; returns its timer and refresh."""
     timer = gr.Timer(TICK_IDLE_S, active=False)
     last = gr.State({})
-    status = gr.Markdown(NO_REQUEST, elem_id="layers-status")
+    gr.Markdown(HELP, elem_classes=["gb-help"], elem_id="layers-help")
+    status = gr.Markdown(NO_OWN, elem_id="layers-status")
     with gr.Row():
-        req = gr.Dropdown([("auto: your latest reply, else the newest", AUTO)], value=AUTO,
-                          label="traced request", elem_id="layers-request", scale=2)
+        req = gr.Dropdown([(AUTO_LABEL, AUTO), (SERVER_LABEL, SERVER)], value=AUTO,
+                          label="traced request (yours by default; server-wide: everyone's)",
+                          elem_id="layers-request", scale=2)
         token = gr.Slider(0, 1, 0, step=1, label="token (position in prompt + reply)",
                           elem_id="layers-token", scale=4)
         follow = gr.Checkbox(True, label="follow newest token", elem_id="layers-follow",
@@ -84,13 +111,14 @@ def build(hub: EngineHub) -> LiveTab:
         sess = hub.session(request.session_hash if request else None)
         llm = hub.llm
         snap = hub.snapshot()
+        fold(hub, snap)              # the Engine tab's history keeps counting meanwhile
         traced = llm.traced_requests()
         moe = snap.moe is not None
         out = dict(zip(outputs, skip_all))
         keys = dict(last_keys)
         pace(timer, keys, snap, out)
         note = ""
-        if choice not in (None, AUTO) and choice not in traced:
+        if choice not in (None, AUTO, SERVER) and choice not in traced:
             note = f" (`{choice}` is no longer traced: the engine keeps the newest traces only)"
             choice = AUTO
             out[req] = gr.Dropdown(value=AUTO)
@@ -109,7 +137,8 @@ def build(hub: EngineHub) -> LiveTab:
             if keys.get("key") == key:
                 return [out[o] for o in outputs[:-1]] + [keys]
             keys["key"] = key
-            msg = (f"Waiting for `{rid}`'s first step…" if tr is not None else NO_REQUEST) + note
+            msg = (f"Waiting for `{rid}`'s first step…" if tr is not None else
+                   NO_OWN if choice in (None, AUTO) else NO_REQUEST) + note
             empty = chart_value(empty_chart("No traced tokens yet"))
             out.update({status: msg, norms: empty, lens: empty, heads: empty, row: empty,
                         routing: empty, load: empty, moe_row: gr.Row(visible=moe)})
@@ -119,10 +148,10 @@ def build(hub: EngineHub) -> LiveTab:
         new_tok = t - 1 if follow_on or tok is None else min(max(int(tok), 0), t - 1)
         # the slider's range grows a chunk at a time: a props update (a new gr.Slider) costs
         # the browser ~45 ms, a plain value a few; a scrub past the newest token is clamped
-        if t - 1 > keys.get("slider_max", -1) or keys.get("slider_rid") != rid:
-            keys["slider_max"], keys["slider_rid"] = max(-(-t // SLIDER_CHUNK) * SLIDER_CHUNK,
-                                                         1), rid
-            out[token] = gr.Slider(minimum=0, maximum=keys["slider_max"], value=new_tok)
+        top = slider_max(t, tr.finished)
+        if top != keys.get("slider_max") or keys.get("slider_rid") != rid:
+            keys["slider_max"], keys["slider_rid"] = top, rid
+            out[token] = gr.Slider(minimum=0, maximum=top, value=new_tok)
         elif new_tok != tok:
             out[token] = new_tok
         tok = new_tok
