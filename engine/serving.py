@@ -39,7 +39,7 @@ class ServingHub:
         self._switch_lock = threading.Lock()
         self._snap: EngineSnapshot | None = None
         self._snap_time = 0.0
-        self._decode = self._make_decoder()
+        self._decode = None            # made on first use (a hub may start without an engine)
         self._on_switch: list[Callable[[], None]] = []
 
     def current(self):
@@ -70,7 +70,7 @@ class ServingHub:
 
     # ---- token text -----------------------------------------------------------------------
     def _make_decoder(self):
-        tok = self.llm.tokenizer
+        tok = getattr(self.llm, "tokenizer", None)
 
         @lru_cache(maxsize=65536)
         def decode(ids: tuple[int, ...]) -> str:
@@ -80,6 +80,8 @@ class ServingHub:
         return decode
 
     def decode(self, ids: Sequence[int]) -> str:
+        if self._decode is None:
+            self._decode = self._make_decoder()
         return self._decode(tuple(int(i) for i in ids))
 
     # ---- requests -------------------------------------------------------------------------
@@ -145,7 +147,7 @@ class ServingHub:
                 with self._lock:
                     self._snap = None
                     self.hit_history.clear()
-                self._decode = self._make_decoder()
+                self._decode = None         # the next model's tokenizer, on first use
                 self.generation += 1
                 self.switching = None
 

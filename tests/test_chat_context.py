@@ -67,3 +67,13 @@ def test_demo_tasks_recognised_and_free_prompts_not():
         assert is_demo_task(ex), ex
     for free in ("hi", "What is a KV cache?", "Sort: banana apple", "tell me a joke"):
         assert not is_demo_task(free), free
+
+
+def test_chat_sampling_values_refuse_booleans():
+    # the /chat API takes JSON: `true` for a temperature is a client mistake, never 1.0
+    import pytest
+    from views.chat import make_sampling
+    for args in ((True, 1.0, 0, 8), (0.5, 1.0, 0, False)):
+        with pytest.raises(ValueError, match="not true/false"):
+            make_sampling(*args)
+    assert make_sampling(0.5, 1.0, 0, 8).temperature == 0.5

@@ -109,6 +109,9 @@ def check_message(message: str | None) -> str:
 
 def make_sampling(temperature, top_p, top_k, max_tokens, ignore_eos=False) -> SamplingParams:
     """SamplingParams from UI/API values; bad values raise ValueError with the reason."""
+    if any(isinstance(v, bool) for v in (temperature, top_p, top_k, max_tokens)):
+        raise ValueError("temperature, top_p, top_k and max_tokens must be numbers, not "
+                         "true/false")          # float(True) would quietly be 1.0
     try:
         t, p, k, n = float(temperature), float(top_p), int(top_k), int(max_tokens)
     except (TypeError, ValueError, OverflowError):      # OverflowError: int(inf)
