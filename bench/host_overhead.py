@@ -30,6 +30,9 @@ class StubRunner:
     """Samples from fixed logits of the right shape at once: only host work remains."""
     device = torch.device("cpu")
 
+    def check_workers(self) -> None:        # the Runner protocol: no worker processes here
+        pass
+
     def __init__(self, vocab: int):
         self.logits = torch.randn(4096, vocab)
 

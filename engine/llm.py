@@ -506,7 +506,8 @@ class LLM:
         ivs = per_prompt(interventions, n)      # one list for all prompts, or one per prompt
         made = [self._make_sequence(p, s, w, None, i)
                 for p, s, w, i in zip(prompts, params, watches, ivs)]
-        queues = [self._submit(seq) for seq, _ in made]
+        with self._wake:        # all at once: the batch's prompts are scheduled together
+            queues = [self._submit(seq) for seq, _ in made]
         bar = None
         if use_tqdm:
             from tqdm.auto import tqdm
