@@ -101,7 +101,7 @@ SYNC_S = 2.0   # how often each page checks that the model it shows is still the
 
 def build_app(llm, *, banner: str | None = None, choices: dict[str, str] | None = None,
               llm_kwargs: dict | None = None, allow_burst: bool = True,
-              public_traces: bool = False):
+              public_traces: bool = True):
     """The playground as a gr.Blocks over a running LLM (tests launch it in-process).
     A shared server turns off the controls that change it for everyone: no `choices` hides
     (and refuses) the model switch, `allow_burst=False` the shared-prefix burst."""
@@ -114,7 +114,8 @@ def build_app(llm, *, banner: str | None = None, choices: dict[str, str] | None 
     hub = EngineHub(llm, llm_kwargs=llm_kwargs or {}, choices=choices or {})
     hub.burst_enabled = allow_burst     # read by views/kv_cache.py
     hub.switch = _refreezing(hub.switch)
-    # --public-traces: may a page show other pages' and API clients' traces (views/layers.py)
+    # may a page show other pages' and API clients' traces (views/layers.py): yes on one's own
+    # machine; a shared server (a key, or reachable from elsewhere) only with --public-traces
     hub.public_traces = public_traces
     with gr.Blocks(title="Glassbox") as demo:
         with gr.Row(elem_id="header"):
@@ -298,7 +299,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-burst", action="store_true",
                    help="hide and refuse the KV tab's shared-prefix burst (a shared server)")
     p.add_argument("--public-traces", action="store_true",
-                   help="every client may list and read every trace (default: its own only)")
+                   help="every client may list and read every trace (default: an API client "
+                        "its own; a page its own replies, and everyone's only when the server "
+                        "has no key and listens on this machine alone)")
     p.add_argument("--max-request-bytes", type=int, default=4 << 20,
                    help="largest request body in bytes (default 4 MiB)")
     p.add_argument("--max-stop-strings", type=int, default=64, help="stop strings per request")
@@ -369,8 +372,11 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"could not load {model}: {e}")
     stages.next()
     choices = demo_choices() if args.model is None and not args.no_model_switch else {}
+    shared = (resolve_api_key(args.api_key) is not None or args.share
+              or args.host not in ("127.0.0.1", "localhost", "::1"))
     demo = build_app(llm, banner=banner, choices=choices, llm_kwargs=llm_kwargs,
-                     allow_burst=not args.no_burst, public_traces=args.public_traces)
+                     allow_burst=not args.no_burst,
+                     public_traces=args.public_traces or not shared)
     stages.next()
     from api.limits import Limits
     limits = Limits(max_request_bytes=args.max_request_bytes,

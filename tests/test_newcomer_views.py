@@ -202,3 +202,13 @@ def test_byte_tokens_show_their_bytes_not_replacement_characters():
     raw = b"".join(bytes(int(h, 16) for h in re.findall(r"<0x([0-9A-F]{2})>", s)) if "<0x" in s
                    else s.encode() for s in shown)
     assert raw.decode() == text
+
+
+def test_a_shared_server_offers_no_server_wide_layers_view():
+    # --api-key or a host beyond this machine, without --public-traces: a page picks among
+    # its own replies only (issue 29: traces private by default)
+    from views.layers import SERVER, request_choices
+    open_ = request_choices(["r2", "r1"], {"r1"}, set())
+    shared = request_choices(["r1"], {"r1"}, set(), server_wide=False)
+    assert SERVER in [v for _, v in open_] and SERVER not in [v for _, v in shared]
+    assert [v for _, v in shared][1:] == ["r1"]

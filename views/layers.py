@@ -43,12 +43,15 @@ def resolve_request(choice: str | None, own: str | None, traced: list[str]) -> s
     return own if own and own in traced else None
 
 
-def request_choices(traced: list[str], own: set[str], running: set[str]) -> list[tuple[str, str]]:
-    """Dropdown (label, value) pairs, newest first."""
+def request_choices(traced: list[str], own: set[str], running: set[str],
+                    server_wide: bool = True) -> list[tuple[str, str]]:
+    """Dropdown (label, value) pairs, newest first (`server_wide` False: no server-wide view,
+    on a shared server without --public-traces)."""
     def label(r):
         tags = (["yours"] if r in own else []) + (["streaming"] if r in running else [])
         return f"{r} ({', '.join(tags)})" if tags else r
-    return [(AUTO_LABEL, AUTO), (SERVER_LABEL, SERVER)] + [(label(r), r) for r in traced]
+    head = [(AUTO_LABEL, AUTO)] + ([(SERVER_LABEL, SERVER)] if server_wide else [])
+    return head + [(label(r), r) for r in traced]
 
 
 def slider_max(t: int, finished: bool) -> int:
@@ -113,6 +116,12 @@ def build(hub: EngineHub) -> LiveTab:
         snap = hub.snapshot()
         fold(hub, snap)              # the Engine tab's history keeps counting meanwhile
         traced = llm.traced_requests()
+        if not getattr(hub, "public_traces", True):
+            # a shared server (a key, or reachable beyond this machine) without
+            # --public-traces: a page reads only its own replies' traces
+            traced = [r for r in traced if r in sess.replies]
+            if choice == SERVER:
+                choice = AUTO
         moe = snap.moe is not None
         out = dict(zip(outputs, skip_all))
         keys = dict(last_keys)
@@ -123,7 +132,8 @@ def build(hub: EngineHub) -> LiveTab:
             choice = AUTO
             out[req] = gr.Dropdown(value=AUTO)
         rid = resolve_request(choice, sess.watched, traced)
-        choices = request_choices(traced, set(sess.replies), set(snap.running))
+        choices = request_choices(traced, set(sess.replies), set(snap.running),
+                                  server_wide=getattr(hub, "public_traces", True))
         if choices != keys.get("choices"):
             out[req] = gr.Dropdown(choices=choices, value=choice or AUTO)
             keys["choices"] = choices
