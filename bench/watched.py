@@ -116,6 +116,13 @@ class Watchers:
         self.works: dict[str, list[float]] = {t: [] for t in TABS}
         self.errors: list[str] = []
 
+    def absorb(self, other: "Watchers") -> None:
+        """Add another run's tick times and errors to these (one summary over all runs)."""
+        for t in TABS:
+            self.builds[t] += other.builds[t]
+            self.works[t] += other.works[t]
+        self.errors += other.errors
+
     def __enter__(self):
         self.pages = [Page(t, self.hub, self.watched) for t in TABS]
         for p in self.pages:
@@ -164,10 +171,7 @@ def latency_runs(llm, hub, shape: dict, id_high: int, repeats: int) -> tuple[lis
             if looking:
                 with Watchers(hub, watched) as w:
                     samples.append(_decode_ms(llm, prompt, shape["new_tokens"], spec, rid))
-                for t in TABS:
-                    w_all.builds[t] += w.builds[t]
-                    w_all.works[t] += w.works[t]
-                w_all.errors += w.errors
+                w_all.absorb(w)
             else:
                 samples.append(_decode_ms(llm, prompt, shape["new_tokens"], spec, rid))
         log(f"watched latency repeat {r}: off {off[-1]:.3f} ms/tok, on {on[-1]:.3f} ms/tok")
@@ -207,10 +211,7 @@ def throughput_runs(llm, hub, model: str, num_requests: int, repeats: int, tiny:
                 watched[:] = []                 # the pages follow the newest traced request
                 with Watchers(hub, watched) as w:
                     samples.append(run())
-                for t in TABS:
-                    w_all.builds[t] += w.builds[t]
-                    w_all.works[t] += w.works[t]
-                w_all.errors += w.errors
+                w_all.absorb(w)
             else:
                 samples.append(run())
         log(f"watched throughput repeat {r}: off {off[-1]:,.0f} tok/s, on {on[-1]:,.0f} tok/s")
