@@ -247,7 +247,6 @@ class LLM:
                                               "trace": deque(maxlen=4096)}
         self.lock_hold_cpu_s: dict[str, deque] = {"inspect": deque(maxlen=4096),
                                                   "trace": deque(maxlen=4096)}
-        self._trace_read = threading.Lock()     # one reader moves attention rows at a time
         # overlap scheduling pays where the forward is asynchronous (a GPU); on the CPU the
         # forward blocks the host anyway, so each step is postprocessed right after its launch
         self.async_scheduling = (cfg.device.startswith("cuda") if async_scheduling is None
@@ -598,13 +597,13 @@ class LLM:
     def inspect(self) -> EngineSnapshot:
         """A consistent snapshot of the engine (KV blocks as arrays, queues, recent steps),
         copied under the lock in O(requests): looking never stalls the engine."""
-        from .snapshot import take_snapshot
+        from .snapshot import build_snapshot, copy_state
         with self._lock:
             t0, c0 = time.perf_counter(), time.thread_time()
             self._check_open()
-            snap = take_snapshot(self)
+            state = copy_state(self)
             self._held("inspect", t0, c0)
-        return snap
+        return build_snapshot(state)
 
     def _held(self, what: str, t0: float, c0: float) -> None:
         self.lock_hold_s[what].append(time.perf_counter() - t0)
@@ -614,20 +613,19 @@ class LLM:
         """The RequestTrace of a watched request, complete so far, as a frozen copy that the
         engine never changes afterwards (read it again for newer rows). KeyError if the
         request was never watched, or its trace was evicted (only the newest `max_traces`
-        are kept). Attention rows still on the device move to the host outside the lock."""
-        from .probes.manager import to_host_batch
-        with self._trace_read:
+        are kept). Reference copies of the rows under the lock; new tokens' texts are decoded
+        after it; attention rows still on the device move to the host when a reader first uses
+        one (`AttentionStep.probs`), one token at a time."""
+        with self._lock:
+            t0, c0 = time.perf_counter(), time.thread_time()
+            tr = self.probes.read(request_id)
+            self._held("trace", t0, c0)
+        start = len(tr.token_texts)
+        new = self.probes.decode_texts(tr)       # the tokenizer runs with no lock held
+        if new:
             with self._lock:
-                t0, c0 = time.perf_counter(), time.thread_time()
-                pending = self.probes.take_pending(request_id) \
-                    if request_id in self.probes.traces else []
-                self._held("trace", t0, c0)
-            host = to_host_batch(pending)        # no lock held: the engine runs on
-            with self._lock:
-                t0, c0 = time.perf_counter(), time.thread_time()
-                tr = self.probes.read(request_id, host)
-                self._held("trace", t0, c0)
-            return tr
+                self.probes.keep_texts(request_id, start, new)
+        return tr
 
     def steps_since(self, cursor: int = 0) -> tuple[tuple, int]:
         """(the step traces recorded since `cursor` that the bounded ring still holds, the new

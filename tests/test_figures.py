@@ -10,7 +10,7 @@ import pytest
 
 from ui_helpers import make_snapshot, make_trace  # noqa: I001  (puts the repo on sys.path)
 from figure_helpers import (check_chart_spec, check_plotly_figure, decode, drawn_ids, live_ids,
-                            map_cells, random_cache, seeded_rng, strict_json,
+                            map_cells, plain_spec, random_cache, seeded_rng, strict_json,
                             unpack_map)
 
 from engine.records import StepEntry
@@ -352,6 +352,7 @@ def test_logit_lens_chart_layer_by_step_with_top_token_text(rng):
     pick = int(rng.integers(0, len(tr.lens)))
     spec = F.logit_lens_figure(tr, decode, token=tr.lens[pick].position)
     check_chart_spec(spec)
+    spec = plain_spec(spec)
     z = np.asarray(spec["z"])
     assert z.shape == (tr.num_layers, len(tr.lens))
     assert np.array_equal(z, np.stack([s.top_probs[:, 0] for s in tr.lens], axis=1))

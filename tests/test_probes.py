@@ -307,29 +307,43 @@ def test_probes_do_not_change_outputs(dense_dir):
                                    [lp.logprob for lp in b.logprobs], rtol=1e-5, atol=1e-6)
 
 
-def test_attention_rows_wait_on_the_device_until_the_trace_is_read(llm, hf_dense):
-    """Attention rows are kept where the forward wrote them and cross to the host on read (or
-    when too many bytes are pending): either way the trace holds HF's attention."""
+def test_attention_rows_in_a_trace_equal_hf_and_are_read_only(llm, hf_dense):
+    """The trace holds HF's attention rows, one step per generated token, as host arrays that
+    no reader can write into (a frozen trace shares them with the engine's own)."""
     spec = ProbeSpec(norms=False, logit_lens=False, routing=False)
-    p = prompt(7, 9)
-    out = llm.generate([p], greedy(6), watch=spec)[0]
-    pm = llm.probes
-    assert pm.traces[out.request_id].attention == []          # nothing moved during the steps
-    assert len(pm._pending[out.request_id]) == 6 and pm._pending_bytes > 0
-    lazy = llm.trace(out.request_id)
-    assert pm._pending_bytes == 0 and out.request_id not in pm._pending
-    assert all(isinstance(st.probs, np.ndarray) for st in lazy.attention)
-    ref = hf_run(hf_dense, processed(lazy))
-    assert_attention_matches(lazy, ref, len(out.token_ids))
-    # a cap of one byte moves them every step: same rows
-    pm.max_pending_bytes = 1
-    try:
-        again = llm.generate([prompt(8, 9)], greedy(6), watch=spec)[0]
-        assert len(pm.traces[again.request_id].attention) == 6 and pm._pending_bytes == 0
-        tr = llm.trace(again.request_id)
-        assert_attention_matches(tr, hf_run(hf_dense, processed(tr)), len(again.token_ids))
-    finally:
-        pm.max_pending_bytes = 256 << 20
+    out = llm.generate([prompt(7, 9)], greedy(6), watch=spec)[0]
+    tr = llm.trace(out.request_id)
+    assert len(tr.attention) == 6 and all(st.on_host for st in tr.attention)
+    assert_attention_matches(tr, hf_run(hf_dense, processed(tr)), len(out.token_ids))
+    with pytest.raises(ValueError):
+        tr.attention[0].probs[0, 0, 0] = 1.0
+
+
+def test_the_attention_store_moves_the_oldest_rows_past_its_budget_and_keeps_their_values():
+    """Rows left where the step wrote them (a tensor) move to the host in the store's own
+    thread once the held bytes pass the budget, oldest first, with the same values; a reader
+    that uses a row first moves just that one."""
+    import time as _time
+    from engine.probes.attention_store import AttentionStore
+    from engine.probes.trace import AttentionStep
+    g = torch.Generator().manual_seed(11)
+    rows = [torch.rand(3, 4, p + 1, generator=g) for p in range(20)]
+    steps = [AttentionStep(p, [0, 1, 2], r.clone(), [0], 16) for p, r in enumerate(rows)]
+    one = 3 * 4 * 20 * 4
+    store = AttentionStore(budget_bytes=8 * one, chunk_bytes=one)
+    read_first = steps[15].probs                # a reader moved this one itself
+    np.testing.assert_array_equal(read_first, rows[15].numpy())
+    for st in steps:
+        store.add("r", st)
+    deadline = _time.monotonic() + 10
+    while store.device_bytes > store.budget_bytes and _time.monotonic() < deadline:
+        _time.sleep(0.01)
+    assert store.device_bytes <= store.budget_bytes and store.spills >= 1
+    assert steps[0].on_host and not steps[-1].on_host     # the oldest went first
+    store.flush()
+    assert all(st.on_host for st in steps) and store.device_bytes == 0
+    for st, r in zip(steps, rows):
+        np.testing.assert_array_equal(st.probs, r.numpy())
 
 
 def test_unwatched_request_has_no_trace(llm):

@@ -33,8 +33,10 @@ STATE_CODE = {"free": 0, "evictable": 1, "owned": 2, "shared": 3}
 
 def block_states(snap: EngineSnapshot) -> np.ndarray:
     """[num_blocks] STATE_CODE of every block, from the snapshot's arrays."""
-    ref = snap.block_ref
-    return np.select([ref > 1, ref == 1, snap.block_hashed], [3, 2, 1], 0).astype(np.int8)
+    # shared 3, owned 2, else evictable (hashed) 1 or free 0: integer arithmetic, not
+    # np.select (whose broadcasting cost ~2 ms a tick at 65k blocks)
+    held = np.minimum(snap.block_ref, 2).astype(np.int8)
+    return np.where(held > 0, held + 1, snap.block_hashed.astype(np.int8)).astype(np.int8)
 
 
 def _map_region(num_blocks: int, highest_busy: int) -> int:

@@ -7,6 +7,7 @@ chart that shows it.
 """
 from __future__ import annotations
 
+import json
 from collections import OrderedDict
 from typing import Callable, Sequence
 
@@ -14,7 +15,9 @@ import numpy as np
 
 from engine.probes.trace import AttentionStep, RequestTrace
 from views.canvas_chart import BLUES, MAGMA_R, PURPLES, VIRIDIS, YLORRD, empty_chart
+from views.live_plot import RawJSON
 from views.figures_common import DECODE_COLOUR, PREFILL_COLOUR, PROB_TICKS, short_text
+from views.trace_texts import key_hovers, number_labels, short_texts
 
 Decode = Callable[[Sequence[int]], str]
 Chart = dict
@@ -53,10 +56,65 @@ def _ticks(lo: float, hi: float, fmt: str = "{:.3g}") -> list[list]:
     return [[v, fmt.format(v)] for v in (lo, (lo + hi) / 2, hi)]
 
 
+def _token_texts(trace: RequestTrace, n: int) -> list[str]:
+    """Short texts of the first n tokens (made once per token: views/trace_texts.py)."""
+    texts = short_texts(trace.request_id, trace.token_texts)[:n]
+    return texts + ["?"] * (n - len(texts))
+
+
+_NORMS: OrderedDict[str, tuple[int, object, np.ndarray]] = OrderedDict()
+
+
+def stacked_norms(trace: RequestTrace) -> np.ndarray:
+    """trace.norms(), grown by the new rows since the last call for this request (a live tab
+    stacks the whole trace several times a second otherwise). Trusted while the last row it
+    stacked is the same array object (rows are replaced, never written in place)."""
+    rows = trace.resid_norms
+    n = len(rows)
+    hit = _NORMS.get(trace.request_id)
+    if hit is not None and 0 < hit[0] <= n and rows[hit[0] - 1] is hit[1]:
+        m, _, done = hit
+        out = done if m == n else np.concatenate([done, np.stack(rows[m:n])])
+    else:
+        out = trace.norms()
+    if n:
+        _NORMS[trace.request_id] = (n, rows[n - 1], out)
+        _NORMS.move_to_end(trace.request_id)
+        while len(_NORMS) > 64:
+            _NORMS.popitem(last=False)
+    return out
+
+
+_RANGES: OrderedDict[tuple, tuple[float, float]] = OrderedDict()
+
+
+def _norm_range(request_id: str, norms: np.ndarray, n_prompt: int, cached: np.ndarray,
+                prompt_done: bool) -> tuple[float, float]:
+    """The colour range, from the prompt's rows once they are all there (then it is fixed:
+    kept per request, not re-sorted every tick), clipped at the 99th percentile so an
+    attention-sink token's huge norm does not wash out the rest."""
+    whole = prompt_done and n_prompt and not cached[:n_prompt].all()
+    key = (request_id, n_prompt)
+    if whole and key in _RANGES:
+        return _RANGES[key]
+    ref = norms[:n_prompt] if n_prompt and not cached[:n_prompt].all() else norms
+    if np.isnan(ref).all():
+        zmin, zmax = 0.0, 1.0
+    else:
+        zmin, zmax = float(np.nanmin(ref)), float(np.nanpercentile(ref, 99))
+    if not zmax > zmin:
+        zmax = zmin + 1.0
+    if whole and request_id:
+        _RANGES[key] = (zmin, zmax)
+        while len(_RANGES) > 256:
+            _RANGES.popitem(last=False)
+    return zmin, zmax
+
+
 def norms_figure(trace: RequestTrace, token: int | None = None) -> Chart:
     """Residual-stream L2 norm, layer × token; prompt/reply boundary and scrubbed token marked,
     prefix-cached tokens (never computed for this request) greyed."""
-    norms = trace.norms()                                     # [T, num_layers + 1]
+    norms = stacked_norms(trace)                              # [T, num_layers + 1]
     title = ("Residual norms (layer × token) · dashed line: where the reply starts · click a "
              "token to scrub to it")
     if len(norms) == 0:
@@ -66,15 +124,10 @@ def norms_figure(trace: RequestTrace, token: int | None = None) -> Chart:
     cached = np.isnan(norms).all(axis=1)
     # colour range from the prompt (fixed once prefill ran), clipped so an attention-sink
     # token's huge norm does not wash out the rest
-    ref = norms[:n_prompt] if n_prompt and not cached[:n_prompt].all() else norms
-    if np.isnan(ref).all():
-        zmin, zmax = 0.0, 1.0
-    else:
-        zmin, zmax = float(np.nanmin(ref)), float(np.nanpercentile(ref, 99))
-    if not zmax > zmin:
-        zmax = zmin + 1.0
+    zmin, zmax = _norm_range(trace.request_id, norms, n_prompt, cached,
+                             len(trace.prompt_token_ids) <= t)
     y = ["embed"] + [f"L{i}" for i in range(norms.shape[1] - 1)]
-    texts = [_text(trace.token_texts, i) for i in range(t)]
+    texts = _token_texts(trace, t)
     spans = [{"from": a, "to": b, "fill": CACHED, "label": "prefix cache: not recomputed"}
              for a, b in _runs(cached)]
     return {
@@ -109,24 +162,31 @@ _LENS_CELLS_MAX = 8192
 
 
 def _lens_column(s, decode: Decode) -> tuple[list[str], list[str]]:
-    """One lens step's cell texts and hovers, one per layer. A step never changes once
-    recorded, so they are made once (decoding is most of the lens's cost, and it runs on the
-    server's Python beside the engine's thread) and kept in a bounded cache by identity."""
+    """One lens step's cell texts and hovers as JSON strings, one per layer. A step never
+    changes once recorded, so they are made and encoded once (decoding and encoding ~700
+    strings a tick was most of the lens's cost, on the server's Python beside the engine's
+    thread) and kept in a bounded cache by identity."""
     hit = _LENS_CELLS.get(id(s))
     if hit is not None and hit[0] is s and hit[1] == decode:   # bound methods: ==, not is
         _LENS_CELLS.move_to_end(id(s))
         return hit[2]
     texts, hovers = [], []
     for l in range(s.top_ids.shape[0]):
-        texts.append(short_text(decode([int(s.top_ids[l, 0])]), 8))
-        hovers.append("next-token guesses: " + ", ".join(
+        texts.append(json.dumps(short_text(decode([int(s.top_ids[l, 0])]), 8)))
+        hovers.append(json.dumps("next-token guesses: " + ", ".join(
             f"{decode([int(i)])!r} {p:.2f}" for i, p in zip(s.top_ids[l], s.top_probs[l]))
             + f"\nsampled {decode([s.sampled_token])!r}: rank {int(s.sampled_rank[l])}, "
-            + f"p={float(s.sampled_prob[l]):.2f} · entropy {float(s.entropy[l]):.2f} nats")
+            + f"p={float(s.sampled_prob[l]):.2f} · entropy {float(s.entropy[l]):.2f} nats"))
     _LENS_CELLS[id(s)] = (s, decode, (texts, hovers))   # the step kept: its id stays unique
     while len(_LENS_CELLS) > _LENS_CELLS_MAX:
         _LENS_CELLS.popitem(last=False)
     return texts, hovers
+
+
+def _rows_json(cols: list[list[str]], num_rows: int) -> RawJSON:
+    """[row][col] JSON from per-column lists of encoded strings (a join, no re-encoding)."""
+    return RawJSON("[" + ",".join("[" + ",".join(c[r] for c in cols) + "]"
+                                  for r in range(num_rows)) + "]")
 
 
 def logit_lens_figure(trace: RequestTrace, decode: Decode, token: int | None = None) -> Chart:
@@ -140,8 +200,8 @@ def logit_lens_figure(trace: RequestTrace, decode: Decode, token: int | None = N
     num_layers = steps[0].top_ids.shape[0]
     z = np.stack([s.top_probs[:, 0] for s in steps], axis=1)          # [layers, steps]
     cols = [_lens_column(s, decode) for s in steps]     # per step, made once and kept
-    cell_text = [[c[0][l] for c in cols] for l in range(num_layers)]
-    hover = [[c[1][l] for c in cols] for l in range(num_layers)]
+    cell_text = _rows_json([c[0] for c in cols], num_layers)
+    hover = _rows_json([c[1] for c in cols], num_layers)
     chosen = [j for j, s in enumerate(steps) if token is not None and s.position == token]
     return {
         "kind": "heatmap", "title": title, "height": max(260, 24 * num_layers + 150),
@@ -184,6 +244,21 @@ def attention_step_for(trace: RequestTrace, token: int | None) -> AttentionStep 
     return attention_at(trace, token)
 
 
+def _context_texts(request_id: str, token_texts: Sequence[str], ctx: int) -> list[str]:
+    """Short texts of the first ctx tokens; made once per request when one is named."""
+    if not request_id:
+        return [_text(token_texts, i) for i in range(ctx)]
+    texts = short_texts(request_id, token_texts)[:ctx]
+    return texts + ["?"] * (ctx - len(texts))
+
+
+def _key_hovers(request_id: str, token_texts: Sequence[str], ctx: int) -> list[str]:
+    if not request_id:
+        return [f"key {i} “{_text(token_texts, i)}”" for i in range(ctx)]
+    hov = key_hovers(request_id, token_texts)[:ctx]
+    return hov + [f"key {i} “?”" for i in range(len(hov), ctx)]
+
+
 def attention_heads_figure(step: AttentionStep, layer: int, token_texts: Sequence[str],
                            head: int | None = None, request_id: str = "") -> Chart:
     """One row per head: the query token's attention over its context, colour = sqrt(p) so
@@ -194,7 +269,7 @@ def attention_heads_figure(step: AttentionStep, layer: int, token_texts: Sequenc
         return empty_chart(f"Layer {layer} was not captured", title)
     probs = np.clip(step.probs[step.layers.index(layer)], 0, 1)        # [H, ctx]
     h, ctx = probs.shape
-    texts = [_text(token_texts, i) for i in range(ctx)]
+    texts = _context_texts(request_id, token_texts, ctx)
     return {
         "kind": "heatmap", "title": title, "height": max(220, 22 * h + 130),
         "z": np.sqrt(probs), "zmin": 0.0, "zmax": 1.0, "colorscale": MAGMA_R,
@@ -221,13 +296,13 @@ def attention_row_figure(step: AttentionStep, layer: int, head: int,
     row = step.probs[j, head]                                          # [ctx]
     blocks = [str(b) for b in step.block_table]
     if len(blocks) * step.block_size >= len(row):
-        mass = step.block_mass()[j, head]                              # [num_blocks]
+        mass = step.block_mass(j, head)                                # [num_blocks]
     else:   # a block table shorter than the context: show the gap rather than fail
         need = -(-len(row) // step.block_size)
         blocks += [f"?{i}" for i in range(len(blocks), need)]
         mass = np.pad(row, (0, need * step.block_size - len(row))).reshape(need, -1).sum(-1)
     ctx = len(row)
-    texts = [_text(token_texts, i) for i in range(ctx)]
+    texts = _context_texts(request_id, token_texts, ctx)
     return {
         "kind": "bars", "title": title, "height": 320,
         "panels": [
@@ -235,8 +310,8 @@ def attention_row_figure(step: AttentionStep, layer: int, head: int,
              "ymax": prob_ceiling(float(row.max(initial=0))),
              "labels": [f"{i}:{s}" for i, s in enumerate(texts)]
              if ctx <= MAX_LABELLED_TOKENS else None,
-             "tick_labels": [str(i) for i in range(ctx)],
-             "hover": [f"key {i} “{s}”" for i, s in enumerate(texts)], "value_name": "p",
+             "tick_labels": number_labels(ctx),
+             "hover": _key_hovers(request_id, token_texts, ctx), "value_name": "p",
              "x_title": "key token", "y_title": "attention p"},
             {"width": 0.32, "values": mass, "colour": PREFILL_COLOUR,
              "ymax": prob_ceiling(float(mass.max(initial=0))),

@@ -15,6 +15,7 @@ from typing import Callable
 
 import numpy as np
 
+from .attention_store import AttentionStore
 from .plan import ProbePlan, WatchedEntry
 from .result import ProbeResult
 from .trace import AttentionStep, LensStep, RequestTrace
@@ -36,12 +37,9 @@ class ProbeManager:
         # a global aggregate over every request, watched or not: a public engine option
         self.record_expert_load = record_expert_load
         self._active: set[str] = set()          # watched requests not yet finished
-        # attention rows (layers x heads x context, fp32: ~0.5 MB a token at 0.6B shapes and
-        # 300 tokens) stay on the device, one copy launch per step, and cross to the host when
-        # the trace is read; past this many bytes pending, they are moved during the step
-        self.max_pending_bytes = 256 << 20
-        self._pending: dict[str, list[AttentionStep]] = {}
-        self._pending_bytes = 0
+        # attention rows stay on the device where the step left them; a reader moves the one
+        # it shows, and the store moves the oldest to the host off the engine thread
+        self.attention_store = AttentionStore()
 
     def register(self, seq) -> None:
         if seq.watch is None or not seq.watch.any:
@@ -56,8 +54,7 @@ class ProbeManager:
             self._evicted.add(old)
             if len(self._evicted) > 100_000:
                 self._evicted.clear()
-            for st in self._pending.pop(old, []):
-                self._pending_bytes -= st.probs.numel() * 4
+            self.attention_store.forget(old)
 
     # ---- before the step: what to record ---------------------------------------------------------
     def plan(self, scheduled) -> ProbePlan | None:
@@ -149,8 +146,8 @@ class ProbeManager:
                         host["lens_sampled_prob"][:, w].copy(), host["lens_entropy"][:, w].copy()))
                 q = att.get(i)
                 if q is not None:
-                    self._defer_attention(tr, AttentionStep(q.position, q.layers, q.probs,
-                                                            q.block_table, self.block_size))
+                    self._add_attention(tr, AttentionStep(q.position, q.layers, q.probs,
+                                                          q.block_table, self.block_size))
                 w += 1
             self._fold_patterns(plan, host, e, tr)
             seq = seqs[e.batch_index]
@@ -193,27 +190,12 @@ class ProbeManager:
             tr.output_token_ids = list(seq.output_token_ids)
             tr.finished = True
 
-    def _defer_attention(self, tr: RequestTrace, step: AttentionStep) -> None:
-        self._pending.setdefault(tr.request_id, []).append(step)
-        self._pending_bytes += step.probs.numel() * 4
-        if self._pending_bytes > self.max_pending_bytes:
-            for rid in list(self._pending):
-                self._materialize(rid)
-
-    def _materialize(self, request_id: str) -> None:
-        """Move a request's pending attention rows to the host, in order, into its trace."""
-        steps = self.take_pending(request_id)
-        tr = self.traces.get(request_id)
-        if tr is not None:
-            self.put_attention(tr, [_to_host(st) for st in steps])
-
-    def take_pending(self, request_id: str) -> list[AttentionStep]:
-        """Remove and return a request's attention rows still on the device (a reader moves
-        them to the host outside the engine lock, then hands them to `put_attention`)."""
-        steps = self._pending.pop(request_id, [])
-        for st in steps:
-            self._pending_bytes -= st.probs.numel() * 4
-        return steps
+    def _add_attention(self, tr: RequestTrace, step: AttentionStep) -> None:
+        rows = step.device_rows
+        if rows is not None and rows.device.type == "cpu":
+            step.set_host(rows.numpy())         # the CPU engine: already host memory
+        self.put_attention(tr, [step])
+        self.attention_store.add(tr.request_id, step)
 
     @staticmethod
     def put_attention(tr: RequestTrace, steps: list[AttentionStep]) -> None:
@@ -240,64 +222,42 @@ class ProbeManager:
                            "ProbeSpec() to stream/generate to record one)")
         return tr
 
-    def read(self, request_id: str, host_steps: list[AttentionStep] = ()) -> RequestTrace:
-        """A frozen copy of the trace so far (call under the engine lock): `host_steps` are
-        the rows `take_pending` gave the reader, now on the host; every token gets its text
-        here, on read, so the engine step does no tokenizer work for it. O(new rows) of work
-        plus reference copies of the rows."""
-        tr = self.trace_of(request_id)
-        self.put_attention(tr, list(host_steps))
+    def read(self, request_id: str) -> RequestTrace:
+        """A frozen copy of the trace so far (call under the engine lock): reference copies of
+        the rows, O(rows) pointers and no array copies. Token texts are decoded on read, not
+        in the engine's step: the copy holds the texts decoded so far, and `decode_texts`
+        (outside the lock) adds the rest. Attention rows still on the device stay there until
+        a reader uses one (AttentionStep.probs)."""
+        return self.trace_of(request_id).frozen()
+
+    def decode_texts(self, tr: RequestTrace) -> list[str]:
+        """Decode the texts a frozen copy lacks (no lock needed: the tokenizer and the copy are
+        the reader's); returns the new texts, for `keep_texts`."""
         ids = tr.prompt_token_ids + tr.output_token_ids
         dec = self.decode or (lambda t: str(t[0]))
-        tr.token_texts.extend(dec([t]) for t in ids[len(tr.token_texts):])
-        return tr.frozen()
+        new = [dec([t]) for t in ids[len(tr.token_texts):]]
+        tr.token_texts.extend(new)
+        return new
+
+    def keep_texts(self, request_id: str, start: int, texts: list[str]) -> None:
+        """Texts a reader decoded, from position `start`, kept in the live trace so the next
+        reader need not decode them again (under the engine lock)."""
+        tr = self.traces.get(request_id)
+        if tr is not None and len(tr.token_texts) == start:
+            tr.token_texts.extend(texts)
 
     def get(self, request_id: str) -> RequestTrace:
-        """The trace, complete so far, as a frozen copy (attention rows moved to the host
-        here, under the caller's lock: LLM.trace moves them outside it)."""
-        self.trace_of(request_id)
-        return self.read(request_id, [_to_host(st) for st in self.take_pending(request_id)])
+        """read + decode_texts + keep_texts in one call (under the caller's lock)."""
+        tr = self.read(request_id)
+        start = len(tr.token_texts)
+        self.keep_texts(request_id, start, self.decode_texts(tr))
+        return tr
 
     def release_device(self) -> None:
-        """Engine shutdown: pending attention rows move to the host (traces stay readable),
-        so no trace keeps device memory alive."""
-        for rid in list(self._pending):
-            self._materialize(rid)
+        """Engine shutdown: attention rows move to the host (traces stay readable), so no
+        trace keeps device memory alive."""
+        self.attention_store.flush()
         self._active.clear()
-
-
-def to_host_batch(steps: list[AttentionStep]) -> list[AttentionStep]:
-    """Many steps' attention rows to the host in one device->host copy: the rows are joined
-    on the device (one kernel), copied once into pinned memory and waited for once, instead
-    of one synchronous copy per step (a reader of a fast stream finds ~100 steps pending,
-    and each synchronous copy would wait behind the engine's queued work)."""
-    dev = [st for st in steps if not isinstance(st.probs, np.ndarray)]
-    if len(dev) < 2 or dev[0].probs.device.type != "cuda":
-        return [_to_host(st) for st in steps]
-    import torch
-    flat = torch.cat([st.probs.reshape(-1) for st in dev])
-    host = flat.to("cpu", non_blocking=True)        # pinned, asynchronous
-    done = torch.cuda.Event()
-    done.record()
-    done.synchronize()
-    host = host.numpy()
-    out, off = {}, 0
-    for st in dev:
-        n = st.probs.numel()
-        out[id(st)] = AttentionStep(st.position, st.layers,
-                                    host[off:off + n].reshape(tuple(st.probs.shape)),
-                                    st.block_table, st.block_size)
-        off += n
-    return [out.get(id(st)) or _to_host(st) for st in steps]
-
-
-def _to_host(st: AttentionStep) -> AttentionStep:
-    """The same step with its probabilities on the host (a new record: the device one may be
-    referenced elsewhere)."""
-    probs = st.probs
-    if not isinstance(probs, np.ndarray):
-        probs = probs.cpu().numpy()
-    return AttentionStep(st.position, st.layers, probs, st.block_table, st.block_size)
 
 
 def _put(lst: list, pos: int, value) -> None:

@@ -26,21 +26,63 @@ class LensStep:
     entropy: np.ndarray         # [num_layers] nats
 
 
-@dataclass
 class AttentionStep:
-    """Attention of the newest query token over its whole context, rebuilt from the paged K cache."""
-    position: int               # query position (context length - 1)
-    layers: list[int]
-    probs: np.ndarray           # [len(layers), num_heads, position + 1]
-    block_table: list[int]      # physical blocks holding the context, in order
-    block_size: int
+    """Attention of the newest query token over its whole context, rebuilt from the paged K cache.
 
-    def block_mass(self) -> np.ndarray:
-        """[len(layers), num_heads, num_blocks]: probability mass per KV block."""
+    On a GPU the rows (layers x heads x context, fp32: ~0.7 MB a token at Qwen3-0.6B shapes)
+    stay on the device where the step wrote them: a reader that shows one token's row moves
+    that one row (`probs` does it on first use), and engine/probes/attention_store.py moves the
+    oldest to host memory off the engine thread past a device budget. Either way `probs` is a
+    host array holding the same values: the record never changes what it says."""
+    __slots__ = ("position", "layers", "_probs", "block_table", "block_size")
+
+    def __init__(self, position: int, layers: list[int], probs, block_table: list[int],
+                 block_size: int):
+        self.position = position    # query position (context length - 1)
+        self.layers = layers
+        self._probs = probs         # [len(layers), num_heads, position + 1]: numpy or a tensor
+        self.block_table = block_table      # physical blocks holding the context, in order
+        self.block_size = block_size
+
+    def __repr__(self) -> str:
+        where = "host" if self.on_host else "device"
+        return f"AttentionStep(position={self.position}, layers={len(self.layers)}, {where})"
+
+    @property
+    def probs(self) -> np.ndarray:
+        """[len(layers), num_heads, position + 1] on the host (moved on first use)."""
+        if not isinstance(self._probs, np.ndarray):
+            from .attention_store import move_to_host, side_stream
+            move_to_host([self], side_stream())   # a racing reader or spill is harmless:
+        return self._probs                        # the same values either way
+
+    @property
+    def on_host(self) -> bool:
+        return isinstance(self._probs, np.ndarray)
+
+    @property
+    def device_rows(self):
+        """The rows as the step left them (a device tensor), or None once on the host."""
+        return None if self.on_host else self._probs
+
+    def set_host(self, probs: np.ndarray) -> None:
+        """The same rows, moved to the host by the attention store."""
+        if not self.on_host:
+            probs.flags.writeable = False
+            self._probs = probs
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self._probs.shape)
+
+    def block_mass(self, layer_index: int | None = None, head: int | None = None) -> np.ndarray:
+        """Probability mass per KV block: [len(layers), num_heads, num_blocks], or [num_blocks]
+        for one (layer index, head) — what a view shows, without summing every other row."""
         n = len(self.block_table)
-        pad = n * self.block_size - self.probs.shape[-1]
-        p = np.pad(self.probs, [(0, 0), (0, 0), (0, pad)])
-        return p.reshape(*p.shape[:2], n, self.block_size).sum(-1)
+        probs = self.probs if layer_index is None else self.probs[layer_index, head]
+        pad = n * self.block_size - probs.shape[-1]
+        p = np.pad(probs, [(0, 0)] * (probs.ndim - 1) + [(0, pad)])
+        return p.reshape(*p.shape[:-1], n, self.block_size).sum(-1)
 
 
 @dataclass

@@ -1,0 +1,143 @@
+"""AttentionStore: where a watched request's attention rows wait on the GPU, and how they leave.
+
+A watched token's attention rows (layers x heads x context, fp32) are ~0.7 MB at Qwen3-0.6B
+shapes: at batch 1 that is ~700 MB/s. Moving them to the host in the step (a synchronous copy,
+or a fresh pinned buffer per step) costs the engine thread milliseconds; moving them when a
+reader asks (the old `trace()`) made every Layers tick move ~64 MB. So the rows stay on the
+device where the step left them (`AttentionStep` moves one row when a view shows it), and this
+store keeps the device bytes under a budget by moving the oldest rows to host memory from a
+thread of its own, on a CUDA stream of its own: the engine thread only appends to a deque.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections import deque
+
+from .trace import AttentionStep
+
+CHUNK_BYTES = 32 << 20      # one spill: a joined copy of about this many bytes
+
+
+class AttentionStore:
+    """Device-held attention rows, oldest first, and the thread that moves them past a budget."""
+
+    def __init__(self, budget_bytes: int = 512 << 20, chunk_bytes: int = CHUNK_BYTES):
+        self.budget_bytes = budget_bytes
+        self.chunk_bytes = chunk_bytes
+        self._held: deque[tuple[str, AttentionStep]] = deque()
+        self._bytes = 0
+        self._cv = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._stop = False
+        self.spills = 0             # joined copies made (tests, bench)
+
+    @property
+    def device_bytes(self) -> int:
+        return self._bytes
+
+    def add(self, request_id: str, step: AttentionStep) -> None:
+        """A step's rows, still on the device (engine thread: a deque append)."""
+        rows = step.device_rows
+        if rows is None:
+            return
+        with self._cv:
+            self._held.append((request_id, step))
+            self._bytes += rows.numel() * rows.element_size()
+            if self._bytes > self.budget_bytes:
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._run, name="attention-spill",
+                                                    daemon=True)
+                    self._thread.start()
+                self._cv.notify()
+
+    def forget(self, request_id: str) -> None:
+        """A trace was evicted: its rows are no longer worth a copy (readers holding a frozen
+        copy still move a row themselves when they show it)."""
+        with self._cv:
+            keep = deque((r, s) for r, s in self._held if r != request_id)
+            self._bytes = sum(_nbytes(s) for _, s in keep)
+            self._held = keep
+
+    def flush(self) -> None:
+        """Move every held row to the host now (engine shutdown: traces stay readable)."""
+        with self._cv:
+            steps = [s for _, s in self._held]
+            self._held.clear()
+            self._bytes = 0
+            self._stop = True
+            self._cv.notify()
+        move_to_host(steps, None)
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._stop and self._bytes <= self.budget_bytes:
+                    self._cv.wait()
+                if self._stop:
+                    return
+                batch, size = [], 0
+                while self._held and size < self.chunk_bytes:
+                    _, st = self._held.popleft()
+                    n = _nbytes(st)
+                    self._bytes -= n
+                    if n:
+                        batch.append(st)
+                        size += n
+            try:
+                move_to_host(batch, self._side_stream())
+                self.spills += 1
+            except Exception:       # noqa: BLE001 — a failed spill leaves rows on the device,
+                pass                # where readers still find them; the engine goes on
+
+    def _side_stream(self):
+        return side_stream()
+
+
+_SIDE = None
+
+
+def side_stream():
+    """One CUDA stream for moving finished rows to the host (None without CUDA): its copies
+    never queue behind the engine's launched steps, whose outputs they do not need."""
+    global _SIDE
+    import torch
+    if _SIDE is None and torch.cuda.is_available():
+        _SIDE = torch.cuda.Stream()
+    return _SIDE
+
+
+def _nbytes(step: AttentionStep) -> int:
+    rows = step.device_rows
+    return 0 if rows is None else rows.numel() * rows.element_size()
+
+
+def move_to_host(steps: list[AttentionStep], stream) -> None:
+    """Many steps' rows to the host in one copy: joined on the device, copied once into a
+    pinned staging buffer (returned to torch's cache afterwards, so it is reused, not
+    re-pinned), then into ordinary memory. On `stream` (a side stream) the copy does not queue
+    behind the engine's work: the rows were written by steps the engine has already waited for."""
+    pairs = [(st, st.device_rows) for st in steps]      # read once: a reader may move one
+    pairs = [(st, rows) for st, rows in pairs if rows is not None]
+    if not pairs:
+        return
+    import torch
+    if pairs[0][1].device.type != "cuda":
+        for st, rows in pairs:
+            st.set_host(rows.numpy())
+        return
+    with (torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()):
+        flat = torch.cat([rows.reshape(-1) for _, rows in pairs]) if len(pairs) > 1 else \
+            pairs[0][1].reshape(-1)
+        staging = torch.empty(flat.numel(), dtype=flat.dtype, pin_memory=True)
+        staging.copy_(flat, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+    done.synchronize()
+    host = staging.numpy().copy()
+    del staging, flat
+    off = 0
+    for st, rows in pairs:
+        n = rows.numel()
+        st.set_host(host[off:off + n].reshape(tuple(rows.shape)))
+        off += n
