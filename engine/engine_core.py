@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from .block_manager import BlockManager
 from .detokenizer import IncrementalDetokenizer
 from .errors import RequestFailedError, WorkerDiedError
+from .penalty_slots import PenaltySlots
 from .records import StepEntry, StepTrace
 from .scheduler import ScheduledSeq, Scheduler
 from .sequence import Sequence, TokenEvent, TokenLogprobs
@@ -77,6 +78,7 @@ class EngineCore:
         self.detok: dict[str, IncrementalDetokenizer] = {}
         self.inflight: InFlight | None = None
         self.interventions = None           # interventions.plan.InterventionPlanner (set by LLM)
+        self.penalty_slots = PenaltySlots()  # penalised requests' device count rows
 
     # ---- requests ----------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -173,9 +175,9 @@ class EngineCore:
                                     [len(s.seq) for s in sampling],
                                     self._banned(sampling)) if sampling else None
         if batch is not None:
-            from .penalties import PenaltyBatch
-            if any(PenaltyBatch.needed(s.seq.params) for s in sampling):
-                batch.penalties = PenaltyBatch.build([s.seq for s in sampling], prev_step_id)
+            if any(s.seq.params.uses_penalties for s in sampling):
+                batch.penalties = self.penalty_slots.batch([s.seq for s in sampling],
+                                                           prev_step_id)
             if any(s.seq.grammar is not None for s in sampling):
                 from .guided import fill_bitmask
                 batch.grammar_mask = fill_bitmask([s.seq.grammar for s in sampling])
@@ -192,6 +194,8 @@ class EngineCore:
         except WorkerDiedError:
             raise
         except Exception as e:              # noqa: BLE001 — attribute it to a request
+            # the failed launch may have updated some penalty count rows: rebuild them
+            self.penalty_slots.invalidate([s.seq for s in scheduled])
             return self._isolate(scheduled, e, res)
         with self.lock:
             self.scheduler.on_launch(scheduled, inp.step_id)
@@ -220,6 +224,7 @@ class EngineCore:
             except WorkerDiedError:
                 raise
             except Exception as e:          # noqa: BLE001
+                self.penalty_slots.invalidate([s.seq])
                 with self.lock:
                     self._fail(s.seq, RequestFailedError(
                         f"this request failed in the engine: {e!r}"), res)

@@ -20,6 +20,7 @@ from .context import ForwardContext, set_context
 from .loader import init_dummy_weights, load_weights
 from .models.registry import model_class
 from .parallel_state import TPGroup, use_tp
+from .penalties import PenaltyState
 from .sampling import SamplingTensors, sample
 from .step_inputs import StepInputs
 from .step_output import StepOutput
@@ -68,6 +69,8 @@ class ModelRunner:
         self.kv_cache: torch.Tensor | None = None
         self.graphs = None
         self._last_sampled: tuple[int, torch.Tensor | None] = (-1, None)
+        # penalised requests' output-token counts, kept on the device across steps
+        self.penalty_state = PenaltyState(self.device)
 
     # ---- KV cache ----------------------------------------------------------------------------
     @property
@@ -239,8 +242,11 @@ class ModelRunner:
                 logits = self.execute(inp, bufs, ivs, out)
             if inp.sampling is not None and len(inp.sampling):
                 prev = self._last_sampled
-                st = SamplingTensors.from_batch(inp.sampling, self.device, prev[1] if
-                                                prev[0] == inp.prev_step_id else None)
+                st = SamplingTensors.from_batch(inp.sampling, self.device)
+                if inp.sampling.penalties is not None:
+                    st.penalties = self.penalty_state.step(
+                        inp.sampling.penalties, logits.shape[-1],
+                        prev[1] if prev[0] == inp.prev_step_id else None)
                 ids, chosen, top_ids, top_lp = sample(logits, st)
                 out.sampled_ids = ids
                 self._last_sampled = (inp.step_id, ids)
@@ -298,6 +304,7 @@ class ModelRunner:
         gets the memory back)."""
         self.graphs = None
         self._last_sampled = (-1, None)
+        self.penalty_state = PenaltyState(self.device)
         self.kv_cache = None
         if getattr(self, "model", None) is not None:
             for attn in self.model.attention_layers:

@@ -146,6 +146,12 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def uses_penalties(self) -> bool:
+        """A presence / frequency / repetition penalty or a logit_bias (engine/penalties.py)."""
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0 or bool(self.logit_bias))
+
     def check_for_model(self, vocab_size: int) -> None:
         """The checks that need the model: token ids inside its vocabulary [0, vocab_size)."""
         bad_bias = [t for t, _ in self.logit_bias if t >= vocab_size]
