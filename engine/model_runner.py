@@ -31,6 +31,10 @@ CPU_FULL_SEQS = 16      # the CPU KV cache's default: this many full-length sequ
 
 
 class ModelRunner:
+    # a guided step's bitmask may come as a callable, run after the forward's launch (the
+    # engine core then keeps overlap scheduling on for guided requests)
+    fills_masks_late = True
+
     def __init__(self, config: EngineConfig, hf_config, model_path: str, max_model_len: int,
                  tp: TPGroup | None = None):
         self.tp = tp or TPGroup()
@@ -241,6 +245,9 @@ class ModelRunner:
                     ivs = InterventionBuffers.for_step(self, inp.interventions)
                 logits = self.execute(inp, bufs, ivs, out)
             if inp.sampling is not None and len(inp.sampling):
+                if inp.sampling.grammar_mask_fn is not None:    # the forward is queued: fill
+                    inp.sampling.grammar_mask = inp.sampling.grammar_mask_fn()   # in its shadow
+                    inp.sampling.grammar_mask_fn = None
                 prev = self._last_sampled
                 st = SamplingTensors.from_batch(inp.sampling, self.device)
                 if inp.sampling.penalties is not None:
