@@ -8,17 +8,22 @@ tokens are read on demand for that block only (LLM.block_info).
 """
 from __future__ import annotations
 
-from .records import EngineSnapshot, KVLayout, TableViews
+from .records import EngineSnapshot, KVLayout, RequestRecord, TableViews
 
 
 def take_snapshot(llm) -> EngineSnapshot:
     """Call with the engine lock held."""
     bm, sched, runner = llm.block_manager, llm.scheduler, llm.runner
-    views, tokens = {}, {}
+    views, tokens, records = {}, {}, {}
     running = [s.request_id for s in sched.running]
     waiting = [s.request_id for s in sched.waiting]
     for queue in (sched.running, sched.waiting):
         for seq in queue:           # ~1 µs a request: this loop is most of the lock's hold
+            g = seq.grammar         # plain ints of the grammar, never its matcher (in use)
+            records[seq.request_id] = RequestRecord(
+                seq.params.summary, g is not None, seq.num_masked_steps,
+                g.num_allowed if g is not None else None, g.vocab_size if g is not None else 0,
+                seq.annotation)
             table = seq.block_table
             if not table:
                 continue
@@ -46,4 +51,5 @@ def take_snapshot(llm) -> EngineSnapshot:
         num_kv_heads=llm.hf_config.num_key_value_heads,
         collective_time=timed.collective_time if timed else None,
         collective_time_step=timed.step_id if timed else None,
-        async_scheduling=llm.async_scheduling, step_count=llm.core.steps.count)
+        async_scheduling=llm.async_scheduling, step_count=llm.core.steps.count,
+        requests=records)
