@@ -3,6 +3,7 @@ slower than without) and offline throughput with presence / frequency / repetiti
 on every request (target <= 3 %). Prints one JSON object.
 
     python bench/sampling_extras.py --model Qwen/Qwen3-0.6B          # a GPU
+    python bench/sampling_extras.py --shape qwen3-0.6b --only penalties   # its shapes, dummy
     python bench/sampling_extras.py --tiny                           # CPU smoke run
 """
 from __future__ import annotations
@@ -42,11 +43,20 @@ def main(argv=None) -> dict:
     p.add_argument("--requests", type=int, help="throughput requests (default 256, tiny 8)")
     p.add_argument("--output-len", type=int, help="throughput tokens per request (128, tiny 16)")
     p.add_argument("--only", choices=("guided", "penalties"), help="run one of the two")
+    p.add_argument("--shape", help="a named shape of bench/common.py (e.g. qwen3-0.6b) with "
+                   "dummy weights instead of --model; it has no tokenizer, so penalties only")
     a = p.parse_args(argv)
     n_tok, n_req, out_len = (32, 8, 16) if a.tiny else (256, 256, 128)
     n_tok, n_req, out_len = a.tokens or n_tok, a.requests or n_req, a.output_len or out_len
-    llm = LLM(a.model)
-    res = {"model": a.model, "device": llm.device}
+    if a.shape and a.only != "penalties":
+        p.error("--shape has no tokenizer (a grammar needs one): add --only penalties, or "
+                "give a checkpoint with --model")
+    if a.shape:
+        from common import build_engine, resolve_device
+        llm = build_engine(a.shape, resolve_device(None))
+    else:
+        llm = LLM(a.model)
+    res = {"model": a.shape or a.model, "device": llm.device}
     try:
         if a.only != "penalties":
             res.update(_guided(llm, n_tok, a.repeats))
