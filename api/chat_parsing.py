@@ -26,6 +26,12 @@ def tool_call(name: str, arguments) -> dict:
                          else json.dumps(arguments, ensure_ascii=False)}}
 
 
+def tool_calls_note(calls: list[dict]) -> str:
+    """The tool calls parsed so far in a few words, for the request's playground row."""
+    return "tool calls: " + ", ".join(
+        f'{c["function"]["name"]}({c["function"]["arguments"][:40]})' for c in calls)
+
+
 def parse_tool_call(body: str) -> dict | None:
     """`{"name": ..., "arguments": {...}}` -> an OpenAI tool call; None if it is not one."""
     try:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from engine import PromptTooLongError
 
-from .chat_parsing import ChatDeltaParser, split_reply
+from .chat_parsing import ChatDeltaParser, split_reply, tool_calls_note
 from .errors import APIError, bad_request, from_engine
 from .logprobs import (TokenStrings, chat_entry, completion_logprobs, echo_logprobs,
                        join_logprobs, vllm_prompt_logprobs)
@@ -322,7 +322,12 @@ def parsed_chunks(job: Job, ch: Choice, parser: ChatDeltaParser, ev, text: str,
     """One event of a parsed chat stream: its reasoning / content / tool-call deltas, then (at
     the end) the chunk with the finish reason ("tool_calls" when the reply called a tool)."""
     meta, usage, idx = job.meta, job.include_usage, ch.spec.index
+    n_calls = len(parser.calls)
     deltas = parser.feed(text) + (parser.finish() if ev.finished else [])
+    if len(parser.calls) > n_calls and not ev.finished:   # the playground's row shows them
+        annotate = getattr(ch.stream.llm, "annotate", None)
+        if annotate is not None:
+            annotate(ch.spec.request_id, tool_calls_note(parser.calls))
     out = [sse(chat_chunk(meta, d, None, lps if k == 0 else None, usage, idx))
            for k, d in enumerate(deltas)]
     if ev.finished:

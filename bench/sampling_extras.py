@@ -3,6 +3,7 @@ slower than without) and offline throughput with presence / frequency / repetiti
 on every request (target <= 3 %). Prints one JSON object.
 
     python bench/sampling_extras.py --model Qwen/Qwen3-0.6B          # a GPU
+    python bench/sampling_extras.py --shape qwen3-0.6b --only penalties   # its shapes, dummy
     python bench/sampling_extras.py --tiny                           # CPU smoke run
 """
 from __future__ import annotations
@@ -38,37 +39,61 @@ def main(argv=None) -> dict:
                                           "demo-qwen3"))
     p.add_argument("--tiny", action="store_true", help="few tokens, few requests (CPU)")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--tokens", type=int, help="batch-1 tokens per run (default 256, tiny 32)")
+    p.add_argument("--requests", type=int, help="throughput requests (default 256, tiny 8)")
+    p.add_argument("--output-len", type=int, help="throughput tokens per request (128, tiny 16)")
+    p.add_argument("--only", choices=("guided", "penalties"), help="run one of the two")
+    p.add_argument("--shape", help="a named shape of bench/common.py (e.g. qwen3-0.6b) with "
+                   "dummy weights instead of --model; it has no tokenizer, so penalties only")
     a = p.parse_args(argv)
     n_tok, n_req, out_len = (32, 8, 16) if a.tiny else (256, 256, 128)
-    llm = LLM(a.model)
+    n_tok, n_req, out_len = a.tokens or n_tok, a.requests or n_req, a.output_len or out_len
+    if a.shape and a.only != "penalties":
+        p.error("--shape has no tokenizer (a grammar needs one): add --only penalties, or "
+                "give a checkpoint with --model")
+    if a.shape:
+        from common import build_engine, resolve_device
+        llm = build_engine(a.shape, resolve_device(None))
+    else:
+        llm = LLM(a.model)
+    res = {"model": a.shape or a.model, "device": llm.device}
     try:
-        prompt = "Write numbers:"
-        plain = SamplingParams(temperature=0.7, seed=0, max_tokens=n_tok, ignore_eos=True)
-        guided = SamplingParams(temperature=0.7, seed=0, max_tokens=n_tok, ignore_eos=True,
-                                guided={"json_schema": SCHEMA})
-        llm.generate([prompt], plain)                       # warm-up (graphs, caches)
-        llm.generate([prompt], guided)
-        t_plain = _timed(lambda: llm.generate([prompt], plain), a.repeats)
-        t_guided = _timed(lambda: llm.generate([prompt], guided), a.repeats)
-        prompts = [[(i * 7 + j) % 1000 + 10 for j in range(64)] for i in range(n_req)]
-        base = SamplingParams(temperature=0.6, seed=1, max_tokens=out_len, ignore_eos=True)
-        pen = SamplingParams(temperature=0.6, seed=1, max_tokens=out_len, ignore_eos=True,
-                             presence_penalty=0.5, frequency_penalty=0.5,
-                             repetition_penalty=1.1)
-        llm.generate(prompts[:4], base)
-        llm.generate(prompts[:4], pen)
-        t_base = _timed(lambda: llm.generate(prompts, base), a.repeats)
-        t_pen = _timed(lambda: llm.generate(prompts, pen), a.repeats)
+        if a.only != "penalties":
+            res.update(_guided(llm, n_tok, a.repeats))
+        if a.only != "guided":
+            res.update(_penalties(llm, n_req, out_len, a.repeats))
     finally:
         llm.shutdown()
-    res = {"model": a.model, "device": llm.device,
-           "batch1_decode_tok_s": n_tok / t_plain, "batch1_guided_tok_s": n_tok / t_guided,
-           "guided_cost_pct": 100 * (t_guided / t_plain - 1),
-           "throughput_tok_s": n_req * out_len / t_base,
-           "throughput_penalties_tok_s": n_req * out_len / t_pen,
-           "penalties_cost_pct": 100 * (t_pen / t_base - 1)}
     print(json.dumps(res, indent=1))
     return res
+
+
+def _guided(llm, n_tok: int, repeats: int) -> dict:
+    prompt = "Write numbers:"
+    plain = SamplingParams(temperature=0.7, seed=0, max_tokens=n_tok, ignore_eos=True)
+    guided = SamplingParams(temperature=0.7, seed=0, max_tokens=n_tok, ignore_eos=True,
+                            guided={"json_schema": SCHEMA})
+    llm.generate([prompt], plain)                       # warm-up (graphs, caches)
+    llm.generate([prompt], guided)
+    t_plain = _timed(lambda: llm.generate([prompt], plain), repeats)
+    t_guided = _timed(lambda: llm.generate([prompt], guided), repeats)
+    return {"batch1_decode_tok_s": n_tok / t_plain, "batch1_guided_tok_s": n_tok / t_guided,
+            "guided_cost_pct": 100 * (t_guided / t_plain - 1)}
+
+
+def _penalties(llm, n_req: int, out_len: int, repeats: int) -> dict:
+    prompts = [[(i * 7 + j) % 1000 + 10 for j in range(64)] for i in range(n_req)]
+    base = SamplingParams(temperature=0.6, seed=1, max_tokens=out_len, ignore_eos=True)
+    pen = SamplingParams(temperature=0.6, seed=1, max_tokens=out_len, ignore_eos=True,
+                         presence_penalty=0.5, frequency_penalty=0.5,
+                         repetition_penalty=1.1)
+    llm.generate(prompts[:4], base)
+    llm.generate(prompts[:4], pen)
+    t_base = _timed(lambda: llm.generate(prompts, base), repeats)
+    t_pen = _timed(lambda: llm.generate(prompts, pen), repeats)
+    return {"throughput_tok_s": n_req * out_len / t_base,
+            "throughput_penalties_tok_s": n_req * out_len / t_pen,
+            "penalties_cost_pct": 100 * (t_pen / t_base - 1)}
 
 
 if __name__ == "__main__":

@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 from .block_manager import BlockManager
 from .detokenizer import IncrementalDetokenizer
 from .errors import RequestFailedError, WorkerDiedError
+from .grammar_masks import GrammarMasks, LateMask
+from .penalty_slots import PenaltySlots
 from .records import StepEntry, StepTrace
 from .scheduler import ScheduledSeq, Scheduler
 from .sequence import Sequence, TokenEvent, TokenLogprobs
@@ -77,6 +79,10 @@ class EngineCore:
         self.detok: dict[str, IncrementalDetokenizer] = {}
         self.inflight: InFlight | None = None
         self.interventions = None           # interventions.plan.InterventionPlanner (set by LLM)
+        self.penalty_slots = PenaltySlots()  # penalised requests' device count rows
+        self.masks = GrammarMasks()         # guided rows' bitmask buffers
+        # the runner fills a guided step's mask after launching its forward (runner.py)
+        self.late_masks = bool(getattr(runner, "fills_masks_late", False))
 
     # ---- requests ----------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -128,9 +134,11 @@ class EngineCore:
         lock held: it takes the lock for the parts that change engine state."""
         res = StepResult()
         t0 = time.perf_counter()
-        if self.overlap and self.inflight is not None and any(
+        if self.overlap and self.inflight is not None and not self.late_masks and any(
                 s.seq.grammar is not None for s in self.inflight.scheduled):
-            # a guided request's next mask needs the token in flight: no overlap this step
+            # a guided request's next mask needs the token in flight, and this runner cannot
+            # take the mask after the forward's launch (TP: the inputs cross processes first):
+            # no overlap this step
             res.extend(self.drain())
         with self.lock:
             launch = self._prepare(t0)
@@ -173,17 +181,29 @@ class EngineCore:
                                     [len(s.seq) for s in sampling],
                                     self._banned(sampling)) if sampling else None
         if batch is not None:
-            from .penalties import PenaltyBatch
-            if any(PenaltyBatch.needed(s.seq.params) for s in sampling):
-                batch.penalties = PenaltyBatch.build([s.seq for s in sampling], prev_step_id)
+            if any(s.seq.params.uses_penalties for s in sampling):
+                batch.penalties = self.penalty_slots.batch([s.seq for s in sampling],
+                                                           prev_step_id)
             if any(s.seq.grammar is not None for s in sampling):
-                from .guided import fill_bitmask
-                batch.grammar_mask = fill_bitmask([s.seq.grammar for s in sampling])
+                self._grammar_mask(batch, sampling, prev_step_id)
         inp = build_step_inputs(step_id, scheduled, self.bm.block_size, batch, plan,
                                 prev_step_id)
         if self.interventions is not None and self.interventions.active:
             inp.interventions = self.interventions.plan(scheduled)
         return inp
+
+    def _grammar_mask(self, batch: SamplingBatch, sampling, prev_step_id: int) -> None:
+        """The guided rows' bitmask now, or (a row's newest token still in flight) a LateMask
+        the runner fills once it has launched the forward."""
+        grammars = [s.seq.grammar for s in sampling]
+        advance = [(s.seq.grammar, pos - s.seq.num_prompt_tokens,
+                    s.seq.pending_src(pos, prev_step_id))
+                   for s in sampling if s.seq.grammar is not None for pos in s.seq.pending]
+        if not advance:
+            batch.grammar_mask = self.masks.fill(grammars)
+            return
+        batch.grammar_mask_fn = LateMask(self.masks, self.inflight.out,
+                                         self.runner.check_workers, grammars, advance)
 
     def _launch(self, scheduled, inp: StepInputs, t0, t_sched, t_prep,
                 res: StepResult) -> InFlight | None:
@@ -192,6 +212,8 @@ class EngineCore:
         except WorkerDiedError:
             raise
         except Exception as e:              # noqa: BLE001 — attribute it to a request
+            # the failed launch may have updated some penalty count rows: rebuild them
+            self.penalty_slots.invalidate([s.seq for s in scheduled])
             return self._isolate(scheduled, e, res)
         with self.lock:
             self.scheduler.on_launch(scheduled, inp.step_id)
@@ -220,6 +242,7 @@ class EngineCore:
             except WorkerDiedError:
                 raise
             except Exception as e:          # noqa: BLE001
+                self.penalty_slots.invalidate([s.seq])
                 with self.lock:
                     self._fail(s.seq, RequestFailedError(
                         f"this request failed in the engine: {e!r}"), res)
@@ -302,7 +325,8 @@ class EngineCore:
             seq.logprobs.append(lp)
         if seq.grammar is not None:
             seq.num_masked_steps += 1
-            seq.grammar.consume(tok)       # a refusal fails this request (postprocess)
+            # a refusal fails this request (postprocess); a no-op when a LateMask advanced it
+            seq.grammar.consume_at(seq.num_resolved_tokens - 1 - seq.num_prompt_tokens, tok)
         first = seq.first_token_time is None
         if first:
             seq.first_token_time = now

@@ -59,15 +59,37 @@ def ll_tokenizer(tokenizer, vocab_size: int, eos_ids):
 
 
 class Grammar:
-    """One request's matcher, and the vocabulary width its masks cover."""
+    """One request's matcher, the vocabulary width its masks cover, and what it has done."""
 
     def __init__(self, matcher, vocab_size: int):
         self.matcher, self.vocab_size = matcher, vocab_size
+        self.num_consumed = 0               # output tokens the matcher has advanced past
+        self.num_allowed: int | None = None  # tokens its latest mask allowed (None: none yet)
 
-    def consume(self, token: int) -> None:
-        """Advance past a sampled token; ValueError if the grammar does not allow it."""
+    def consume_at(self, index: int, token: int) -> None:
+        """Advance past output token `index`; a second call for the same index is a no-op
+        (under overlap scheduling the engine advances early, to fill the next step's mask,
+        and again when it postprocesses). ValueError if the grammar does not allow it."""
+        if index < self.num_consumed:
+            return
+        if index != self.num_consumed:
+            raise RuntimeError(f"the grammar is at output token {self.num_consumed}, asked to "
+                               f"consume token {index}")
         if not self.matcher.consume_token(token):
             raise ValueError(f"the grammar refused token {token}: {self.matcher.get_error()}")
+        self.num_consumed += 1
+
+    def consume(self, token: int) -> None:
+        self.consume_at(self.num_consumed, token)
+
+    def fill(self, row: np.ndarray) -> None:
+        """Write the next token's allowed bits into `row` ([ceil(V/32)] uint32, contiguous, on
+        the host). A matcher in error (its request fails when postprocessed) allows all."""
+        if self.matcher.is_error():
+            row.fill(0xFFFFFFFF)
+        else:
+            self.matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+        self.num_allowed = int(np.bitwise_count(row).sum())
 
 
 def make_matcher(tokenizer, vocab_size: int, eos_ids, grammar: str) -> Grammar:
@@ -87,22 +109,28 @@ def make_matcher(tokenizer, vocab_size: int, eos_ids, grammar: str) -> Grammar:
 
 def fill_bitmask(grammars: list) -> np.ndarray:
     """[rows, ceil(vocab / 32)] int32: bit t of row r set = token t allowed; rows whose grammar
-    is None allow everything."""
+    is None allow everything. (The engine fills a reused buffer: grammar_masks.GrammarMasks.)"""
     vocab = next(g.vocab_size for g in grammars if g is not None)
-    mask = torch.full((len(grammars), (vocab + 31) // 32), -1, dtype=torch.int32)
-    from llguidance.torch import fill_next_token_bitmask
+    mask = np.full((len(grammars), (vocab + 31) // 32), -1, dtype=np.int32)
     for r, g in enumerate(grammars):
         if g is not None:
-            fill_next_token_bitmask(g.matcher, mask, r)
-    return mask.numpy()
+            g.fill(mask[r].view(np.uint32))
+    return mask
+
+
+_POW2: dict = {}
 
 
 def apply_bitmask(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """logits [B, V] fp32, mask [B, ceil(V/32)] int32 on the same device -> disallowed = -inf."""
+    """logits [B, V] fp32, mask [B, ceil(V/32)] int32 on the same device -> disallowed = -inf.
+    Two [B, V] passes: the bits against a cached [32] table of powers of two, then the fill."""
     v = logits.shape[-1]
-    bits = torch.arange(32, device=logits.device, dtype=torch.int32)
-    allowed = ((mask[:, :, None] >> bits) & 1).bool().reshape(mask.shape[0], -1)[:, :v]
-    return logits.masked_fill(~allowed, float("-inf"))
+    pow2 = _POW2.get(logits.device)
+    if pow2 is None:    # 1 << 31 wraps to int32's sign bit, which is what bit 31 tests
+        pow2 = _POW2[logits.device] = torch.tensor([1 << b for b in range(31)] + [-(1 << 31)],
+                                                   dtype=torch.int32, device=logits.device)
+    banned = (mask[:, :, None] & pow2) == 0
+    return logits.masked_fill(banned.view(mask.shape[0], -1)[:, :v], float("-inf"))
 
 
 def grammar_of(spec) -> str:

@@ -30,6 +30,9 @@ _engine_ids = itertools.count()
 _running: "weakref.WeakSet[LLM]" = weakref.WeakSet()     # engines whose loop thread may run
 
 
+MAX_NOTE = 200      # characters of LLM.annotate's note kept (a row, not a log)
+
+
 @atexit.register
 def _shutdown_at_exit() -> None:
     """Stop every engine still running when the interpreter exits. The loop thread is a daemon,
@@ -579,6 +582,18 @@ class LLM:
             if seq is None or seq.is_finished:
                 return False
             self._deliver(self.core.abort(seq))
+            return True
+
+    def annotate(self, request_id: str, note: str) -> bool:
+        """Attach a short note to a live request, shown in its playground row (the API puts
+        the tool calls it has parsed so far there). False if the request is unknown or done."""
+        if not isinstance(note, str):
+            raise TypeError(f"a request's note must be a string, got {type(note).__name__}")
+        with self._lock:
+            seq = self._seqs.get(request_id)
+            if seq is None or seq.is_finished:
+                return False
+            seq.annotation = note[:MAX_NOTE]
             return True
 
     def _check_open(self) -> None:

@@ -20,6 +20,7 @@ from .context import ForwardContext, set_context
 from .loader import init_dummy_weights, load_weights
 from .models.registry import model_class
 from .parallel_state import TPGroup, use_tp
+from .penalties import PenaltyState
 from .sampling import SamplingTensors, sample
 from .step_inputs import StepInputs
 from .step_output import StepOutput
@@ -30,6 +31,10 @@ CPU_FULL_SEQS = 16      # the CPU KV cache's default: this many full-length sequ
 
 
 class ModelRunner:
+    # a guided step's bitmask may come as a callable, run after the forward's launch (the
+    # engine core then keeps overlap scheduling on for guided requests)
+    fills_masks_late = True
+
     def __init__(self, config: EngineConfig, hf_config, model_path: str, max_model_len: int,
                  tp: TPGroup | None = None):
         self.tp = tp or TPGroup()
@@ -68,6 +73,8 @@ class ModelRunner:
         self.kv_cache: torch.Tensor | None = None
         self.graphs = None
         self._last_sampled: tuple[int, torch.Tensor | None] = (-1, None)
+        # penalised requests' output-token counts, kept on the device across steps
+        self.penalty_state = PenaltyState(self.device)
 
     # ---- KV cache ----------------------------------------------------------------------------
     @property
@@ -238,9 +245,15 @@ class ModelRunner:
                     ivs = InterventionBuffers.for_step(self, inp.interventions)
                 logits = self.execute(inp, bufs, ivs, out)
             if inp.sampling is not None and len(inp.sampling):
+                if inp.sampling.grammar_mask_fn is not None:    # the forward is queued: fill
+                    inp.sampling.grammar_mask = inp.sampling.grammar_mask_fn()   # in its shadow
+                    inp.sampling.grammar_mask_fn = None
                 prev = self._last_sampled
-                st = SamplingTensors.from_batch(inp.sampling, self.device, prev[1] if
-                                                prev[0] == inp.prev_step_id else None)
+                st = SamplingTensors.from_batch(inp.sampling, self.device)
+                if inp.sampling.penalties is not None:
+                    st.penalties = self.penalty_state.step(
+                        inp.sampling.penalties, logits.shape[-1],
+                        prev[1] if prev[0] == inp.prev_step_id else None)
                 ids, chosen, top_ids, top_lp = sample(logits, st)
                 out.sampled_ids = ids
                 self._last_sampled = (inp.step_id, ids)
@@ -298,6 +311,7 @@ class ModelRunner:
         gets the memory back)."""
         self.graphs = None
         self._last_sampled = (-1, None)
+        self.penalty_state = PenaltyState(self.device)
         self.kv_cache = None
         if getattr(self, "model", None) is not None:
             for attn in self.model.attention_layers:

@@ -1,5 +1,5 @@
 """Presence, frequency and repetition penalties and logit_bias, applied to a step's logits from
-per-row device tensors (no host sync, no per-row Python on the device side).
+per-request count rows that live on the device across steps (no host sync, O(batch) host work).
 
 Definitions (the references the tests compare against):
 - repetition_penalty (HF's RepetitionPenaltyLogitsProcessor, vLLM's): for every token in the
@@ -8,125 +8,147 @@ Definitions (the references the tests compare against):
   (count > 0), counts over the output tokens only;
 - logit_bias (OpenAI's): added to the token's logit, before the penalties (vLLM's order).
 
-The host side (`PenaltyBatch.build`) lists the rows' token ids once per step; a token still on
-the device (overlap scheduling: the previous step's sample) is named by its index in that step's
-sampled ids and read there. Steps where no row uses any of this skip it entirely.
+Each penalised request owns a count row (a "slot", handed out by penalty_slots.PenaltySlots on
+rank 0): `counts[slot, v]` its output-token counts, `prompt_seen[slot, v]` its prompt's tokens.
+A step's PenaltyBatch carries only what changed since the request's previous step: the tokens
+to add (host ids, or indices into the previous step's sampled ids while those are still on the
+device under overlap scheduling), and the slots to clear when a request takes a row for the
+first time (or again, after a failed launch). Every rank applies the same updates to its own
+copy, so the rows agree without communication. Steps where no row uses any of this skip it.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-PENDING = -1
+_I64 = np.int64
+
+
+def needs_counts(params) -> bool:
+    """A presence, frequency or repetition penalty: the request needs a count row."""
+    return (params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
+            or params.repetition_penalty != 1.0)
 
 
 @dataclass
 class PenaltyBatch:
-    """Host lists for one step's sampled rows (only built when some row uses a penalty)."""
-    presence: list[float]
-    frequency: list[float]
-    repetition: list[float]
-    out_rows: np.ndarray        # [T] int64: (row, token) of each known output token
-    out_tokens: np.ndarray
-    prompt_rows: np.ndarray     # [Q] int64: (row, token) of each distinct prompt token
-    prompt_tokens: np.ndarray
-    pending_rows: np.ndarray    # [P] int64: rows whose newest output token is on the device
-    pending_src: np.ndarray     # [P] int64: its index in the previous step's sampled ids
-    bias_rows: np.ndarray       # [K] int64: logit_bias entries
-    bias_tokens: np.ndarray
-    bias_values: np.ndarray     # [K] fp32
+    """One step's penalty work as host arrays (sent to every rank with the StepInputs)."""
+    rows: np.ndarray            # [P] int64: sampled rows with a count penalty
+    slots: np.ndarray           # [P] int64: their count rows
+    presence: np.ndarray        # [P] fp32
+    frequency: np.ndarray       # [P] fp32
+    repetition: np.ndarray      # [P] fp32
+    num_slots: int              # count rows the device must hold (highest slot + 1)
+    reset_slots: np.ndarray     # [R] int64: rows cleared before this step's additions
+    seen_slots: np.ndarray      # [Q] int64: (slot, token) of each distinct prompt token
+    seen_tokens: np.ndarray     #      (repetition rows, sent when their row is cleared)
+    add_slots: np.ndarray       # [A] int64: (slot, token) output tokens known on the host
+    add_tokens: np.ndarray
+    pending_slots: np.ndarray   # [D] int64: output tokens still on the device: their index in
+    pending_src: np.ndarray     #      the previous step's sampled ids
+    bias_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, _I64))  # [K] logit_bias
+    bias_tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, _I64))
+    bias_values: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
 
-    @staticmethod
-    def needed(params) -> bool:
-        return (params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
-                or params.repetition_penalty != 1.0 or bool(params.logit_bias))
-
-    @classmethod
-    def build(cls, seqs, prev_step_id: int) -> "PenaltyBatch":
-        """seqs: the step's sampled rows' Sequences, in row order."""
-        out_r, out_t, pr_r, pr_t, pend_r, pend_s, b_r, b_t, b_v = ([] for _ in range(9))
-        for row, seq in enumerate(seqs):
-            p = seq.params
-            for tok, bias in p.logit_bias:
-                b_r.append(row)
-                b_t.append(tok)
-                b_v.append(bias)
-            if p.presence_penalty == 0.0 and p.frequency_penalty == 0.0 and \
-                    p.repetition_penalty == 1.0:
-                continue
-            out = np.asarray(seq.token_ids[seq.num_prompt_tokens:], dtype=np.int64)
-            known = out[out != PENDING]
-            out_r.append(np.full(len(known), row, dtype=np.int64))
-            out_t.append(known)
-            for pos in seq.pending:
-                pend_r.append(row)
-                pend_s.append(seq.pending_src(pos, prev_step_id))
-            if p.repetition_penalty != 1.0:
-                prompt = np.unique(np.asarray(seq.prompt_token_ids, dtype=np.int64))
-                pr_r.append(np.full(len(prompt), row, dtype=np.int64))
-                pr_t.append(prompt)
-        cat = lambda xs: np.concatenate(xs) if xs else np.zeros(0, dtype=np.int64)  # noqa: E731
-        return cls([s.params.presence_penalty for s in seqs],
-                   [s.params.frequency_penalty for s in seqs],
-                   [s.params.repetition_penalty for s in seqs], cat(out_r), cat(out_t),
-                   cat(pr_r), cat(pr_t), np.array(pend_r, dtype=np.int64),
-                   np.array(pend_s, dtype=np.int64), np.array(b_r, dtype=np.int64),
-                   np.array(b_t, dtype=np.int64), np.array(b_v, dtype=np.float32))
+    _INTS = ("rows", "slots", "reset_slots", "seen_slots", "seen_tokens", "add_slots",
+             "add_tokens", "pending_slots", "pending_src", "bias_rows", "bias_tokens")
+    _FLOATS = ("presence", "frequency", "repetition", "bias_values")
 
 
 @dataclass
 class PenaltyTensors:
-    presence: torch.Tensor      # [B] fp32
-    frequency: torch.Tensor     # [B] fp32
-    repetition: torch.Tensor    # [B] fp32
-    out_rows: torch.Tensor
-    out_tokens: torch.Tensor    # the previous step's pending samples appended
-    prompt_rows: torch.Tensor
-    prompt_tokens: torch.Tensor
+    """A step's penalty inputs on the device (views of two staged arrays) and the count rows."""
+    rows: torch.Tensor
+    slots: torch.Tensor
+    presence: torch.Tensor
+    frequency: torch.Tensor
+    repetition: torch.Tensor
     bias_rows: torch.Tensor
     bias_tokens: torch.Tensor
     bias_values: torch.Tensor
-    any_counts: bool            # a presence / frequency / repetition penalty in some row
+    counts: torch.Tensor        # [S, V] int32
+    prompt_seen: torch.Tensor   # [S, V] bool
 
-    @classmethod
-    def from_batch(cls, b: PenaltyBatch, device, prev_sampled: torch.Tensor | None
-                   ) -> "PenaltyTensors":
-        nb = torch.device(device).type == "cuda"
 
-        def dev(a, dtype=None):
-            t = torch.as_tensor(a, dtype=dtype)
-            return (t.pin_memory() if nb else t).to(device, non_blocking=nb)
-        rows, toks = dev(b.out_rows), dev(b.out_tokens)
-        if len(b.pending_rows):
-            if prev_sampled is None:
-                raise RuntimeError("a penalised row's newest token is on the device, but the "
-                                   "previous step's sampled ids are not")
-            rows = torch.cat([rows, dev(b.pending_rows)])
-            toks = torch.cat([toks, prev_sampled.index_select(0, dev(b.pending_src))])
-        f32 = torch.float32
-        return cls(dev(b.presence, f32), dev(b.frequency, f32), dev(b.repetition, f32), rows,
-                   toks, dev(b.prompt_rows), dev(b.prompt_tokens), dev(b.bias_rows),
-                   dev(b.bias_tokens), dev(b.bias_values),
-                   any(x != 0.0 for x in b.presence) or any(x != 0.0 for x in b.frequency)
-                   or any(x != 1.0 for x in b.repetition))
+class PenaltyState:
+    """The count rows on one rank's device, grown (by doubling) when more requests need one."""
+
+    def __init__(self, device):
+        self.device = torch.device(device)
+        self.counts: torch.Tensor | None = None         # [S, V] int32
+        self.prompt_seen: torch.Tensor | None = None    # [S, V] bool
+
+    def _ensure(self, num_slots: int, vocab: int) -> None:
+        have = 0 if self.counts is None else self.counts.shape[0]
+        if self.counts is not None and self.counts.shape[1] != vocab:
+            raise RuntimeError(f"penalty count rows are {self.counts.shape[1]} wide, the "
+                               f"logits {vocab}")
+        if num_slots <= have:
+            return
+        size = max(num_slots, 2 * have, 8)
+        counts = torch.zeros(size, vocab, dtype=torch.int32, device=self.device)
+        seen = torch.zeros(size, vocab, dtype=torch.bool, device=self.device)
+        if have:
+            counts[:have] = self.counts
+            seen[:have] = self.prompt_seen
+        self.counts, self.prompt_seen = counts, seen
+
+    def _stage(self, a: np.ndarray) -> torch.Tensor:
+        t = torch.from_numpy(a)
+        if self.device.type != "cuda":
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
+
+    def step(self, b: PenaltyBatch, vocab: int, prev_sampled: torch.Tensor | None
+             ) -> PenaltyTensors:
+        """Bring the count rows up to date with `b` (queued on the device, no sync) and return
+        the tensors the sampler applies. Two host->device copies: one int64, one fp32."""
+        ints = [getattr(b, n) for n in PenaltyBatch._INTS]
+        floats = [getattr(b, n) for n in PenaltyBatch._FLOATS]
+        di = self._stage(np.concatenate(ints).astype(_I64, copy=False)).split(
+            [len(a) for a in ints])
+        df = self._stage(np.concatenate(floats).astype(np.float32, copy=False)).split(
+            [len(a) for a in floats])
+        i = dict(zip(PenaltyBatch._INTS, di))
+        f = dict(zip(PenaltyBatch._FLOATS, df))
+        if b.num_slots:
+            self._ensure(b.num_slots, vocab)
+            if len(b.reset_slots):
+                self.counts.index_fill_(0, i["reset_slots"], 0)
+                self.prompt_seen.index_fill_(0, i["reset_slots"], False)
+            if len(b.seen_slots):
+                self.prompt_seen.index_put_((i["seen_slots"], i["seen_tokens"]),
+                                            torch.ones((), dtype=torch.bool, device=self.device))
+            slots, toks = i["add_slots"], i["add_tokens"]
+            if len(b.pending_slots):
+                if prev_sampled is None:
+                    raise RuntimeError("a penalised row's newest token is on the device, but "
+                                       "the previous step's sampled ids are not")
+                slots = torch.cat([slots, i["pending_slots"]])
+                toks = torch.cat([toks, prev_sampled.index_select(0, i["pending_src"])])
+            if len(slots):
+                self.counts.index_put_((slots, toks), torch.ones(
+                    (), dtype=torch.int32, device=self.device), accumulate=True)
+        empty = torch.zeros(0, 0, dtype=torch.int32, device=self.device)
+        return PenaltyTensors(
+            i["rows"], i["slots"], f["presence"], f["frequency"], f["repetition"],
+            i["bias_rows"], i["bias_tokens"], f["bias_values"],
+            self.counts if self.counts is not None else empty,
+            self.prompt_seen if self.prompt_seen is not None else empty.bool())
 
 
 def apply_penalties(logits: torch.Tensor, t: PenaltyTensors) -> torch.Tensor:
-    """logits [B, V] fp32 -> a penalised copy."""
+    """logits [B, V] fp32 -> a penalised copy (logit_bias first, then the count penalties)."""
     logits = logits.clone()
     if len(t.bias_rows):
         logits.index_put_((t.bias_rows, t.bias_tokens), t.bias_values, accumulate=True)
-    if not t.any_counts:
+    if not len(t.rows):
         return logits
-    counts = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
-    counts.index_put_((t.out_rows, t.out_tokens),
-                      torch.ones(len(t.out_rows), device=logits.device), accumulate=True)
-    in_output = counts > 0
-    seen = in_output.clone()
-    if len(t.prompt_rows):
-        seen[t.prompt_rows, t.prompt_tokens] = True
-    rep = t.repetition[:, None]
-    logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
-    return logits - t.frequency[:, None] * counts - t.presence[:, None] * in_output.float()
+    if logits.is_cuda:
+        from .kernels.penalties_kernel import apply_count_penalties as apply
+    else:
+        from .kernels.penalties_kernel import apply_count_penalties_ref as apply
+    return apply(logits, t.rows, t.slots, t.counts, t.prompt_seen, t.presence, t.frequency,
+                 t.repetition)

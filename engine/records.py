@@ -129,6 +129,17 @@ class KVBlockArrays:
         return out
 
 
+class RequestRecord(NamedTuple):
+    """One live request's choices and guided-decoding state, for its row in the playground
+    (a tuple of plain values: one is made per request per snapshot, under the lock)."""
+    sampling: str               # SamplingParams.summary: "temp 0.7 · top_p 0.9 · presence 0.5"
+    guided: bool                # a grammar constrains its tokens (structured output, tools)
+    masked_steps: int           # steps whose token the grammar constrained
+    allowed: int | None         # tokens its latest mask allowed (None: no mask yet)
+    vocab: int                  # the mask's width: allowed of vocab, the rest masked
+    note: str                   # what the API attached (LLM.annotate: tool calls so far) or ""
+
+
 @dataclass
 class EngineSnapshot:
     """A consistent copy of the engine's state, taken between two steps."""
@@ -164,6 +175,7 @@ class EngineSnapshot:
     collective_time_step: int | None = None
     async_scheduling: bool = False
     step_count: int = 0                     # steps ever recorded: a cursor for LLM.steps_since
+    requests: dict[str, RequestRecord] = field(default_factory=dict)   # live requests by id
 
     @property
     def prefix_hit_rate(self) -> float:

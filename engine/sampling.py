@@ -43,9 +43,9 @@ class SamplingTensors:
         return cls.from_batch(SamplingBatch.build(params, seeds, positions, banned), device)
 
     @classmethod
-    def from_batch(cls, b, device, prev_sampled: torch.Tensor | None = None) -> "SamplingTensors":
-        """A step_inputs.SamplingBatch (host lists) -> tensors on `device`. `prev_sampled`: the
-        previous step's sampled ids on the device (a penalised row's newest token)."""
+    def from_batch(cls, b, device) -> "SamplingTensors":
+        """A step_inputs.SamplingBatch (host lists) -> tensors on `device`. The penalties'
+        tensors come from the runner's persistent count rows (penalties.PenaltyState.step)."""
         f32 = dict(dtype=torch.float32, device="cpu")
         temps = b.temperature
         t = cls(temperature=torch.tensor(temps, **f32),
@@ -61,9 +61,6 @@ class SamplingTensors:
             nb = torch.device(device).type == "cuda"
             m = torch.from_numpy(b.grammar_mask)
             t.grammar_mask = (m.pin_memory() if nb else m).to(device, non_blocking=nb)
-        if getattr(b, "penalties", None) is not None:
-            from .penalties import PenaltyTensors
-            t.penalties = PenaltyTensors.from_batch(b.penalties, device, prev_sampled)
         if t.all_greedy:        # argmax needs none of the per-row tensors: skip the copies
             return t
         nb = torch.device(device).type == "cuda"

@@ -146,6 +146,35 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @functools.cached_property
+    def summary(self) -> str:
+        """The choices that differ from the defaults, in a few words (the playground's row);
+        built once per request (cached_property writes past the frozen __setattr__)."""
+        parts = ["greedy" if self.greedy else f"temp {self.temperature:g}"]
+        for name, label, off in (("top_k", "top_k", 0), ("top_p", "top_p", 1.0),
+                                 ("min_p", "min_p", 0.0), ("presence_penalty", "presence", 0.0),
+                                 ("frequency_penalty", "frequency", 0.0),
+                                 ("repetition_penalty", "repetition", 1.0)):
+            v = getattr(self, name)
+            if v != off:
+                parts.append(f"{label} {v:g}")
+        if self.logit_bias:
+            parts.append(f"logit_bias {len(self.logit_bias)} tok")
+        if self.seed is not None:
+            parts.append(f"seed {self.seed}")
+        parts.append(f"max {self.max_tokens}")
+        if self.min_tokens:
+            parts.append(f"min {self.min_tokens}")
+        if self.guided is not None:
+            parts.append("guided")
+        return " · ".join(parts)
+
+    @property
+    def uses_penalties(self) -> bool:
+        """A presence / frequency / repetition penalty or a logit_bias (engine/penalties.py)."""
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0 or bool(self.logit_bias))
+
     def check_for_model(self, vocab_size: int) -> None:
         """The checks that need the model: token ids inside its vocabulary [0, vocab_size)."""
         bad_bias = [t for t, _ in self.logit_bias if t >= vocab_size]

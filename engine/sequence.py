@@ -59,6 +59,7 @@ class Sequence:
         self.logprobs: list[TokenLogprobs] = []
         self.grammar = None         # guided decoding: the request's llguidance matcher
         self.num_masked_steps = 0   # steps whose token the grammar constrained
+        self.annotation = ""        # a short note from the API for the playground (LLM.annotate)
         # SamplingParams.prompt_logprobs: one entry per prompt token (the first has none),
         # filled by position as the prefill computes them (a recompute overwrites)
         self.prompt_logprobs: list[TokenLogprobs | None] | None = (

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 from operator import attrgetter
 
-from .records import EngineSnapshot, TableViews
+from .records import EngineSnapshot, RequestRecord, TableViews
 
 
 # per request, read under the lock in one C-level pass (operator.attrgetter through map)
-_FACTS = attrgetter("request_id", "block_table", "num_computed_tokens", "num_resolved_tokens")
+_FACTS = attrgetter("request_id", "block_table", "num_computed_tokens", "num_resolved_tokens",
+                    "params", "grammar", "num_masked_steps", "annotation")
 
 
 def take_snapshot(llm) -> EngineSnapshot:
@@ -43,8 +44,13 @@ def build_snapshot(state: tuple) -> EngineSnapshot:
     (llm, facts, table_lens, n_running, ref, hashed, free, hits, queries, evictions,
      preemptions, steps, step_count) = state
     bm = llm.block_manager          # fixed facts only below (sizes), never live state
-    views, tokens = {}, {}
-    for (rid, table, computed, resolved), n in zip(facts, table_lens):
+    views, tokens, records = {}, {}, {}
+    for (rid, table, computed, resolved, params, g, masked, note), n in zip(facts, table_lens):
+        # a grammar's plain counters only, never its matcher (the engine thread may be using
+        # it); read after the lock, so they may be a step newer than the tables
+        records[rid] = RequestRecord(params.summary, g is not None, masked,
+                                     g.num_allowed if g is not None else None,
+                                     g.vocab_size if g is not None else 0, note)
         if n:
             views[rid] = (table, n)
             # a token still on the device (overlap scheduling) has no id here yet
@@ -69,4 +75,4 @@ def build_snapshot(state: tuple) -> EngineSnapshot:
         num_kv_heads=llm.hf_config.num_key_value_heads,
         collective_time=timed.collective_time if timed else None,
         collective_time_step=timed.step_id if timed else None,
-        async_scheduling=llm.async_scheduling, step_count=step_count)
+        async_scheduling=llm.async_scheduling, step_count=step_count, requests=records)

@@ -29,6 +29,9 @@ class SamplingBatch:
     max_logprobs: int
     penalties: object = None        # penalties.PenaltyBatch when some row uses one
     grammar_mask: np.ndarray | None = None  # [S, ceil(V/32)] int32 when some row is guided
+    # or, a guided row's newest token still in flight: grammar_masks.LateMask, which the runner
+    # calls after launching the forward (one process only: it does not cross to TP workers)
+    grammar_mask_fn: object = None
 
     @classmethod
     def build(cls, params, seeds, positions, banned) -> "SamplingBatch":

@@ -128,6 +128,22 @@ def block_detail(info, block_size: int, decode: Decode) -> str:
             + (f"\n“{text}”" if text else ""))
 
 
+def request_meta_html(rec) -> str:
+    """A request's sampling choices, its grammar's state and the API's note (tool calls) under
+    its block-table row; "" for a request the snapshot has no record of."""
+    if rec is None:
+        return ""
+    parts = [f'<span class="kv-tsampling" title="sampling">{html.escape(rec.sampling)}</span>']
+    if rec.guided:
+        mask = "" if rec.allowed is None else \
+            f" · last mask {rec.vocab - rec.allowed:,} of {rec.vocab:,} tokens masked"
+        parts.append(f'<span class="kv-tgrammar">grammar: {rec.masked_steps} masked steps'
+                     f'{mask}</span>')
+    if rec.note:
+        parts.append(f'<span class="kv-tnote">{html.escape(rec.note)}</span>')
+    return f'<div class="kv-treq">{" · ".join(parts)}</div>'
+
+
 def block_tables_html(snap: EngineSnapshot) -> str:
     """Each request's block table as a row of physical block ids, coloured like the grid."""
     if not snap.block_tables:
@@ -145,11 +161,12 @@ def block_tables_html(snap: EngineSnapshot) -> str:
         more = f'<span class="kv-more">+{len(table) - MAX_TABLE_CELLS}</span>' \
             if len(table) > MAX_TABLE_CELLS else ""
         ntok = snap.request_tokens.get(rid, 0)
+        req = request_meta_html(snap.requests.get(rid))
         rows.append(
             f'<div class="kv-trow" data-request="{html.escape(rid, quote=True)}">'
             f'<span class="kv-rid" style="background:{colour}">{html.escape(rid)}</span>'
             f'<span class="kv-tmeta">{ntok} tok · {len(table)} blk {status}</span>{cells}{more}'
-            '</div>')
+            f'{req}</div>')
     extra = len(snap.block_tables) - MAX_TABLE_ROWS
     tail = f'<div class="kv-note">+{extra} more requests</div>' if extra > 0 else ""
     return f'<div class="kv-tables">{"".join(rows)}{tail}</div>'
