@@ -1,7 +1,8 @@
 """Interventions on the GPU: decode steps with an intervened request replay a CUDA-graph variant
-(tables refilled each replay) and give the tokens of the CPU path and of eager GPU steps; the
-untouched requests of the batch keep the tokens they have without it; the fused router kernel
-masks experts."""
+(tables refilled each replay) and give the tokens of the CPU path and of eager GPU steps (every
+kind, an attention clamp included); the untouched requests of the batch keep the tokens they
+have without it, and beside a masked-expert request their logprobs bit for bit in bf16; the
+expert kernels' rows depend on their own token only; the fused router kernel masks experts."""
 from __future__ import annotations
 
 import numpy as np
@@ -24,6 +25,8 @@ def _ivs(arch: str) -> list:
     ivs = [Intervention.ablate_heads(1, [0, 3]), Intervention.steer(-1, v, 2.0, "generated")]
     if arch == "qwen3_moe":
         ivs.append(Intervention.mask_experts(0, [0, 1, 2]))
+    # prompt 0 has 17 tokens: 18 is its second generated token's key
+    ivs.append(Intervention.clamp_attention(0, [2], [0, 1, 5, 18]))
     return ivs
 
 
