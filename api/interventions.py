@@ -6,6 +6,7 @@ Intervention list, checked against the served model up front: a bad entry is a 4
   {"kind": "mask_experts", "layer": 0, "experts": [5]}
   {"kind": "steer", "layer": 2, "vector": [... hidden_size numbers ...], "scale": 4.0,
    "positions": "all" | "prompt" | "generated"}
+  {"kind": "clamp_attention", "layer": 1, "heads": [2], "positions": [0, 5]}
 """
 from __future__ import annotations
 

@@ -83,7 +83,7 @@ def check_anatomy_renders(page, hub, moe: bool, tp: int):
     llm = hub.llm
     code = page.inner_text("#anatomy-code")
     assert "runs here (CPU)" in code and "rms_norm_ref" in code
-    assert ("fused_moe_ref" in code) == moe
+    assert ("fused_moe_cpu" in code) == moe
     assert page.locator("#anatomy-path .anat-layer").count() == llm.hf_config.num_hidden_layers
     assert ("MoE block" in page.inner_text("#anatomy-layer")) == moe
     assert f"TP {tp} (running)" in page.text_content("#anatomy-tp-bytes")

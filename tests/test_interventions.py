@@ -154,7 +154,7 @@ def test_plan_points_each_token_at_its_row_and_row0_is_the_identity():
     assert planner.active
     # plain: prefill 3; gen_only: chunk over its prompt's end (positions 2..5, P=4); same: decode
     plan = planner.plan([_Sched(plain, 0, 3), _Sched(gen_only, 2, 4), _Sched(same, 9, 1)])
-    assert plan.key == ((1,), (), (2,))
+    assert plan.key == ((1,), (), (2,), ())
     sel = plan.sel.tolist()
     assert sel[:3] == [0, 0, 0]
     prompt_row, gen_row = sel[3], sel[5]

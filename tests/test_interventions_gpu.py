@@ -1,7 +1,8 @@
 """Interventions on the GPU: decode steps with an intervened request replay a CUDA-graph variant
-(tables refilled each replay) and give the tokens of the CPU path and of eager GPU steps; the
-untouched requests of the batch keep the tokens they have without it; the fused router kernel
-masks experts."""
+(tables refilled each replay) and give the tokens of the CPU path and of eager GPU steps (every
+kind, an attention clamp included); the untouched requests of the batch keep the tokens they
+have without it, and beside a masked-expert request their logprobs bit for bit in bf16; the
+expert kernels' rows depend on their own token only; the fused router kernel masks experts."""
 from __future__ import annotations
 
 import numpy as np
@@ -24,6 +25,8 @@ def _ivs(arch: str) -> list:
     ivs = [Intervention.ablate_heads(1, [0, 3]), Intervention.steer(-1, v, 2.0, "generated")]
     if arch == "qwen3_moe":
         ivs.append(Intervention.mask_experts(0, [0, 1, 2]))
+    # prompt 0 has 17 tokens: 18 is its second generated token's key
+    ivs.append(Intervention.clamp_attention(0, [2], [0, 1, 5, 18]))
     return ivs
 
 
@@ -87,3 +90,102 @@ def test_route_hidden_bias_on_gpu(n):
     assert (ids >= 64).all()
     rp, rw, rids = route_ref(F.linear(x, w).float() + bias, k, True)
     torch.testing.assert_close(probs, rp, rtol=2e-2, atol=1e-3)
+
+
+# ---- untouched requests beside a masked-expert request: bit for bit in bf16 ----------------------
+def _lp(out) -> torch.Tensor:
+    return torch.tensor([[t.logprob, *t.top.values()] for t in out.logprobs], dtype=torch.float64)
+
+
+@pytest.mark.parametrize("eager", [False, True], ids=["graphs", "eager"])
+@pytest.mark.parametrize("arch,masks", [
+    ("qwen3_moe", [Intervention.mask_experts(0, [0, 1, 2, 3]), Intervention.mask_experts(2, [5, 6])]),
+    ("qwen2_moe", [Intervention.mask_experts(0, [1, 2, 3, 4]), Intervention.mask_experts(-1, [0])]),
+])
+def test_untouched_requests_beside_masked_experts_are_bitwise_in_bf16(model_factory, arch, masks,
+                                                                       eager):
+    """The prefill (77 tokens: grouped expert GEMMs, router GEMM + routing kernel) and the decode
+    steps (4 tokens: GEMV experts, fused router) give the untouched requests the same bits
+    whether their neighbour's experts are masked or not."""
+    path = model_factory(arch)
+    g = torch.Generator().manual_seed(41)
+    prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (9, 31, 23, 14)]
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=5)
+    with LLM(path, device="cuda", dtype="bfloat16", num_kv_blocks=128, block_size=16,
+             max_num_seqs=8, enforce_eager=eager, enable_prefix_caching=False) as llm:
+        plain = llm.generate(prompts, sp)
+        masked = llm.generate(prompts, sp, interventions=[None, masks, None, None])
+        other = llm.generate(prompts, sp, interventions=[None, masks[:1], None, None])
+    assert _lp(masked[1]).tolist() != _lp(plain[1]).tolist(), "the mask changed nothing"
+    for i in (0, 2, 3):
+        for run, what in ((masked, "masked"), (other, "other mask")):
+            assert run[i].token_ids == plain[i].token_ids, f"request {i}, {what}"
+            assert torch.equal(_lp(run[i]), _lp(plain[i])), f"request {i}, {what}: logprob bits"
+
+
+# ---- the expert kernels: a row's bits depend on that row (Qwen3-30B-A3B shapes, bf16) -----------
+E, K, H, I = 128, 8, 2048, 768
+
+
+@pytest.fixture(scope="module")
+def experts():
+    g = torch.Generator(device="cuda").manual_seed(11)
+    w13 = (torch.randn(E, 2 * I, H, device="cuda", generator=g) / H ** 0.5).to(torch.bfloat16)
+    w2 = (torch.randn(E, H, I, device="cuda", generator=g) / I ** 0.5).to(torch.bfloat16)
+    return w13, w2
+
+
+def _tokens(n: int, seed: int):
+    """x [n, H] bf16 and router logits [n, E] fp32."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(n, H, device="cuda", generator=g).to(torch.bfloat16)
+    return x, torch.randn(n, E, device="cuda", generator=g)
+
+
+@pytest.mark.parametrize("n", [2, 4, 5, 16, 33, 64, 256, 1024])
+def test_expert_rows_ignore_the_other_tokens_routing(experts, n):
+    """Every third token loses half the experts (as a neighbour's mask would do): the others'
+    rows keep their bits, on whichever path and launch config the dispatcher picks at n."""
+    from engine.kernels.moe_configs import pick_config
+    from engine.kernels.moe_routing import route
+    from engine.layers.moe import fused_experts
+    w13, w2 = experts
+    x, logits = _tokens(n, seed=n)
+    masked = logits.clone()
+    masked[1::3, :E // 2] = float("-inf")
+    _, w, ids = route(logits, K, True)
+    _, w_m, ids_m = route(masked, K, True)
+    keep = torch.ones(n, dtype=torch.bool, device="cuda")
+    keep[1::3] = False
+    assert torch.equal(ids[keep], ids_m[keep]) and not torch.equal(ids[~keep], ids_m[~keep])
+    a = fused_experts(x, w13, w2, w, ids)
+    b = fused_experts(x, w13, w2, w_m, ids_m)
+    cfg = pick_config(n, K, E, I, H, torch.bfloat16, x.device).short()
+    assert torch.equal(a[keep], b[keep]), f"n={n}, {cfg}"
+
+
+def _configs():
+    from engine.kernels.moe_configs import KernelTile, MoEKernelConfig, default_gemv, default_grouped
+    return {"gemv": default_gemv(2),
+            "grouped_bm16": default_grouped(4, K, E),
+            "grouped_bm64": default_grouped(512, K, E),
+            "grouped_bm128": default_grouped(8192, K, E),
+            "grouped_g2": MoEKernelConfig(32, KernelTile(32, 64, 4, 3, 2), KernelTile(64, 64, 4, 3, 2))}
+
+
+@pytest.mark.parametrize("name", list(_configs()))
+def test_one_launch_config_gives_a_token_alone_its_bits_in_the_batch(experts, name):
+    """Under one launch config a row's result does not depend on the rows that share its
+    tiles or on the batch size: a token alone, or with a few others, has its batch bits.
+    (Across configs and paths the summation order differs: the dispatcher picks by the step's
+    token count, which a neighbour's routing never changes.)"""
+    from engine.kernels.moe_routing import route
+    from engine.layers.moe import fused_experts
+    cfg = _configs()[name]
+    w13, w2 = experts
+    x, logits = _tokens(48, seed=5)
+    _, w, ids = route(logits, K, True)
+    batch = fused_experts(x, w13, w2, w, ids, config=cfg)
+    for rows in ([0], [17], [47], [3, 4, 5, 30, 31]):
+        got = fused_experts(x[rows], w13, w2, w[rows], ids[rows], config=cfg)
+        assert torch.equal(got, batch[rows]), f"{name}: rows {rows}"

@@ -4,6 +4,7 @@ an InterventionPlan on the device, and the three edits the layers call:
   attention output [N, Hq, D] *= head_keep[sel]      (before o_proj; this rank's heads)
   router logits    [N, E]     += expert_bias[sel]    (0 or -inf, before softmax and top-k)
   layer output     [N, H]     += steer_add[sel]      (where steer_on[sel]; = hook_resid_post)
+  attention output [N, Hq, D] = clamped attention    (where clamp_heads[sel]; attention_clamp.py)
 
 Rows of untouched tokens gather the identity row (x * 1, x + 0, or the `where` keeps x), so
 they compute bit for bit what they would without the intervention. A step without any
@@ -17,7 +18,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from .attention_clamp import clamped_attention, token_seq_and_pos
 from .plan import InterventionPlan
+from .spec import MAX_CLAMP_POSITIONS
 
 
 class InterventionBuffers:
@@ -28,6 +31,7 @@ class InterventionBuffers:
         self.ablate_index = {l: i for i, l in enumerate(plan.ablate_layers)}
         self.expert_index = {l: i for i, l in enumerate(plan.expert_layers)}
         self.steer_index = {l: i for i, l in enumerate(plan.steer_layers)}
+        self.clamp_index = {l: i for i, l in enumerate(plan.clamp_layers)}
         self.capture_layers = {c[1] for c in plan.captures} if capture_out else set()
         self.captured: list[torch.Tensor] = []      # [hidden] fp32 sums, plan.captures order
         to = self._to_device
@@ -37,6 +41,14 @@ class InterventionBuffers:
         self.expert_bias = to(plan.expert_bias) if plan.expert_bias is not None else None
         self.steer_add = to(plan.steer_add, dtype) if plan.steer_add is not None else None
         self.steer_on = to(plan.steer_on) if plan.steer_on is not None else None
+        self.clamp_heads = (to(plan.clamp_heads[:, :, head_slice])
+                            if plan.clamp_heads is not None else None)  # [R, Lc, Hq_rank]
+        self.clamp_keys = to(plan.clamp_keys) if plan.clamp_keys is not None else None
+        # per clamped layer, the token rows of the requests that clamp it (eager steps compute
+        # only those); None: every row (graphs: the rows change each replay)
+        self.clamp_rows: list[torch.Tensor | None] = [
+            to(np.flatnonzero(np.isin(plan.sel, np.flatnonzero(plan.clamp_heads[:, i].any(-1)))))
+            for i in range(len(plan.clamp_layers))]
 
     def _to_device(self, a: np.ndarray, dtype=None) -> torch.Tensor:
         t = torch.from_numpy(np.ascontiguousarray(a))
@@ -57,6 +69,26 @@ class InterventionBuffers:
             return o
         keep = self.head_keep[:, i].index_select(0, self.sel)          # [N, Hq]
         return o * keep.unsqueeze(-1)
+
+    def clamp(self, layer: int, q: torch.Tensor, o: torch.Tensor, k_cache: torch.Tensor,
+              v_cache: torch.Tensor, ctx, scale: float) -> torch.Tensor:
+        """o [N, Hq, D] (this rank's heads, from the attention kernel) -> o with the clamped
+        heads of the clamping requests' tokens recomputed over their chosen keys only."""
+        i = self.clamp_index.get(layer)
+        if i is None:
+            return o
+        rows = self.clamp_rows[i]
+        seq, pos = token_seq_and_pos(ctx, o.shape[0], o.device)
+        sel, qr, orows = self.sel, q, o
+        if rows is not None:
+            if rows.numel() == 0:
+                return o
+            sel, seq, pos, qr, orows = sel[rows], seq[rows], pos[rows], q[rows], o[rows]
+        heads = self.clamp_heads[:, i].index_select(0, sel)            # [n, Hq]
+        keys = self.clamp_keys[:, i].index_select(0, sel)              # [n, P]
+        c = clamped_attention(qr, k_cache, v_cache, ctx.block_tables, seq, pos, keys, scale)
+        new = torch.where(heads.unsqueeze(-1), c, orows)
+        return new if rows is None else o.index_copy(0, rows, new)
 
     def router_bias(self, layer: int) -> torch.Tensor | None:
         """[N, E] fp32 to add to the router logits at `layer`, or None."""
@@ -99,15 +131,18 @@ class GraphInterventionBuffers(InterventionBuffers):
     a decode graph, refilled before each replay by one copy per table."""
 
     def __init__(self, key: tuple, max_rows: int, facts, device, dtype, head_slice: slice):
-        la, le, ls = key
+        la, le, ls, lc = key
         R, hq = max_rows + 1, head_slice.stop - head_slice.start
         plan = InterventionPlan(
             la, le, ls, np.zeros(max_rows, np.int64),
             np.ones((R, len(la), facts.num_heads), np.float32) if la else None,
             np.zeros((R, len(le), facts.num_experts), np.float32) if le else None,
             np.zeros((R, len(ls), facts.hidden_size), np.float32) if ls else None,
-            np.zeros((R, len(ls)), bool) if ls else None)
+            np.zeros((R, len(ls)), bool) if ls else None, clamp_layers=lc,
+            clamp_heads=np.zeros((R, len(lc), facts.num_heads), bool) if lc else None,
+            clamp_keys=np.full((R, len(lc), MAX_CLAMP_POSITIONS), -1, np.int64) if lc else None)
         super().__init__(plan, device, dtype, head_slice, capture_out=False)
+        self.clamp_rows = [None] * len(lc)
         self.max_rows = max_rows
         assert self.head_keep is None or self.head_keep.shape[-1] == hq
 
@@ -134,6 +169,11 @@ class GraphInterventionBuffers(InterventionBuffers):
             pairs.append((self.expert_bias[:R], plan.expert_bias))
         if self.steer_add is not None:
             pairs += [(self.steer_add[:R], plan.steer_add), (self.steer_on[:R], plan.steer_on)]
+        if self.clamp_heads is not None:
+            keys = np.full(self.clamp_keys[:R].shape, -1, np.int64)   # the plan's, -1 padded
+            keys[:, :, :plan.clamp_keys.shape[2]] = plan.clamp_keys
+            pairs += [(self.clamp_heads[:R], plan.clamp_heads[:, :, self.head_slice]),
+                      (self.clamp_keys[:R], keys)]
         for dst, src in pairs:
             # fresh pinned memory each step: the copy of the step before may not have run yet
             h = torch.from_numpy(np.ascontiguousarray(src)).to(dst.dtype)   # cast on the host

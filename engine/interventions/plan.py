@@ -27,18 +27,29 @@ class InterventionPlan:
     expert_bias: np.ndarray | None          # [R, Le, num_experts] fp32: 0, or -inf (masked)
     steer_add: np.ndarray | None            # [R, Ls, hidden] fp32: vector * scale, or 0
     steer_on: np.ndarray | None             # [R, Ls] bool: this row adds at this layer
+    clamp_layers: tuple[int, ...] = ()      # Lc layers with an attention clamp this step
+    clamp_heads: np.ndarray | None = None   # [R, Lc, num_heads] bool: this head is clamped
+    clamp_keys: np.ndarray | None = None    # [R, Lc, P] int64: key positions it sees, -1 pad
     # (batch index, layer, first flat row, rows): prompt tokens whose resid_post is summed
     captures: list[tuple[int, int, int, int]] = field(default_factory=list)
 
     @property
     def key(self) -> tuple:
         """What a CUDA graph captures: which layers edit what (not the tables' values)."""
-        return (self.ablate_layers, self.expert_layers, self.steer_layers)
+        return (self.ablate_layers, self.expert_layers, self.steer_layers, self.clamp_layers)
 
     @property
     def num_rows(self) -> int:
-        return max((t.shape[0] for t in (self.head_keep, self.expert_bias, self.steer_add)
-                    if t is not None), default=1)
+        return max((t.shape[0] for t in (self.head_keep, self.expert_bias, self.steer_add,
+                                         self.clamp_heads) if t is not None), default=1)
+
+
+def _add_clamp(heads: np.ndarray, keys: np.ndarray, iv: Intervention) -> None:
+    """One clamp into a row's tables at its layer. Two clamps of one request at one layer must
+    name the same positions (each head sees one key set per layer); resolve_interventions
+    refuses others, so here the key row is either empty or already these positions."""
+    keys[:len(iv.key_positions)] = iv.key_positions
+    heads[list(iv.heads)] = True
 
 
 def _classes(ivs: tuple[Intervention, ...]) -> bool:
@@ -77,6 +88,7 @@ class InterventionPlanner:
         all_ivs = [iv for _, s, _ in entries for iv in s.seq.interventions]
         la = tuple(sorted({iv.layer for iv in all_ivs if iv.kind == "ablate_heads"}))
         le = tuple(sorted({iv.layer for iv in all_ivs if iv.kind == "mask_experts"}))
+        lc = tuple(sorted({iv.layer for iv in all_ivs if iv.kind == "clamp_attention"}))
         sel = np.zeros(total, dtype=np.int64)
         rows: dict[tuple, int] = {}
         specs: list[tuple[tuple[Intervention, ...], str]] = []
@@ -102,25 +114,34 @@ class InterventionPlanner:
         # steering layers that add somewhere this step ("prompt" steering is off in decode)
         ls = tuple(sorted({iv.layer for ivs, cls_name in specs for iv in ivs
                            if iv.kind == "steer" and iv.positions in ("all", cls_name)}))
-        if not (la or le or ls or captures):
+        if not (la or le or ls or lc or captures):
             return None     # e.g. a steering-vector request's decode step: nothing to edit
         R = len(specs) + 1
         keep = np.ones((R, len(la), f.num_heads), np.float32) if la else None
         bias = np.zeros((R, len(le), f.num_experts), np.float32) if le else None
         add = np.zeros((R, len(ls), f.hidden_size), np.float32) if ls else None
         on = np.zeros((R, len(ls)), bool) if ls else None
+        clamp_heads = clamp_keys = None
+        if lc:
+            width = max(len(iv.key_positions) for iv in all_ivs if iv.kind == "clamp_attention")
+            clamp_heads = np.zeros((R, len(lc), f.num_heads), bool)
+            clamp_keys = np.full((R, len(lc), width), -1, np.int64)
         for r, (ivs, cls_name) in enumerate(specs, start=1):
             for iv in ivs:
                 if iv.kind == "ablate_heads":
                     keep[r, la.index(iv.layer), list(iv.heads)] = 0.0
                 elif iv.kind == "mask_experts":
                     bias[r, le.index(iv.layer), list(iv.experts)] = -np.inf
+                elif iv.kind == "clamp_attention":
+                    _add_clamp(clamp_heads[r, lc.index(iv.layer)], clamp_keys[r, lc.index(iv.layer)],
+                               iv)
                 elif iv.kind == "steer" and iv.positions in ("all", cls_name):
                     j = ls.index(iv.layer)
                     # vector * scale in fp32, the same product a reference hook computes
                     add[r, j] += iv.vector * np.float32(iv.scale)
                     on[r, j] = True
-        return InterventionPlan(la, le, ls, sel, keep, bias, add, on, captures)
+        return InterventionPlan(la, le, ls, sel, keep, bias, add, on, clamp_layers=lc,
+                                clamp_heads=clamp_heads, clamp_keys=clamp_keys, captures=captures)
 
     @staticmethod
     def fold(plan: InterventionPlan, captured, scheduled) -> None:

@@ -1,5 +1,5 @@
 """Intervention: one edit of the forward pass for one request — ablate attention heads, mask
-MoE experts, or steer the residual stream.
+MoE experts, steer the residual stream, or clamp heads' attention to chosen key positions.
 
 Types are checked at construction; `resolve_interventions` checks a request's list against the
 model (layer range, head and expert ids, which layers are MoE, the vector's size) when the
@@ -11,11 +11,13 @@ from __future__ import annotations
 import hashlib
 import math
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
-KINDS = ("ablate_heads", "mask_experts", "steer")
+KINDS = ("ablate_heads", "mask_experts", "steer", "clamp_attention")
+# a clamp's key positions live in fixed device tables (CUDA graphs): this many per clamp at most
+MAX_CLAMP_POSITIONS = 64
 POSITIONS = ("all", "prompt", "generated")
 CAPTURE = "_capture"        # internal: sum of resid_post over the prompt (steering vectors)
 
@@ -62,6 +64,7 @@ class Intervention:
     vector: np.ndarray | None = None            # [hidden] fp32, steer only
     scale: float = 1.0
     positions: str = "all"
+    key_positions: tuple[int, ...] = ()         # clamp_attention only: the keys it may see
 
     # ---- constructors (the public API) ----------------------------------------------------
     @classmethod
@@ -96,6 +99,23 @@ class Intervention:
                    positions=positions)
 
     @classmethod
+    def clamp_attention(cls, layer: int, heads, positions) -> "Intervention":
+        """These heads at `layer` attend only to the keys at these absolute positions of the
+        request (0 = its first prompt token): every other key's score is -inf before the
+        softmax, so the attention renormalises over the chosen keys the query can see
+        (causality still holds). A query that sees none of them (all in its future) gets a zero
+        output from those heads. At most MAX_CLAMP_POSITIONS positions."""
+        keys = _ids("clamp_attention", "positions", positions)
+        if keys[0] < 0:
+            raise ValueError(f"Intervention.clamp_attention: positions are absolute token "
+                             f"positions (0 = the first prompt token), got {keys[0]}")
+        if len(keys) > MAX_CLAMP_POSITIONS:
+            raise ValueError(f"Intervention.clamp_attention: {len(keys)} positions given, at "
+                             f"most {MAX_CLAMP_POSITIONS} are supported")
+        return cls("clamp_attention", _layer("clamp_attention", layer),
+                   heads=_ids("clamp_attention", "heads", heads), key_positions=keys)
+
+    @classmethod
     def _capture(cls, layer: int) -> "Intervention":
         return cls(CAPTURE, _layer("capture", layer))
 
@@ -104,13 +124,15 @@ class Intervention:
     def from_dict(cls, d) -> "Intervention":
         """{"kind": "ablate_heads", "layer": 1, "heads": [0, 3]} | {"kind": "mask_experts",
         "layer": 0, "experts": [2]} | {"kind": "steer", "layer": 2, "vector": [...],
-        "scale": 4.0, "positions": "generated"}."""
+        "scale": 4.0, "positions": "generated"} | {"kind": "clamp_attention", "layer": 1,
+        "heads": [2], "positions": [0, 5]}."""
         if not isinstance(d, dict):
             raise ValueError(f"an intervention must be an object with a 'kind', got {d!r:.80}")
         kind = d.get("kind")
         allowed = {"ablate_heads": {"kind", "layer", "heads"},
                    "mask_experts": {"kind", "layer", "experts"},
-                   "steer": {"kind", "layer", "vector", "scale", "positions"}}
+                   "steer": {"kind", "layer", "vector", "scale", "positions"},
+                   "clamp_attention": {"kind", "layer", "heads", "positions"}}
         if kind not in allowed:
             raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
         extra = set(d) - allowed[kind]
@@ -118,7 +140,8 @@ class Intervention:
             raise ValueError(f"unknown field(s) {sorted(extra)} for kind {kind!r}; "
                              f"allowed: {sorted(allowed[kind])}")
         missing = {"ablate_heads": ("layer", "heads"), "mask_experts": ("layer", "experts"),
-                   "steer": ("layer", "vector")}[kind]
+                   "steer": ("layer", "vector"),
+                   "clamp_attention": ("layer", "heads", "positions")}[kind]
         for m in missing:
             if m not in d:
                 raise ValueError(f"kind {kind!r} needs the field {m!r}")
@@ -126,6 +149,8 @@ class Intervention:
             return cls.ablate_heads(d["layer"], d["heads"])
         if kind == "mask_experts":
             return cls.mask_experts(d["layer"], d["experts"])
+        if kind == "clamp_attention":
+            return cls.clamp_attention(d["layer"], d["heads"], d["positions"])
         return cls.steer(d["layer"], d["vector"], d.get("scale", 1.0), d.get("positions", "all"))
 
     def to_dict(self, with_vector: bool = True) -> dict:
@@ -134,6 +159,8 @@ class Intervention:
             out["heads"] = list(self.heads)
         elif self.kind == "mask_experts":
             out["experts"] = list(self.experts)
+        elif self.kind == "clamp_attention":
+            out.update(heads=list(self.heads), positions=list(self.key_positions))
         elif self.kind == "steer":
             out.update(scale=self.scale, positions=self.positions,
                        vector_norm=float(np.linalg.norm(self.vector)),
@@ -147,6 +174,9 @@ class Intervention:
             return f"ablate heads {list(self.heads)} at layer {self.layer}"
         if self.kind == "mask_experts":
             return f"mask experts {list(self.experts)} at layer {self.layer}"
+        if self.kind == "clamp_attention":
+            return (f"clamp heads {list(self.heads)} at layer {self.layer} to key positions "
+                    f"{list(self.key_positions)}")
         if self.kind == "steer":
             return (f"steer layer {self.layer} by {self.scale:g} x a vector of norm "
                     f"{float(np.linalg.norm(self.vector)):.3g} at {self.positions} positions")
@@ -155,7 +185,8 @@ class Intervention:
     def key(self) -> bytes:
         """Canonical bytes of what this edit does (the prefix-cache key hashes these)."""
         parts = [self.kind, str(self.layer), ",".join(map(str, self.heads)),
-                 ",".join(map(str, self.experts)), repr(self.scale), self.positions]
+                 ",".join(map(str, self.experts)), repr(self.scale), self.positions,
+                 ",".join(map(str, self.key_positions))]
         b = "|".join(parts).encode()
         if self.vector is not None:
             b += hashlib.sha256(self.vector.tobytes()).digest()
@@ -201,22 +232,25 @@ def resolve_interventions(ivs, facts: ModelFacts, allow_internal: bool = False
                          f"[Intervention.ablate_heads(1, [0])]), got {type(ivs).__name__}")
     L, out = facts.num_layers, []
     masked: dict[int, set[int]] = {}
+    clamped: dict[int, tuple[int, ...]] = {}    # layer -> its clamp's key positions
     for i, iv in enumerate(ivs):
         where = f"interventions[{i}]"
         if not isinstance(iv, Intervention):
             raise ValueError(f"{where} must be an Intervention (Intervention.ablate_heads / "
-                             f".mask_experts / .steer), got {type(iv).__name__}")
+                             f".mask_experts / .steer / .clamp_attention), got "
+                             f"{type(iv).__name__}")
         if iv.kind not in KINDS and not (iv.kind == CAPTURE and allow_internal):
             raise ValueError(f"{where}: unknown kind {iv.kind!r}; build interventions with "
-                             "Intervention.ablate_heads / .mask_experts / .steer")
+                             "Intervention.ablate_heads / .mask_experts / .steer / "
+                             ".clamp_attention")
         if not -L <= iv.layer < L:
             raise ValueError(f"{where} ({iv.kind}): layer {iv.layer} is out of range for this "
                              f"model's {L} layers; valid indices are [-{L}, {L})")
         layer = iv.layer % L
-        if iv.kind == "ablate_heads":
+        if iv.kind in ("ablate_heads", "clamp_attention"):
             bad = [h for h in iv.heads if not 0 <= h < facts.num_heads]
             if bad:
-                raise ValueError(f"{where} (ablate_heads): heads {bad} are out of range; this "
+                raise ValueError(f"{where} ({iv.kind}): heads {bad} are out of range; this "
                                  f"model has {facts.num_heads} attention heads per layer, "
                                  f"valid ids are [0, {facts.num_heads})")
         elif iv.kind == "mask_experts":
@@ -236,13 +270,18 @@ def resolve_interventions(ivs, facts: ModelFacts, allow_internal: bool = False
                                  f"{layer} leave {facts.num_experts - len(m)}, fewer than the "
                                  f"{facts.top_k} each token routes to; mask at most "
                                  f"{facts.num_experts - facts.top_k}")
+        if iv.kind == "clamp_attention":
+            seen = clamped.setdefault(layer, iv.key_positions)
+            if seen != iv.key_positions:
+                raise ValueError(f"{where} (clamp_attention): layer {layer} is already clamped "
+                                 f"to positions {list(seen)}; one request clamps a layer to "
+                                 f"one set of positions (list all its heads in one clamp)")
         elif iv.kind == "steer":
             if iv.vector.shape[0] != facts.hidden_size:
                 raise ValueError(f"{where} (steer): vector has {iv.vector.shape[0]} entries, "
                                  f"but the residual stream has hidden_size="
                                  f"{facts.hidden_size}")
-        out.append(Intervention(iv.kind, layer, iv.heads, iv.experts, iv.vector, iv.scale,
-                                iv.positions))
+        out.append(replace(iv, layer=layer))
     return tuple(out)
 
 

@@ -51,9 +51,13 @@ class Attention(nn.Module):
         if ctx.is_decode:
             fn = (decode_attention.paged_decode_attention if cuda
                   else decode_attention.paged_decode_attention_cpu)
-            return fn(q, self.k_cache, self.v_cache, ctx.block_tables, ctx.context_lens,
-                      self.scale)
-        fn = (prefill_attention.paged_prefill_attention if cuda
-              else prefill_attention.paged_prefill_attention_ref)
-        return fn(q, self.k_cache, self.v_cache, ctx.cu_seqlens_q, ctx.context_lens,
-                  ctx.block_tables, self.scale, ctx.max_seqlen_q)
+            o = fn(q, self.k_cache, self.v_cache, ctx.block_tables, ctx.context_lens, self.scale)
+        else:
+            fn = (prefill_attention.paged_prefill_attention if cuda
+                  else prefill_attention.paged_prefill_attention_ref)
+            o = fn(q, self.k_cache, self.v_cache, ctx.cu_seqlens_q, ctx.context_lens,
+                   ctx.block_tables, self.scale, ctx.max_seqlen_q)
+        if ctx.interventions is not None:   # clamped heads: recomputed over their chosen keys
+            o = ctx.interventions.clamp(self.layer_idx, q, o, self.k_cache, self.v_cache, ctx,
+                                        self.scale)
+        return o
