@@ -33,6 +33,7 @@ from bench.throughput import warmup_glassbox, workload_kwargs
 BENCH = "watched"
 TICK_S = 0.2            # views/live.py TICK_BUSY_S: a live tab's cadence while requests run
 TABS = ("kv", "layers", "engine")
+PROFILE = False         # --profile-pages: a cProfile of each page's ticks beside batch-1 decode
 
 
 class Page(threading.Thread):
@@ -46,14 +47,23 @@ class Page(threading.Thread):
         self.work_s: list[float] = []       # the tick's own CPU time (wall less GIL waits)
         self.errors: list[str] = []
         self.last_usage = 0.0
+        self.prof = None
+        if PROFILE:
+            import cProfile
+            self.prof = cProfile.Profile()
 
     def run(self) -> None:
         while True:                     # a tab opened refreshes at once, then on its timer
             t0, c0 = time.perf_counter(), time.thread_time()
+            if self.prof is not None:
+                self.prof.enable()
             try:
                 getattr(self, f"tick_{self.tab}")()
             except Exception as e:      # noqa: BLE001 — reported, never kills the bench
                 self.errors.append(repr(e))
+            finally:
+                if self.prof is not None:
+                    self.prof.disable()
             self.build_s.append(time.perf_counter() - t0)
             self.work_s.append(time.thread_time() - c0)
             if self.stop.wait(TICK_S):
@@ -115,13 +125,29 @@ class Watchers:
         self.builds: dict[str, list[float]] = {t: [] for t in TABS}
         self.works: dict[str, list[float]] = {t: [] for t in TABS}
         self.errors: list[str] = []
+        self.profiles: dict[str, list] = {t: [] for t in TABS}
 
     def absorb(self, other: "Watchers") -> None:
         """Add another run's tick times and errors to these (one summary over all runs)."""
         for t in TABS:
             self.builds[t] += other.builds[t]
             self.works[t] += other.works[t]
+            self.profiles[t] += other.profiles[t]
         self.errors += other.errors
+
+    def print_profiles(self, top: int = 18) -> None:
+        import io
+        import pstats
+        for t in TABS:
+            if not self.profiles[t]:
+                continue
+            out = io.StringIO()
+            st = pstats.Stats(self.profiles[t][0], stream=out)
+            for p in self.profiles[t][1:]:
+                st.add(p)
+            st.sort_stats("tottime").print_stats(top)
+            print(f"\n=== {t} tab: cProfile of its ticks beside batch-1 decode ===\n"
+                  + out.getvalue())
 
     def __enter__(self):
         self.pages = [Page(t, self.hub, self.watched) for t in TABS]
@@ -137,6 +163,8 @@ class Watchers:
             self.builds[p.tab] += p.build_s
             self.works[p.tab] += p.work_s
             self.errors += p.errors
+            if p.prof is not None:
+                self.profiles[p.tab].append(p.prof)
 
 
 def _pct(slow: float, fast: float) -> float:
@@ -275,6 +303,13 @@ def main(model: str = "qwen3-0.6b", device: str | None = None, dtype=None,
         import sys as _sys
         rows.append(row(BENCH, model, "glassbox", "gil_switch_interval", 1e3 *
                         _sys.getswitchinterval(), "ms", "sys.getswitchinterval() in this run"))
+        for tab in TABS:           # beside batch-1 decode alone: the figure that matters there
+            p50, p99, _ = _stats_ms(w_lat.works[tab])
+            note = f"{len(w_lat.works[tab])} ticks beside batch-1 decode"
+            rows += [row(BENCH, model, "glassbox", f"tab_work_p50[{tab}, batch 1]", p50, "ms",
+                         note),
+                     row(BENCH, model, "glassbox", f"tab_work_p99[{tab}, batch 1]", p99, "ms",
+                         note)]
         for tab in TABS:
             builds = w_lat.builds[tab] + w_tput.builds[tab]
             p50, p99, mx = _stats_ms(builds)
@@ -286,6 +321,8 @@ def main(model: str = "qwen3-0.6b", device: str | None = None, dtype=None,
             note = "the tick's CPU time: what it takes from the engine's share of the GIL"
             rows += [row(BENCH, model, "glassbox", f"tab_work_p50[{tab}]", p50, "ms", note),
                      row(BENCH, model, "glassbox", f"tab_work_p99[{tab}]", p99, "ms", note)]
+        if PROFILE:
+            w_lat.print_profiles()
         errors = w_lat.errors + w_tput.errors
         if errors:
             rows.append(row(BENCH, model, "glassbox", "poller_errors", len(errors), "",
@@ -304,7 +341,11 @@ def cli(argv=None) -> list[dict]:
     p = base_parser(__doc__)
     p.add_argument("--num-requests", type=int, default=256)
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--profile-pages", action="store_true",
+                   help="print a cProfile of each page's ticks beside batch-1 decode")
     a = p.parse_args(argv)
+    global PROFILE
+    PROFILE = a.profile_pages
     if a.tiny:
         a.num_requests, a.repeats = min(a.num_requests, 8), 1
     rows = main(a.model, a.device, a.dtype, a.num_requests, a.repeats, max(a.repeats, 1),

@@ -7,6 +7,7 @@ validates what it draws anyway; tests check the dicts.
 """
 from __future__ import annotations
 
+import functools
 import re
 import zlib
 
@@ -33,6 +34,7 @@ PROB_TICKS = [0.0, 0.05, 0.2, 0.5, 1.0]     # sqrt-spaced >= 0.22 apart: never o
 FONT = dict(family="Inter, system-ui, sans-serif", size=12)
 
 
+@functools.lru_cache(maxsize=4096)
 def request_colour(request_id: str) -> str:
     """Stable colour per request: trailing digits (sequential ids) pick distinct colours."""
     m = re.search(r"(\d+)$", request_id)

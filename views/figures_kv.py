@@ -4,6 +4,7 @@ from __future__ import annotations
 import base64
 import html
 import json
+from collections import OrderedDict
 from typing import Callable, Sequence
 
 import numpy as np
@@ -68,8 +69,12 @@ def kv_map_data(snap: EngineSnapshot, version: int = 0) -> dict:
         live = listed[state[listed] >= STATE_CODE["owned"]]
         cached = listed[state[listed] < STATE_CODE["owned"]]
         listed = np.sort(np.concatenate([live, cached[:max(0, MAX_MAP_CELLS - len(live))]]))
-    keep = np.isin(a.shared_blocks, listed) if len(listed) < snap.num_blocks else \
-        np.ones(len(a.shared_blocks), bool)
+    if len(listed) < snap.num_blocks:           # a mask lookup, not np.isin's sort
+        is_listed = np.zeros(snap.num_blocks, bool)
+        is_listed[listed] = True
+        keep = is_listed[a.shared_blocks]
+    else:
+        keep = np.ones(len(a.shared_blocks), bool)
     sb, so = a.shared_blocks[keep], a.shared_owners[keep]
     # owners with a listed block, renumbered in order of request (table order)
     own = a.owner[listed]
@@ -144,20 +149,38 @@ def request_meta_html(rec) -> str:
     return f'<div class="kv-treq">{" · ".join(parts)}</div>'
 
 
+_CELLS: OrderedDict[tuple, str] = OrderedDict()
+
+
+def _table_cells(rid: str, colour: str, table: list[int], ref: np.ndarray) -> str:
+    """One request's table cells as HTML, made once per (table length, which cells are
+    shared): a live tab redraws every table several times a second, and a table's first ids
+    never change while its request holds them (records.TableViews)."""
+    shared = (ref[np.asarray(table, dtype=np.int64)] > 1) if table else np.zeros(0, bool)
+    key = (rid, colour, len(table), shared.tobytes())
+    html_cells = _CELLS.get(key)
+    if html_cells is None:
+        html_cells = "".join(
+            f'<span class="kv-tcell{" kv-tshared" if sh else ""}" '
+            f'style="border-color:{colour}" title="logical {j} → physical {b}">{b}</span>'
+            for j, (b, sh) in enumerate(zip(table, shared.tolist())))
+        _CELLS[key] = html_cells
+        while len(_CELLS) > 512:
+            _CELLS.popitem(last=False)
+    return html_cells
+
+
 def block_tables_html(snap: EngineSnapshot) -> str:
     """Each request's block table as a row of physical block ids, coloured like the grid."""
     if not snap.block_tables:
         return '<div class="kv-tables kv-empty">No request holds blocks right now.</div>'
     ref = snap.block_ref
     rows = []
+    running, waiting = set(snap.running), set(snap.waiting)
     for rid, table in list(snap.block_tables.items())[:MAX_TABLE_ROWS]:
         colour = request_colour(rid)
-        status = ("running" if rid in snap.running else
-                  "waiting" if rid in snap.waiting else "")
-        cells = "".join(
-            f'<span class="kv-tcell{" kv-tshared" if ref[b] > 1 else ""}" '
-            f'style="border-color:{colour}" title="logical {j} → physical {b}">{b}</span>'
-            for j, b in enumerate(table[:MAX_TABLE_CELLS]))
+        status = ("running" if rid in running else "waiting" if rid in waiting else "")
+        cells = _table_cells(rid, colour, table[:MAX_TABLE_CELLS], ref)
         more = f'<span class="kv-more">+{len(table) - MAX_TABLE_CELLS}</span>' \
             if len(table) > MAX_TABLE_CELLS else ""
         ntok = snap.request_tokens.get(rid, 0)
