@@ -267,7 +267,7 @@ def attention_heads_figure(step: AttentionStep, layer: int, token_texts: Sequenc
     title = f"Layer {layer}: attention of token {step.position} “{qtext}” · click a head"
     if layer not in step.layers:
         return empty_chart(f"Layer {layer} was not captured", title)
-    probs = np.clip(step.probs[step.layers.index(layer)], 0, 1)        # [H, ctx]
+    probs = np.clip(step.layer_probs(step.layers.index(layer)), 0, 1)  # [H, ctx]
     h, ctx = probs.shape
     texts = _context_texts(request_id, token_texts, ctx)
     return {
@@ -287,13 +287,13 @@ def attention_heads_figure(step: AttentionStep, layer: int, token_texts: Sequenc
 def attention_row_figure(step: AttentionStep, layer: int, head: int,
                          token_texts: Sequence[str], request_id: str = "") -> Chart:
     """The chosen head's row over the keys, and its mass per physical KV block."""
-    head = min(max(head, 0), step.probs.shape[1] - 1)      # the title names the head shown
+    head = min(max(head, 0), step.shape[1] - 1)            # the title names the head shown
     title = f"Layer {layer}, head {head}, query token {step.position}: attention per key and " \
             f"per KV block"
     if layer not in step.layers:
         return empty_chart(f"Layer {layer} was not captured", title)
     j = step.layers.index(layer)
-    row = step.probs[j, head]                                          # [ctx]
+    row = step.layer_probs(j)[head]                                    # [ctx]
     blocks = [str(b) for b in step.block_table]
     if len(blocks) * step.block_size >= len(row):
         mass = step.block_mass(j, head)                                # [num_blocks]

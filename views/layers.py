@@ -169,7 +169,7 @@ def build(hub: EngineHub) -> LiveTab:
         layer_id = int(layer_id) if layer_id is not None and 0 <= int(layer_id) < num_layers \
             else num_layers - 1
         step = F.attention_step_for(tr, tok)
-        num_heads = step.probs.shape[1] if step is not None else snap.num_heads or 1
+        num_heads = step.shape[1] if step is not None else snap.num_heads or 1
         head_id = int(head_id) if head_id is not None and 0 <= int(head_id) < num_heads else 0
         if (num_layers, num_heads) != keys.get("dims"):
             out[layer] = gr.Dropdown(choices=list(range(num_layers)), value=layer_id)

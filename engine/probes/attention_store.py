@@ -14,6 +14,8 @@ import contextlib
 import threading
 from collections import deque
 
+import numpy as np
+
 from .trace import AttentionStep
 
 CHUNK_BYTES = 32 << 20      # one spill: a joined copy of about this many bytes
@@ -112,6 +114,23 @@ def _nbytes(step: AttentionStep) -> int:
     return 0 if rows is None else rows.numel() * rows.element_size()
 
 
+def rows_to_host(rows, stream) -> np.ndarray:
+    """One device tensor to a read-only host array, through pinned staging on `stream`."""
+    import torch
+    if rows.device.type != "cuda":
+        out = rows.numpy()
+    else:
+        with (torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()):
+            staging = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
+            staging.copy_(rows, non_blocking=True)
+            done = torch.cuda.Event(blocking=True)
+            done.record()
+        done.synchronize()
+        out = staging.numpy().copy()
+    out.flags.writeable = False
+    return out
+
+
 def move_to_host(steps: list[AttentionStep], stream) -> None:
     """Many steps' rows to the host in one copy: joined on the device, copied once into a
     pinned staging buffer (returned to torch's cache afterwards, so it is reused, not
@@ -131,8 +150,8 @@ def move_to_host(steps: list[AttentionStep], stream) -> None:
             pairs[0][1].reshape(-1)
         staging = torch.empty(flat.numel(), dtype=flat.dtype, pin_memory=True)
         staging.copy_(flat, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record()
+        done = torch.cuda.Event(blocking=True)     # the waiter sleeps: no spinning in the
+        done.record()                             # driver beside the engine thread's launches
     done.synchronize()
     host = staging.numpy().copy()
     del staging, flat

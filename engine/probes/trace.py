@@ -34,7 +34,7 @@ class AttentionStep:
     that one row (`probs` does it on first use), and engine/probes/attention_store.py moves the
     oldest to host memory off the engine thread past a device budget. Either way `probs` is a
     host array holding the same values: the record never changes what it says."""
-    __slots__ = ("position", "layers", "_probs", "block_table", "block_size")
+    __slots__ = ("position", "layers", "_probs", "block_table", "block_size", "_layer_rows")
 
     def __init__(self, position: int, layers: list[int], probs, block_table: list[int],
                  block_size: int):
@@ -43,6 +43,7 @@ class AttentionStep:
         self._probs = probs         # [len(layers), num_heads, position + 1]: numpy or a tensor
         self.block_table = block_table      # physical blocks holding the context, in order
         self.block_size = block_size
+        self._layer_rows: dict[int, np.ndarray] = {}    # layer index -> [heads, ctx], moved alone
 
     def __repr__(self) -> str:
         where = "host" if self.on_host else "device"
@@ -55,6 +56,20 @@ class AttentionStep:
             from .attention_store import move_to_host, side_stream
             move_to_host([self], side_stream())   # a racing reader or spill is harmless:
         return self._probs                        # the same values either way
+
+    def layer_probs(self, index: int) -> np.ndarray:
+        """[num_heads, position + 1] of the index-th captured layer on the host: a view shows
+        one layer at a time, so only that layer's rows cross (1/28 of the bytes at 0.6B)."""
+        if self.on_host:
+            return self._probs[index]
+        got = self._layer_rows.get(index)
+        if got is None:
+            from .attention_store import rows_to_host, side_stream
+            rows = self.device_rows
+            got = self._probs[index] if rows is None else rows_to_host(rows[index],
+                                                                       side_stream())
+            self._layer_rows[index] = got
+        return got
 
     @property
     def on_host(self) -> bool:
@@ -79,7 +94,7 @@ class AttentionStep:
         """Probability mass per KV block: [len(layers), num_heads, num_blocks], or [num_blocks]
         for one (layer index, head) — what a view shows, without summing every other row."""
         n = len(self.block_table)
-        probs = self.probs if layer_index is None else self.probs[layer_index, head]
+        probs = self.probs if layer_index is None else self.layer_probs(layer_index)[head]
         pad = n * self.block_size - probs.shape[-1]
         p = np.pad(probs, [(0, 0)] * (probs.ndim - 1) + [(0, pad)])
         return p.reshape(*p.shape[:-1], n, self.block_size).sum(-1)
