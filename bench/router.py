@@ -101,7 +101,7 @@ def sweep(n: int) -> list[dict]:
         counts = [route_counts("cuda") for _ in gates]
         for block_t in (1, 2, 4, 8):
             for block_e in (2, 4, 8):
-                for warps in (2, 4):
+                for warps in (1, 2, 4):
                     tile = (block_t, block_e, warps)
                     us = _us_per_call([lambda g=g, c=c: route_hidden(x, g, K, True, c, tile=tile)
                                        for g, c in zip(gates, counts)])

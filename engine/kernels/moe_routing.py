@@ -202,9 +202,11 @@ def route_counts(device) -> torch.Tensor:
 def router_tile(num_tokens: int) -> tuple[int, int, int]:
     """(tokens a program, experts a program, warps) of the fused router. One or two tokens a
     program: the routing tail runs in as many programs as there are token tiles, so a batch of
-    64 is routed by 32 programs side by side instead of 8 (bench/router.py --sweep measures the
-    alternatives)."""
-    return (1 if num_tokens == 1 else 2), 2, 4
+    64 is routed by 32 programs side by side instead of 8. One warp: the tail's 2k reductions
+    are then warp shuffles (at 4 warps each one also crosses shared memory behind a barrier,
+    ~30 barriers a tail), and a [2, 2, 512] GEMV tile is 64 accumulators a thread.
+    bench/router.py --sweep times the alternatives."""
+    return (1 if num_tokens == 1 else 2), 2, 1
 
 
 @triton.jit
