@@ -60,7 +60,7 @@ def _agreement(n: int, logits: list[torch.Tensor]) -> float:
     two experts' probabilities tie exactly with different logits)."""
     same = total = 0
     for z in logits[:8]:
-        same += int((route_old(z, K, True)[2] == route(z, K, True)[2]).all(-1).sum())
+        same += int((route_old(z, K, True)[2] == _route_triton(z, K, True)[2]).all(-1).sum())
         total += n
     return same / total
 
