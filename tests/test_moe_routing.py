@@ -118,6 +118,7 @@ def test_route_kernel_selects_exactly_what_the_kernel_it_replaced_did(block_t):
     spread = torch.randn(6, 128, generator=g) * 100       # many probabilities underflow to 0
     masked = torch.randn(6, 128, generator=g).masked_fill(torch.rand(6, 128, generator=g) < 0.97,
                                                            float("-inf"))
+    masked[:, 0] = 0.0      # one live expert a row at least (all masked: NaN probabilities, as in torch)
     for logits in (tied, spread, masked):
         for norm in (True, False):
             _, w, ids = _route_triton(logits, 8, norm, block_t=block_t)
@@ -161,20 +162,26 @@ def test_route_kernels_match_hf_routers(arch, experts, top_k, norm):
 @pytest.mark.parametrize("n,experts,top_k,dtype", [(5, 60, 4, torch.float32), (9, 40, 6, torch.float16)])
 def test_route_hidden_any_tile_equals_router_linear_then_route(n, experts, top_k, dtype, tile):
     """Every (tokens, experts, warps) tile of the fused router: the logits rounded to x's dtype as
-    F.linear's are, then the same routing as the two-step path; the semaphores reset."""
+    F.linear's are, then the same routing as the two-step path; the semaphores reset. fp16 takes
+    integer-valued x and gate / 8: every sum is exact in any order, so the logits are F.linear's
+    bit for bit (random fp16 ones round differently ~1 in 10^4) and tie often."""
     seed = _seed()
     g = torch.Generator().manual_seed(seed)
     hidden = 48
-    x = torch.randn(n, hidden, generator=g).to(dtype)
-    gate = (torch.randn(experts, hidden, generator=g) / hidden**0.5).to(dtype)
+    if dtype == torch.float32:
+        x = torch.randn(n, hidden, generator=g)
+        gate = torch.randn(experts, hidden, generator=g) / hidden**0.5
+    else:
+        x = torch.randint(-2, 3, (n, hidden), generator=g).to(dtype)
+        gate = (torch.randint(-2, 3, (experts, hidden), generator=g) / 8).to(dtype)
     counts = route_counts("cpu")
     probs, w, ids = route_hidden(x, gate, top_k, True, counts, tile=tile)
     logits = F.linear(x.float(), gate.float()).to(dtype)
-    probs_r, w_r, _ = route_ref(logits, top_k, True)
+    probs_r = route_ref(logits, top_k, True)[0]
     msg = f"seed {seed}"
     torch.testing.assert_close(probs, probs_r, rtol=1e-5, atol=1e-6, msg=msg)
-    torch.testing.assert_close(w, w_r, rtol=1e-5, atol=1e-6, msg=msg)
     assert torch.equal(ids.long(), _stable_topk(logits, top_k)), msg
+    _assert_valid_topk_of_probs(probs_r, w, ids, top_k, True, msg)
     assert bool((counts == 0).all()), "the semaphores must reset for the next launch"
 
 
