@@ -1,4 +1,10 @@
-"""MoE router: softmax over experts, top-k, optional renormalisation — HF Qwen2/3-MoE routing."""
+"""MoE router: softmax over experts, top-k, optional renormalisation — HF Qwen2/3-MoE routing.
+
+The kernels route one token a program (the fused router: one or two) and find the top-k by k
+passes of max-and-mask over the E logits: at a decode batch of 128 that is 128 programs of one
+warp each, every reduction inside the warp, instead of 8 programs ranking 16 x 128 x 128 pairs
+(127 µs a layer on an H200, bench/RESULTS.md 2026-12-01). The kernel that ranked every pair is
+kept as bench/router.py's baseline in bench/router_baseline.py; both select the same experts."""
 
 import torch
 import triton
@@ -23,47 +29,75 @@ def route_ref(
     return probs, topk_weights, topk_ids.to(torch.int32)
 
 
+_TAKEN = tl.constexpr(-2147483648)  # int32 min: below the sort key of every float, -inf included
+
+
+@triton.jit
+def _sort_key(z):
+    """fp32 -> int32 with the same order (an involution: applied to a key it gives the bits back).
+    Non-negative floats keep their bits; negative ones flip their magnitude bits."""
+    bits = z.to(tl.int32, bitcast=True)
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+
+@triton.jit
+def _softmax_topk(z, cols, num_experts, BLOCK_T: tl.constexpr, TOP_K: tl.constexpr,
+                  K_P2: tl.constexpr, NORM: tl.constexpr):
+    """z [BLOCK_T, E_P2] fp32 logits (columns `cols` >= num_experts are pad) -> probs [BLOCK_T, E_P2],
+    weights [BLOCK_T, K_P2], ids [BLOCK_T, K_P2] int32 (slots >= TOP_K hold 0).
+
+    Top-k by TOP_K passes of max-and-mask: each pass is one (value, index) max-reduction along
+    the experts, ties to the lower index, then the winner is struck out. The passes rank the
+    logits (the order of the probabilities, with probabilities that round equal still told apart
+    by their logits), as the kernel always has: exactly a stable descending sort. They rank an
+    int32 key of the logit, so that "struck out" (int32 min) sorts below every logit, even -inf
+    (an expert masked by an intervention stays choosable, after every live one, as in torch)."""
+    col_ok = (cols < num_experts)[None, :]
+    z_max = tl.max(z, axis=1)
+    e = tl.where(col_ok, tl.exp(z - z_max[:, None]), 0.0)
+    denom = tl.sum(e, axis=1)
+    probs = e / denom[:, None]  # [BLOCK_T, E_P2]
+    # -0.0 == +0.0 as floats but not as keys: make them one value
+    key = tl.where(col_ok, _sort_key(tl.where(z == 0.0, 0.0, z)), _TAKEN)
+    slots = tl.arange(0, K_P2)
+    weights = tl.zeros([BLOCK_T, K_P2], dtype=tl.float32)
+    ids = tl.zeros([BLOCK_T, K_P2], dtype=tl.int32)
+    total = tl.zeros([BLOCK_T], dtype=tl.float32)
+    for i in tl.static_range(TOP_K):
+        best, arg = tl.max(key, axis=1, return_indices=True, return_indices_tie_break_left=True)
+        # the winner's probability from its logit by the same ops as `probs`: no gather reduction
+        p = tl.exp(_sort_key(best).to(tl.float32, bitcast=True) - z_max) / denom  # [BLOCK_T]
+        weights = tl.where(slots[None, :] == i, p[:, None], weights)
+        ids = tl.where(slots[None, :] == i, arg[:, None], ids)
+        total += p
+        key = tl.where(cols[None, :] == arg[:, None], _TAKEN, key)
+    if NORM:
+        weights = weights / total[:, None]
+    return probs, weights, ids
+
+
 @triton.jit
 def _route_rows(
     logits_ptr, stride_l, rows, num_tokens, num_experts, probs_ptr, weights_ptr, ids_ptr,
-    TOP_K: tl.constexpr, E_P2: tl.constexpr, BLOCK_T: tl.constexpr, CHUNK: tl.constexpr,
+    TOP_K: tl.constexpr, K_P2: tl.constexpr, E_P2: tl.constexpr, BLOCK_T: tl.constexpr,
     NORM: tl.constexpr, VOLATILE: tl.constexpr,
 ):
-    """Softmax, top-k and renormalisation of BLOCK_T rows of logits (VOLATILE: written by other
-    programs of this launch, so read them from L2, not a stale L1 line)."""
+    """Route the BLOCK_T rows `rows` of logits (VOLATILE: written by other programs of this
+    launch, so read them from L2, not a stale L1 line)."""
     cols = tl.arange(0, E_P2)
     row_ok = rows < num_tokens
     col_ok = cols < num_experts
     src_rows = tl.minimum(rows, num_tokens - 1)  # tail rows recompute the last token: no NaN from empty rows
-    row_ptrs = logits_ptr + src_rows[:, None] * stride_l
-    z = tl.load(row_ptrs + cols[None, :], mask=col_ok[None, :], other=float("-inf"),
-                volatile=VOLATILE).to(tl.float32)
-    e = tl.where(col_ok[None, :], tl.exp(z - tl.max(z, axis=1)[:, None]), 0.0)
-    probs = e / tl.sum(e, axis=1)[:, None]  # [BLOCK_T, E_P2]
+    z = tl.load(logits_ptr + src_rows[:, None] * stride_l + cols[None, :], mask=col_ok[None, :],
+                other=float("-inf"), volatile=VOLATILE).to(tl.float32)  # [BLOCK_T, E_P2]
+    probs, weights, ids = _softmax_topk(z, cols, num_experts, BLOCK_T, TOP_K, K_P2, NORM)
     tl.store(probs_ptr + rows[:, None] * num_experts + cols[None, :], probs,
              mask=row_ok[:, None] & col_ok[None, :])
-
-    # Top-k in one pass: an expert's rank = how many experts beat it (a larger logit, or an equal
-    # one at a lower index), counted CHUNK rivals at a time. Softmax is monotone, so this is the
-    # order of the probabilities, ties to the lower expert. The k experts of rank < k are the
-    # top-k, and the rank is each one's slot in the descending output. (k rounds of argmax cost
-    # 2k cross-warp reductions in a row; this is one intra-warp reduction per chunk.)
-    rank = tl.zeros([BLOCK_T, E_P2], dtype=tl.int32)
-    for c0 in tl.static_range(0, E_P2, CHUNK):
-        rivals = c0 + tl.arange(0, CHUNK)
-        zr = tl.load(row_ptrs + rivals[None, :], mask=(rivals < num_experts)[None, :],
-                     other=float("-inf"), volatile=VOLATILE).to(tl.float32)  # [BLOCK_T, CHUNK]
-        beats = (zr[:, None, :] > z[:, :, None]) | \
-            ((zr[:, None, :] == z[:, :, None]) & (rivals[None, None, :] < cols[None, :, None]))
-        rank += tl.sum(beats.to(tl.int32), axis=2)
-    top = (rank < TOP_K) & col_ok[None, :]
-    w = probs
-    if NORM:
-        w = probs / tl.sum(tl.where(top, probs, 0.0), axis=1)[:, None]
-    out_off = rows[:, None] * TOP_K + rank
-    keep = top & row_ok[:, None]
-    tl.store(weights_ptr + out_off, w, mask=keep)
-    tl.store(ids_ptr + out_off, cols[None, :] + tl.zeros([BLOCK_T, E_P2], dtype=tl.int32), mask=keep)
+    slots = tl.arange(0, K_P2)
+    out = rows[:, None] * TOP_K + slots[None, :]
+    keep = row_ok[:, None] & (slots < TOP_K)[None, :]
+    tl.store(weights_ptr + out, weights, mask=keep)
+    tl.store(ids_ptr + out, ids, mask=keep)
 
 
 @triton.jit
@@ -73,37 +107,42 @@ def _route_kernel(
     weights_ptr,  # [N, TOP_K] fp32 out
     ids_ptr,  # [N, TOP_K] int32 out
     num_tokens, num_experts, stride_l,
-    TOP_K: tl.constexpr, E_P2: tl.constexpr, BLOCK_T: tl.constexpr, CHUNK: tl.constexpr,
+    TOP_K: tl.constexpr, K_P2: tl.constexpr, E_P2: tl.constexpr, BLOCK_T: tl.constexpr,
     NORM: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     _route_rows(logits_ptr, stride_l, rows, num_tokens, num_experts, probs_ptr, weights_ptr, ids_ptr,
-                TOP_K, E_P2, BLOCK_T, CHUNK, NORM, False)
+                TOP_K, K_P2, E_P2, BLOCK_T, NORM, False)
 
 
-def _chunk(block_t: int, e_p2: int) -> int:
-    return max(1, min(e_p2, 8192 // (block_t * e_p2)))  # the [BLOCK_T, E, CHUNK] compare tile: 64 per thread
+def _route_warps(block_t: int, e_p2: int) -> int:
+    # one warp holds a token's 128 experts in 4 registers a thread: every reduction of the k
+    # passes stays inside the warp (shuffles, no shared memory, no barrier)
+    return max(1, min(4, block_t * e_p2 // 512))
 
 
-def _route_triton(router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool, out=None):
-    num_tokens, num_experts = router_logits.shape
-    dev = router_logits.device
+def _alloc_out(num_tokens: int, num_experts: int, top_k: int, dev, out):
     if out is not None:
-        probs, weights, ids = out
-    else:
-        probs = torch.empty(num_tokens, num_experts, dtype=torch.float32, device=dev)
-        weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=dev)
-        ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=dev)
+        return out
+    return (torch.empty(num_tokens, num_experts, dtype=torch.float32, device=dev),
+            torch.empty(num_tokens, top_k, dtype=torch.float32, device=dev),
+            torch.empty(num_tokens, top_k, dtype=torch.int32, device=dev))
+
+
+def _route_triton(router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool, out=None,
+                  block_t: int = 1, num_warps: int | None = None):
+    """One program per `block_t` tokens (1 by default: a batch of 128 is 128 programs, not 8).
+    `block_t` / `num_warps` are knobs for bench/router.py; the engine takes the defaults."""
+    num_tokens, num_experts = router_logits.shape
+    probs, weights, ids = _alloc_out(num_tokens, num_experts, top_k, router_logits.device, out)
     if num_tokens == 0:
         return probs, weights, ids
     logits = router_logits if router_logits.stride(1) == 1 else router_logits.contiguous()
     e_p2 = triton.next_power_of_2(num_experts)
-    block_t = max(2, min(16, 4096 // e_p2, triton.next_power_of_2(num_tokens)))
-    chunk = _chunk(block_t, e_p2)
     _route_kernel[(triton.cdiv(num_tokens, block_t),)](
         logits, probs, weights, ids, num_tokens, num_experts, logits.stride(0),
-        TOP_K=top_k, E_P2=e_p2, BLOCK_T=block_t, CHUNK=chunk, NORM=norm_topk_prob,
-        num_warps=4,
+        TOP_K=top_k, K_P2=triton.next_power_of_2(top_k), E_P2=e_p2, BLOCK_T=block_t,
+        NORM=norm_topk_prob, num_warps=num_warps or _route_warps(block_t, e_p2),
     )
     return probs, weights, ids
 
@@ -126,10 +165,11 @@ def route(
     routing costs no launch.
 
     On CUDA one Triton kernel replaces torch's ~6 launches (softmax, topk, sort, sum, div, cast:
-    ~16 µs per layer at decode on an H200). Same experts as torch.topk except on exact ties,
-    which go to the lower expert index (torch's order among ties is unspecified); the
-    renormalising sum may differ from torch's in the last bit. Elsewhere, route_ref:
-    bit-identical to HF on the CPU.
+    ~16 µs per layer at decode on an H200), one program per token. It ranks the probabilities
+    as HF does (torch.topk of the softmax), ties to the lower expert index as torch.topk does on
+    the CPU (on CUDA torch leaves the order among ties unspecified); its softmax and the
+    renormalising sum may differ from torch's in the last bit, so a near-tie may split the other
+    way. Elsewhere, route_ref: bit-identical to HF on the CPU.
     """
     if router_logits.dim() != 2:
         raise ValueError(f"router_logits must be [num_tokens, num_experts], got shape {tuple(router_logits.shape)}")
@@ -151,13 +191,22 @@ def route(
 # ---------------------------------------------------------------- router GEMV + routing, one launch
 
 FUSED_MAX_TOKENS = 64  # decode batches; past this the router GEMM is a real GEMM (cuBLAS)
-_ROUTER_TOKENS = 8     # tokens per program: the GEMV accumulator is [BLOCK_E, tokens, BLOCK_K]
 
 
 def route_counts(device) -> torch.Tensor:
-    """The zeroed semaphores route_hidden needs, one per token tile; each caller keeps its own
-    (a layer owns one), allocated before any CUDA-graph capture."""
-    return torch.zeros(triton.cdiv(FUSED_MAX_TOKENS, _ROUTER_TOKENS), dtype=torch.int32, device=device)
+    """The zeroed semaphores route_hidden needs, one per token tile (a tile may be one token);
+    each caller keeps its own (a layer owns one), allocated before any CUDA-graph capture."""
+    return torch.zeros(FUSED_MAX_TOKENS, dtype=torch.int32, device=device)
+
+
+def router_tile(num_tokens: int) -> tuple[int, int, int]:
+    """(tokens a program, experts a program, warps) of the fused router. One or two tokens a
+    program: the routing tail runs in as many programs as there are token tiles, so a batch of
+    64 is routed by 32 programs side by side instead of 8. One warp: the tail's 2k reductions
+    are then warp shuffles (at 4 warps each one also crosses shared memory behind a barrier,
+    ~30 barriers a tail), and a [2, 2, 512] GEMV tile is 64 accumulators a thread.
+    bench/router.py --sweep times the alternatives."""
+    return (1 if num_tokens == 1 else 2), 2, 1
 
 
 @triton.jit
@@ -169,8 +218,8 @@ def _router_route_kernel(
     probs_ptr, weights_ptr, ids_ptr,
     bias_ptr,  # [N, E] fp32 added to the logits (interventions: 0 or -inf), if HAS_BIAS
     num_tokens, num_experts, stride_xm, stride_wn,
-    H: tl.constexpr, TOP_K: tl.constexpr, E_P2: tl.constexpr, BLOCK_E: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr, NORM: tl.constexpr,
+    H: tl.constexpr, TOP_K: tl.constexpr, K_P2: tl.constexpr, E_P2: tl.constexpr,
+    BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr,
     HAS_BIAS: tl.constexpr = False,
 ):
     # 1. logits of BLOCK_E experts for BLOCK_T tokens: a GEMV over H, FMA on [BLOCK_E, BLOCK_T, BLOCK_K]
@@ -204,21 +253,22 @@ def _router_route_kernel(
     done = tl.atomic_add(counts_ptr + pid_t, 1, sem="acq_rel")
     if done == tl.num_programs(0) - 1:
         _route_rows(logits_ptr, num_experts, rows, num_tokens, num_experts, probs_ptr, weights_ptr,
-                    ids_ptr, TOP_K, E_P2, BLOCK_T, CHUNK, NORM, True)
+                    ids_ptr, TOP_K, K_P2, E_P2, BLOCK_T, NORM, True)
         tl.atomic_xchg(counts_ptr + pid_t, 0)  # ready for the next launch (or graph replay)
 
 
 def route_hidden(
     x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, norm_topk_prob: bool,
     counts: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-    bias: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None, tile: tuple[int, int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """route(F.linear(x, gate_weight), ...) in one launch for decode batches (N <= FUSED_MAX_TOKENS):
     programs over (expert rows, token tiles) compute the logits, and the last program to finish
     a token tile (an atomic count in `counts`, from route_counts) routes it. Saves the router
     GEMM's own launch per MoE layer. x [N, H], gate_weight [E, H] (unit stride along H).
     Graph-safe: fixed grid, no host sync; the counts reset themselves. `bias` [N, E] fp32
-    (contiguous) is added to the logits before the softmax (interventions mask experts)."""
+    (contiguous) is added to the logits before the softmax (interventions mask experts).
+    `tile` = (tokens, experts, warps) a program overrides router_tile (bench/router.py only)."""
     num_tokens, hidden = x.shape
     num_experts = gate_weight.shape[0]
     if not 0 < num_tokens <= FUSED_MAX_TOKENS:
@@ -227,30 +277,27 @@ def route_hidden(
     if gate_weight.shape[1] != hidden or gate_weight.stride(1) != 1 or x.stride(1) != 1:
         raise ValueError(f"x {tuple(x.shape)} and gate_weight {tuple(gate_weight.shape)} must share H "
                          f"with unit stride along it")
-    if counts.dtype != torch.int32 or counts.numel() < triton.cdiv(num_tokens, _ROUTER_TOKENS):
+    block_t, block_e, num_warps = tile or router_tile(num_tokens)
+    if counts.dtype != torch.int32 or counts.numel() < triton.cdiv(num_tokens, block_t):
         raise ValueError("counts must be route_counts(device)")
     dev = x.device
     if out is not None:
         route_check_out(out, num_tokens, num_experts, top_k)
-        probs, weights, ids = out
-    else:
-        probs = torch.empty(num_tokens, num_experts, dtype=torch.float32, device=dev)
-        weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=dev)
-        ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=dev)
+    probs, weights, ids = _alloc_out(num_tokens, num_experts, top_k, dev, out)
     if bias is not None and (tuple(bias.shape) != (num_tokens, num_experts)
                              or bias.dtype != torch.float32 or not bias.is_contiguous()):
         raise ValueError(f"bias must be contiguous fp32 [{num_tokens}, {num_experts}]")
     logits = torch.empty(num_tokens, num_experts, dtype=torch.float32, device=dev)
     e_p2 = triton.next_power_of_2(num_experts)
-    block_t = max(2, min(_ROUTER_TOKENS, triton.next_power_of_2(num_tokens)))
-    block_e = 2
-    block_k = min(512 if x.element_size() <= 2 else 256, triton.next_power_of_2(hidden))
+    # the GEMV accumulator [BLOCK_E, BLOCK_T, BLOCK_K] stays within 8192 fp32 (64 a thread at 4 warps)
+    block_k = min(512 if x.element_size() <= 2 else 256, 8192 // (block_e * block_t),
+                  triton.next_power_of_2(hidden))
     _router_route_kernel[(triton.cdiv(num_experts, block_e), triton.cdiv(num_tokens, block_t))](
         x, gate_weight, logits, counts, probs, weights, ids,
         bias if bias is not None else logits,
         num_tokens, num_experts, x.stride(0), gate_weight.stride(0),
-        H=hidden, TOP_K=top_k, E_P2=e_p2, BLOCK_E=block_e, BLOCK_T=block_t, BLOCK_K=block_k,
-        CHUNK=_chunk(block_t, e_p2), NORM=norm_topk_prob, HAS_BIAS=bias is not None,
-        num_warps=4,
+        H=hidden, TOP_K=top_k, K_P2=triton.next_power_of_2(top_k), E_P2=e_p2, BLOCK_E=block_e,
+        BLOCK_T=block_t, BLOCK_K=block_k, NORM=norm_topk_prob, HAS_BIAS=bias is not None,
+        num_warps=num_warps,
     )
     return probs, weights, ids
