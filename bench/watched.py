@@ -33,7 +33,6 @@ from bench.throughput import warmup_glassbox, workload_kwargs
 BENCH = "watched"
 TICK_S = 0.2            # views/live.py TICK_BUSY_S: a live tab's cadence while requests run
 TABS = ("kv", "layers", "engine")
-PROFILE = False         # --profile-pages: a cProfile of each page's ticks beside batch-1 decode
 
 
 class Page(threading.Thread):
@@ -47,27 +46,30 @@ class Page(threading.Thread):
         self.work_s: list[float] = []       # the tick's own CPU time (wall less GIL waits)
         self.errors: list[str] = []
         self.last_usage = 0.0
-        self.prof = None
-        if PROFILE:
-            import cProfile
-            self.prof = cProfile.Profile()
+        self.parts: dict[str, list[tuple[float, float]]] = {}   # tick part -> (cpu, wall) ms
 
     def run(self) -> None:
         while True:                     # a tab opened refreshes at once, then on its timer
             t0, c0 = time.perf_counter(), time.thread_time()
-            if self.prof is not None:
-                self.prof.enable()
             try:
                 getattr(self, f"tick_{self.tab}")()
             except Exception as e:      # noqa: BLE001 — reported, never kills the bench
                 self.errors.append(repr(e))
-            finally:
-                if self.prof is not None:
-                    self.prof.disable()
+
             self.build_s.append(time.perf_counter() - t0)
             self.work_s.append(time.thread_time() - c0)
             if self.stop.wait(TICK_S):
                 return
+
+    def _lap(self):
+        """A timer of the tick's parts: CPU (thread) and wall ms per part, kept per page."""
+        last = [time.thread_time(), time.perf_counter()]
+
+        def lap(name: str) -> None:
+            c, w = time.thread_time(), time.perf_counter()
+            self.parts.setdefault(name, []).append(((c - last[0]) * 1e3, (w - last[1]) * 1e3))
+            last[:] = [c, w]
+        return lap
 
     def tick_kv(self) -> None:
         from views import figures as F
@@ -90,18 +92,25 @@ class Page(threading.Thread):
             traced[0] if traced else None)
         if rid is None:
             return
+        lap = self._lap()
         tr = llm.trace(rid)
+        lap("trace")
         t = len(tr.resid_norms)
         if not t:
             return
         tok = t - 1
         chart_value(F.norms_figure(tr, tok))
+        lap("norms")
         chart_value(F.logit_lens_figure(tr, self.hub.decode, tok))
+        lap("lens")
         step = F.attention_step_for(tr, tok)
         if step is not None:
             layer = tr.num_layers - 1
+            step.layer_probs(step.layers.index(layer))
+            lap("attention row to host")
             chart_value(F.attention_heads_figure(step, layer, tr.token_texts, 0, rid))
             chart_value(F.attention_row_figure(step, layer, 0, tr.token_texts, rid))
+            lap("heads + row charts")
         if snap.moe is not None and tr.router_probs:
             chart_value(F.routing_figure(tr, tok, snap.moe["num_experts"]))
 
@@ -125,29 +134,16 @@ class Watchers:
         self.builds: dict[str, list[float]] = {t: [] for t in TABS}
         self.works: dict[str, list[float]] = {t: [] for t in TABS}
         self.errors: list[str] = []
-        self.profiles: dict[str, list] = {t: [] for t in TABS}
+        self.parts: dict[str, list] = {}
 
     def absorb(self, other: "Watchers") -> None:
         """Add another run's tick times and errors to these (one summary over all runs)."""
         for t in TABS:
             self.builds[t] += other.builds[t]
             self.works[t] += other.works[t]
-            self.profiles[t] += other.profiles[t]
+        for k, v in other.parts.items():
+            self.parts.setdefault(k, []).extend(v)
         self.errors += other.errors
-
-    def print_profiles(self, top: int = 18) -> None:
-        import io
-        import pstats
-        for t in TABS:
-            if not self.profiles[t]:
-                continue
-            out = io.StringIO()
-            st = pstats.Stats(self.profiles[t][0], stream=out)
-            for p in self.profiles[t][1:]:
-                st.add(p)
-            st.sort_stats("tottime").print_stats(top)
-            print(f"\n=== {t} tab: cProfile of its ticks beside batch-1 decode ===\n"
-                  + out.getvalue())
 
     def __enter__(self):
         self.pages = [Page(t, self.hub, self.watched) for t in TABS]
@@ -163,8 +159,8 @@ class Watchers:
             self.builds[p.tab] += p.build_s
             self.works[p.tab] += p.work_s
             self.errors += p.errors
-            if p.prof is not None:
-                self.profiles[p.tab].append(p.prof)
+            for k, v in p.parts.items():
+                self.parts.setdefault(f"{p.tab}: {k}", []).extend(v)
 
 
 def _pct(slow: float, fast: float) -> float:
@@ -321,8 +317,11 @@ def main(model: str = "qwen3-0.6b", device: str | None = None, dtype=None,
             note = "the tick's CPU time: what it takes from the engine's share of the GIL"
             rows += [row(BENCH, model, "glassbox", f"tab_work_p50[{tab}]", p50, "ms", note),
                      row(BENCH, model, "glassbox", f"tab_work_p99[{tab}]", p99, "ms", note)]
-        if PROFILE:
-            w_lat.print_profiles()
+        for part, xs in w_lat.parts.items():     # where a tick's time goes, beside batch 1
+            a = np.asarray(xs)
+            rows.append(row(BENCH, model, "glassbox", f"tick_part_cpu_p50[{part}, batch 1]",
+                            float(np.median(a[:, 0])), "ms",
+                            f"wall p50 {np.median(a[:, 1]):.2f} ms, {len(a)} ticks"))
         errors = w_lat.errors + w_tput.errors
         if errors:
             rows.append(row(BENCH, model, "glassbox", "poller_errors", len(errors), "",
@@ -341,11 +340,7 @@ def cli(argv=None) -> list[dict]:
     p = base_parser(__doc__)
     p.add_argument("--num-requests", type=int, default=256)
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--profile-pages", action="store_true",
-                   help="print a cProfile of each page's ticks beside batch-1 decode")
     a = p.parse_args(argv)
-    global PROFILE
-    PROFILE = a.profile_pages
     if a.tiny:
         a.num_requests, a.repeats = min(a.num_requests, 8), 1
     rows = main(a.model, a.device, a.dtype, a.num_requests, a.repeats, max(a.repeats, 1),
