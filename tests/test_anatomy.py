@@ -226,7 +226,9 @@ def test_kernels_claimed_for_the_cpu_are_the_ones_that_run(engines, name, monkey
             calls[_key] = calls.get(_key, 0) + 1
             return _real(*args, **kw)
         monkeypatch.setattr(mod, fn, counted)
-    llm.generate(PROMPTS, GREEDY)
+    # one request with a penalty, so the sampler's optional path runs as well
+    llm.generate(PROMPTS, [GREEDY, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True,
+                                                  presence_penalty=0.5)])
     for key, k in claimed.items():
         if k.runs_on("cpu"):
             assert calls.get(key, 0) > 0, f"{key} is claimed for the CPU but never ran"

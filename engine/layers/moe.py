@@ -16,9 +16,8 @@ from torch import nn
 
 from ..context import get_context
 from ..kernels import fused_moe as fm
-from ..kernels import moe_configs, moe_routing
+from ..kernels import moe_configs, moe_cpu, moe_routing
 from ..kernels.moe_gemv import fused_moe_gemv
-from ..kernels.moe_cpu import fused_moe_cpu
 from ..parallel_state import divide, get_tp_rank, get_tp_size
 from .gemm import linear
 from .linear import copy_checked, expect_size, materialize, narrow
@@ -77,7 +76,7 @@ class FusedMoE(nn.Module):
         if x.is_cuda:   # the kernels round the fp32 weights to x.dtype themselves: no cast launch
             return fused_experts(x, self.w13, self.w2, topk_w, topk_ids)
         # each token's output independent of the step's other tokens (moe_cpu.py says why)
-        return fused_moe_cpu(x, self.w13, self.w2, topk_w, topk_ids)
+        return moe_cpu.fused_moe_cpu(x, self.w13, self.w2, topk_w, topk_ids)
 
 
     def route(self, x: torch.Tensor, gate_weight: torch.Tensor, out=None, bias=None):
