@@ -11,7 +11,7 @@ import gradio as gr
 
 from engine import SamplingParams
 from views import figures as F
-from views.live import TICK_IDLE_S, EngineHub, LiveTab, pace
+from views.live import LIVE_SNAPSHOT_AGE_S, TICK_IDLE_S, EngineHub, LiveTab, pace
 from views.live_plot import live_plot, plot_value
 from views.step_history import fold
 
@@ -166,7 +166,7 @@ def build(hub: EngineHub) -> LiveTab:
     def tick(last_keys: dict):
         if hub.switching:
             return {last: last_keys}
-        snap = hub.snapshot()
+        snap = hub.snapshot(max_age=LIVE_SNAPSHOT_AGE_S)
         fold(hub, snap)              # the Engine tab's history keeps counting meanwhile
         now = time.time()
         key = state_key(snap)

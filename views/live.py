@@ -23,6 +23,10 @@ from engine.serving import SNAPSHOT_MAX_AGE_S, ServingHub  # noqa: F401  (re-exp
 TICK_BUSY_S = 0.2
 TICK_IDLE_S = 1.0
 IDLE_AFTER_S = 1.5
+# a live tab's snapshot may be at most this old: half a busy tick, so consecutive ticks never
+# read the same shared snapshot (with the hub's default 0.2 s, a 0.2 s tick saw the snapshot of
+# the tick before about every other time and drew nothing new: ~3 updates/s at best)
+LIVE_SNAPSHOT_AGE_S = TICK_BUSY_S / 2
 DEMO_DIR = Path(__file__).resolve().parents[1] / "assets"
 
 
