@@ -205,8 +205,9 @@ def build(hub: EngineHub) -> ChatParts:
                 box = gr.Textbox(placeholder=DEMO_PLACEHOLDER if demo else "Message",
                                  show_label=False, scale=6, elem_id="chat-input",
                                  autofocus=True, max_lines=6)
+                # wide enough for its busy label ("Generating…") at 1024 px
                 send = gr.Button("Send", variant="primary", scale=1, elem_id="chat-send",
-                                 min_width=80)
+                                 min_width=120)
                 stop = gr.Button("Stop", variant="stop", scale=1, elem_id="chat-stop",
                                  min_width=80)
                 clear = gr.Button("Clear", scale=1, elem_id="chat-clear", min_width=80)

@@ -144,7 +144,7 @@ def cpu_batch_figure(steps: Sequence[StepTrace], window: int = STEP_WINDOW) -> d
         series("requests in batch", BATCH_COLOUR, [len(s.entries) for s in steps]),
         series("running", DECODE_COLOUR, [s.num_running for s in steps], dash=True),
         series("waiting", PREFILL_COLOUR, [s.num_waiting for s in steps], dash=True)]}
-    return chart("Batch per step (CPU: no CUDA graphs — each step runs eagerly, one at a time)",
+    return chart("Batch per step (CPU: no CUDA graphs, every step runs eagerly)",
                  [["requests in batch", BATCH_COLOUR, "line"], ["running", DECODE_COLOUR, "dash"],
                   ["waiting", PREFILL_COLOUR, "dash"]],
                  step_axis(steps, window), [panel], height=290)

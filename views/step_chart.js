@@ -41,9 +41,17 @@ function fitLeft(ctx, s, w) {
 // title, then the legend's swatches on the same line where they fit, else on the next ones;
 // returns the height taken
 function drawHeader(ctx, s, width, out) {
-  ctx.font = '14px Inter, system-ui, sans-serif';
-  let [title, cut] = fitLeft(ctx, s.title || '', width - 16);
-  if (cut) { title = s.title; out.cut += 1; }
+  // the title at the largest font (14 down to 11 px) that fits; past that, cut and counted
+  let title = s.title || '';
+  for (let f = 14; f >= 11; f--) {
+    ctx.font = `${f}px Inter, system-ui, sans-serif`;
+    if (ctx.measureText(title).width <= width - 16) break;
+  }
+  if (ctx.measureText(title).width > width - 16) {
+    out.cut += 1;
+    while (title.length > 1 && ctx.measureText(title + '…').width > width - 16) title = title.slice(0, -1);
+    title += '…';
+  }
   text(ctx, title, 8, 12, 'left', 'middle', INK);
   let x = 8 + ctx.measureText(title).width + 16, y = 12;
   ctx.font = SMALL;
