@@ -113,5 +113,5 @@ def build(hub: EngineHub) -> LiveTab:
         return out
 
     timer.tick(tick, last, outputs, api_visibility="private", trigger_mode="once",
-               show_progress="hidden", show_progress_on=[stats], queue=False)  # views/layers.py
+               show_progress="hidden", show_progress_on=[last], queue=False)  # views/live.py
     return LiveTab(timer, tick, [last], outputs)

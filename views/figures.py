@@ -1,4 +1,5 @@
-"""Pure figure builders (snapshot / trace -> plotly Figure, canvas chart spec or HTML), one import for the tabs.
+"""Pure figure builders (snapshot / trace -> plotly Figure, canvas chart spec or HTML), one
+import for the tabs.
 
 Each builder takes plain records from engine/records.py and engine/probes/trace.py
 and returns a figure (or HTML, or the block map's JSON); none touches the engine, so tests build them from synthetic records.

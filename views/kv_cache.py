@@ -193,7 +193,7 @@ def build(hub: EngineHub) -> LiveTab:
     # queue=False: two status messages per tick instead of four (each one costs the page a
     # pass over every output component's props)
     timer.tick(tick, last, outputs, api_visibility="private", trigger_mode="once",
-               show_progress="hidden", show_progress_on=[stats], queue=False)  # views/layers.py
+               show_progress="hidden", show_progress_on=[last], queue=False)  # views/live.py
 
     def on_burst(n, max_tokens):
         try:

@@ -45,6 +45,14 @@ def pace(timer: gr.Timer, keys: dict, snap: EngineSnapshot, out: dict) -> None:
         keys["interval"] = interval
 
 
+# Progress targets: the page's events name a gr.State in show_progress_on (their loading
+# status is hidden anyway), because Gradio 6's page re-sends a loading status to every
+# component any event ever reported one for, on every later event (each streamed token and
+# each live tick included), and copies each such component's props ($state.snapshot) as it
+# does, its children's too for a row: ~3 ms a component on two cores, the whole conversation
+# for the chatbot. A State is not drawn, so the copy is skipped.
+
+
 class LiveTab(NamedTuple):
     """What a live tab hands to app.py: its timer (on only while the tab shows) and its
     refresh (run once at once when the tab is opened, so it never opens blank)."""
