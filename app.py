@@ -157,10 +157,11 @@ def build_app(llm, *, banner: str | None = None, choices: dict[str, str] | None 
                           (tab_engine, engine_tab), (tab_anatomy, anatomy_tab)):
             ev = tab.select(lambda live=live: [gr.Timer(active=live is not None and t is live.timer)
                                               for t in timers],
-                            outputs=timers, api_visibility="private", queue=False)
+                            outputs=timers, api_visibility="private", queue=False,
+                            show_progress="hidden", show_progress_on=[seen])
             if live is not None and live.refresh is not None:
                 ev.then(live.refresh, live.inputs, live.outputs, api_visibility="private",
-                        show_progress="hidden", show_progress_on=live.outputs[:1])
+                        show_progress="hidden", show_progress_on=live.inputs[:1] or [seen])
 
         sync_outputs = [model_line, switch, chat_parts.max_tokens, chat_parts.examples, seen]
 
@@ -188,8 +189,11 @@ def build_app(llm, *, banner: str | None = None, choices: dict[str, str] | None 
         switch.input(on_switch, [switch, seen], sync_outputs, api_visibility="private",
                      concurrency_limit=1)
         gr.Timer(SYNC_S).tick(sync, seen, sync_outputs, api_visibility="private", queue=False,
-                              show_progress="hidden", show_progress_on=[model_line])
-        demo.load(sync, seen, sync_outputs, api_visibility="private", queue=False)
+                              show_progress="hidden", show_progress_on=[seen])
+        # progress on a State (progress targets in views/live.py): the examples row here, as a
+        # progress target, cost a live tab ~35 ms of the page's main thread per tick
+        demo.load(sync, seen, sync_outputs, api_visibility="private", queue=False,
+                  show_progress="hidden", show_progress_on=[seen])
         demo.unload(hub.on_unload)
     demo.queue(default_concurrency_limit=64)
     demo.hub = hub          # tests reach the shared engine state through this

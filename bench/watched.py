@@ -116,13 +116,13 @@ class Page(threading.Thread):
 
     def tick_engine(self) -> None:
         from views import figures as F
+        from views.engine_view import graphs_figure
         from views.figures_engine import step_stats
-        from views.live_plot import plot_value
+        from views.step_chart import board_value
         snap = self.hub.snapshot()
         step_stats(snap.steps)
-        plot_value(F.batch_timeline_figure(snap.steps))
-        plot_value(F.step_time_figure(snap.steps))
-        plot_value(F.cuda_graph_figure(snap.steps))
+        board_value({"timeline": F.batch_timeline_figure(snap.steps),      # the tab's one value
+                     "steptime": F.step_time_figure(snap.steps), "graphs": graphs_figure(snap)})
 
 
 class Watchers:

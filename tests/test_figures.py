@@ -1,7 +1,8 @@
 """Figure builders on synthetic snapshots and traces, drawn from a fresh random seed each run
 (printed; GLASSBOX_TEST_SEED=n replays one): the KV block map's payload (read the way
 views/kv_map.js draws it), plotly figure dicts (shapes, labels, colours, fixed ranges,
-uirevision), and the Layers tab's canvas chart specs (the fields views/canvas_chart.js reads)."""
+uirevision), the Layers tab's canvas chart specs (the fields views/canvas_chart.js reads) and
+the Engine tab's (views/step_chart.js)."""
 import re
 from collections import Counter
 
@@ -516,6 +517,28 @@ def test_expert_load_is_relative_to_even_split(rng):
 
 # ---- Engine ---------------------------------------------------------------------------------
 
+def step_spans(steps):
+    """The x span of each step on the Engine charts: [id - 0.5, id + 0.5)."""
+    return [s.step_id - 0.5 for s in steps], [s.step_id + 0.5 for s in steps]
+
+
+def check_step_chart(spec):
+    """What views/step_chart.js reads: a title, a legend of (name, colour, style), one x span
+    per point, every series as long as the points, cells inside the rows; strict JSON."""
+    x = spec["x"]
+    n = len(x["lo"])
+    assert len(x["hi"]) == len(x["values"]) == n and x["range"][0] < x["range"][1]
+    assert all(lo < hi for lo, hi in zip(x["lo"], x["hi"]))
+    assert all(style in ("fill", "line", "dash") for _, _, style in spec["legend"])
+    for p in spec["panels"]:
+        for se in p.get("series", []) + p.get("lines", []):
+            assert len(se["y"]) == n and re.fullmatch(r"#[0-9a-f]{6}", se["colour"])
+        for i, row, kind, hover in p.get("cells", []):
+            assert 0 <= i < n and 0 <= row < len(p["rows"]) and 0 <= kind < len(p["kinds"])
+            assert isinstance(hover, str)
+    strict_json(plot_value(spec))
+
+
 def test_batch_timeline_rows_are_requests_and_cells_mark_prefill(rng):
     snap = make_snapshot(rng, num_steps=int(rng.integers(3, 100)))
     rids = [f"req-{i}" for i in rng.permutation(40)[:int(rng.integers(2, 8))]]
@@ -525,42 +548,38 @@ def test_batch_timeline_rows_are_requests_and_cells_mark_prefill(rng):
                                int(rng.integers(1, 9)), int(rng.integers(0, 99))) for r in batch]
         s.num_prefill_tokens = sum(e.num_tokens for e in s.entries if e.kind == "prefill")
         s.num_decode_tokens = sum(e.num_tokens for e in s.entries if e.kind == "decode")
-    fig = F.batch_timeline_figure(snap.steps)
-    prefill, decode_area, hm = fig["data"]
+    spec = F.batch_timeline_figure(snap.steps)
+    check_step_chart(spec)
+    tokens, requests = spec["panels"]
     steps = snap.steps[-64:]
+    prefill, decode_area = tokens["series"]
     assert prefill["y"] == [s.num_prefill_tokens for s in steps]
     assert decode_area["y"] == [s.num_decode_tokens for s in steps]
-    assert prefill["stackgroup"] == decode_area["stackgroup"]
+    assert [spec["x"]["lo"], spec["x"]["hi"]] == list(step_spans(steps))
     seen = list(dict.fromkeys(e.request_id for s in steps for e in s.entries))
-    assert hm["y"] == seen and hm["x"] == [s.step_id for s in steps]     # rows in order seen
-    z = np.asarray(hm["z"], dtype=float)
-    for j, s in enumerate(steps):
-        kinds = {e.request_id: e.kind for e in s.entries}
-        want = [2 if kinds.get(r) == "prefill" else 1 if r in kinds else np.nan for r in seen]
-        np.testing.assert_array_equal(z[:, j], want)                     # 2 = prefill
-        for e in s.entries:
-            assert hm["customdata"][seen.index(e.request_id)][j] == \
-                f"{e.kind} {e.num_tokens} tok @ {e.start_pos}"
+    assert requests["rows"] == seen                                      # rows in order seen
+    kinds = [k for k, _ in requests["kinds"]]
+    want = {(j, seen.index(e.request_id), e.kind, f"{e.kind} {e.num_tokens} tok @ {e.start_pos}")
+            for j, s in enumerate(steps) for e in s.entries}
+    assert {(j, r, kinds[k], h) for j, r, k, h in requests["cells"]} == want
     last = snap.steps[-1].step_id
-    assert fig["layout"]["xaxis"]["range"] == [last - 63.5, last + 0.5]
-    out = strict_json(plot_value(fig))["data"][2]["z"]                  # gaps sent as null
-    assert [[v is None for v in row] for row in out] == np.isnan(z).tolist()
+    assert spec["x"]["range"] == [last - 63.5, last + 0.5]
 
 
 def test_step_time_figure_stacks_four_phases_in_ms(rng):
     snap = make_snapshot(rng, num_steps=int(rng.integers(3, 100)))
     for s in snap.steps:
         s.t_schedule, s.t_prepare, s.t_sample = (float(x) for x in rng.uniform(1e-5, 2e-3, 3))
-    fig = F.step_time_figure(snap.steps)
+    spec = F.step_time_figure(snap.steps)
+    check_step_chart(spec)
     steps = snap.steps[-64:]
-    assert [d["name"] for d in fig["data"]] == list(PHASE_COLOURS)
-    for d in fig["data"]:
+    (panel,) = spec["panels"]
+    assert [d["name"] for d in panel["series"]] == list(PHASE_COLOURS)
+    for d in panel["series"]:
         assert d["y"] == pytest.approx([1e3 * getattr(s, f"t_{d['name']}") for s in steps])
-        assert d["stackgroup"] == "ms"
     total = 1e3 * np.median([s.t_schedule + s.t_prepare + s.t_forward + s.t_sample
                              for s in steps])
-    assert f"median {total:.1f} ms over the last {len(steps)} steps" in \
-        fig["layout"]["title"]["text"]
+    assert f"median {total:.1f} ms over the last {len(steps)} steps" in spec["title"]
 
 
 def test_cuda_graph_figure_splits_graph_and_eager_steps(rng):
@@ -568,17 +587,46 @@ def test_cuda_graph_figure_splits_graph_and_eager_steps(rng):
     eager = set(rng.choice(len(snap.steps), int(rng.integers(1, 6)), replace=False).tolist())
     for i, s in enumerate(snap.steps):
         s.graph_bucket = None if i in eager else int(rng.choice([1, 2, 4, 8]))
-    fig = F.cuda_graph_figure(snap.steps)
-    graph, eager_t, batch = fig["data"]
-    x = [s.step_id for s in snap.steps]
-    assert graph["x"] == eager_t["x"] == batch["x"] == x
-    assert graph["y"] == [s.graph_bucket for s in snap.steps]           # None: a gap
-    assert eager_t["y"] == [s.num_prefill_tokens + s.num_decode_tokens if i in eager else None
+    spec = F.cuda_graph_figure(snap.steps)
+    check_step_chart(spec)
+    (panel,) = spec["panels"]
+    graph, eager_t = panel["series"]
+    (batch,) = panel["lines"]
+    assert graph["y"] == [s.graph_bucket or 0 for s in snap.steps]      # 0: an eager step
+    assert eager_t["y"] == [s.num_prefill_tokens + s.num_decode_tokens if i in eager else 0
                             for i, s in enumerate(snap.steps)]
-    assert not graph["connectgaps"] and not eager_t["connectgaps"]
-    assert eager_t["mode"] == "lines+markers"        # a lone eager step still shows
+    assert batch["y"] == [len(s.entries) for s in snap.steps]
     share = (len(snap.steps) - len(eager)) / len(snap.steps)
-    assert f"{share:.0%} of recent steps replayed a graph" in fig["layout"]["title"]["text"]
+    assert f"{share:.0%} of recent steps replayed a graph" in spec["title"]
+
+
+def test_history_figure_spans_each_bucket_and_reaches_back_to_the_first(rng):
+    from views.figures_engine import history_figure
+    from views.step_history import Bucket
+    now = 10_000.0
+    buckets = [Bucket(now - 600 + 10 * k, 10.0, 1, int(rng.integers(0, 99)),
+                      int(rng.integers(0, 99)), 0.5, int(rng.integers(0, 5)))
+               for k in range(int(rng.integers(1, 40)))]
+    spec = history_figure(buckets, now)
+    check_step_chart(spec)
+    assert spec["x"]["lo"] == [b.t - now for b in buckets]
+    assert spec["x"]["hi"] == [b.t + 10 - now for b in buckets]
+    assert spec["x"]["range"] == [-600.0, 0]
+    pre, dec = spec["panels"][0]["series"]
+    assert pre["y"] == pytest.approx([b.prefill_tokens / 10 for b in buckets])
+    assert dec["y"] == pytest.approx([b.decode_tokens / 10 for b in buckets])
+
+
+def test_latency_table_has_p50_p90_p99_in_ms():
+    from views.figures_engine import latency_table
+    lat = {"requests": 3, "tokens": 9, "ttft": [0.012, 0.02, 0.5], "itl": None,
+           "e2e": [1.0, 2.0, 3.0]}
+    spec = latency_table(lat, 300)
+    assert spec["head"] == ["", "p50", "p90", "p99"]
+    assert spec["rows"] == [["time to first token (ms)", "12", "20", "500"],
+                            ["inter-token (ms)", "—", "—", "—"],
+                            ["end to end (ms)", "1000", "2000", "3000"]]
+    assert "rows" not in latency_table({"requests": 0, "tokens": 0}, 300)
 
 
 def test_tp_map_places_each_head_on_its_rank(rng):
@@ -605,9 +653,7 @@ def test_every_plotly_figure_sets_uirevision_text_titles_and_strict_json(rng):
     data = rng.normal(size=(4, 8)).astype(np.float32)
     data[1, 2] = np.nan
     figs = [F.kv_usage_figure(snap, [], 1000.0), F.kv_block_figure(data, 1, 0, 0, "v"),
-            F.batch_timeline_figure(snap.steps), F.step_time_figure(snap.steps),
-            F.cuda_graph_figure(snap.steps), F.tp_map_figure(snap.tp_layout, 4, 2),
-            F.empty_figure("nothing yet", "t"), F.batch_timeline_figure([])]
+            F.tp_map_figure(snap.tp_layout, 4, 2), F.empty_figure("nothing yet", "t")]
     for fig in figs:
         check_plotly_figure(fig)
         assert fig["layout"]["showlegend"] is False        # legends re-measure on every redraw

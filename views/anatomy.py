@@ -17,7 +17,7 @@ from engine.anatomy import (SOURCE, ModelAnatomy, model_anatomy, parse_ids, piec
 from views import figures_anatomy as FA
 from views import figures_anatomy_html as FH
 from views import figures_anatomy_path as FP
-from views.figures_engine import tp_map_figure
+from views.figures_tp import tp_map_figure
 from views.live import EngineHub
 from views.live_plot import live_plot, plot_value
 from views.token_text import readable

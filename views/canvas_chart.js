@@ -43,9 +43,33 @@ function text(ctx, s, x, y, align = 'left', base = 'middle', colour = '#2a3f5f')
   ctx.fillStyle = colour; ctx.textAlign = align; ctx.textBaseline = base; ctx.fillText(s, x, y);
 }
 
+// labels shortened to fit in the last drawing (root.dataset.cut; tests/test_browser_fit.py)
+let cut = 0;
+
+// the font (from `px` down to 11 px) at which `s` fits `maxW`; past that, `s` cut with an
+// ellipsis (and counted): a title is never cut silently at the canvas edge
+function fitted(ctx, s, maxW, px = 14) {
+  for (let f = px; f >= 11; f--) {
+    ctx.font = `${f}px Inter, system-ui, sans-serif`;
+    if (ctx.measureText(s).width <= maxW) return s;
+  }
+  cut += 1;
+  let k = s.length;
+  while (k > 1 && ctx.measureText(s.slice(0, k) + '…').width > maxW) k--;
+  return s.slice(0, k) + '…';
+}
+
+// an axis title centred under [lo, hi] where it fits, else moved in so it stays inside
+// [0, width] (a narrow panel at the right edge cut "physical KV block")
+function axisTitle(ctx, s, lo, hi, y, width) {
+  const t = fitted(ctx, s, width - 8, 12), w = ctx.measureText(t).width;
+  const x = Math.min(Math.max((lo + hi) / 2, w / 2 + 4), width - w / 2 - 4);
+  text(ctx, t, x, y, 'center', 'middle', '#495057');
+  ctx.font = FONT;
+}
+
 function drawTitle(ctx, s, width) {
-  ctx.font = '14px Inter, system-ui, sans-serif';
-  text(ctx, s || '', 8, 14, 'left', 'middle', '#2a3f5f');
+  text(ctx, fitted(ctx, s || '', width - 16), 8, 14, 'left', 'middle', '#2a3f5f');
   ctx.font = FONT;
 }
 
@@ -149,7 +173,7 @@ function drawHeatmap(ctx, s, width, height) {
       text(ctx, String((s.x_start || 0) + v), x, py + ph + 12, 'center');
     }
   }
-  if (s.x_title) text(ctx, s.x_title, px + pw / 2, height - 9, 'center', 'middle', '#495057');
+  if (s.x_title) axisTitle(ctx, s.x_title, px, px + pw, height - 9, width);
   if (s.colorbar) {             // below its title, so the top tick never meets it
     const cb = s.colorbar, bx = px + pw + 14, bw = 12, by = py + (cb.title ? 16 : 0);
     const bh = Math.max(10, py + ph - by);
@@ -199,7 +223,7 @@ function drawBars(ctx, s, width, height) {
       const step = Math.max(1, Math.ceil(n / Math.max(2, Math.floor(pw / 60))));
       for (let i = 0; i < n; i += step) text(ctx, p.tick_labels[i], px + (i + 0.5) * bw, py + ph + 12, 'center');
     }
-    if (p.x_title) text(ctx, p.x_title, px + pw / 2, height - 9, 'center', 'middle', '#495057');
+    if (p.x_title) axisTitle(ctx, p.x_title, px, px + pw, height - 9, width);
     if (p.y_title) { ctx.save(); ctx.translate(x0 + 10, py + ph / 2); ctx.rotate(-Math.PI / 2); text(ctx, p.y_title, 0, 0, 'center', 'middle', '#495057'); ctx.restore(); }
     geom.panels.push({px, py, pw, ph, bw, n});
     x0 += w + gap;
@@ -238,6 +262,7 @@ function draw() {
   const ctx = canvas.getContext('2d');
   ctx.setTransform(dpr, 0, 0, dpr, 0, 0);
   ctx.fillStyle = '#fff'; ctx.fillRect(0, 0, width, height);
+  cut = 0;
   drawTitle(ctx, s.title, width);
   if (s.message) {
     text(ctx, s.message, width / 2, height / 2, 'center', 'middle', '#6c757d');
@@ -247,6 +272,7 @@ function draw() {
   renders += 1;
   root.dataset.renders = renders;
   root.dataset.title = s.title || '';
+  root.dataset.cut = cut;
   root.dataset.labelEvery = (geom && geom.labelEvery) || '';
 }
 

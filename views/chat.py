@@ -205,8 +205,9 @@ def build(hub: EngineHub) -> ChatParts:
                 box = gr.Textbox(placeholder=DEMO_PLACEHOLDER if demo else "Message",
                                  show_label=False, scale=6, elem_id="chat-input",
                                  autofocus=True, max_lines=6)
+                # wide enough for its busy label ("Generating…") at 1024 px
                 send = gr.Button("Send", variant="primary", scale=1, elem_id="chat-send",
-                                 min_width=80)
+                                 min_width=120)
                 stop = gr.Button("Stop", variant="stop", scale=1, elem_id="chat-stop",
                                  min_width=80)
                 clear = gr.Button("Clear", scale=1, elem_id="chat-clear", min_width=80)
@@ -298,14 +299,20 @@ def build(hub: EngineHub) -> ChatParts:
     outputs = [chatbot, conversation, box, stats, send, context, note, noted]
     # one dependency for Enter and Send: a second message while a reply streams is ignored
     # (trigger_mode "once"), and stays in the box; Send shows it is disabled meanwhile
+    # show_progress_on a State: see progress targets in views/live.py; with the chatbot among the
+    # progress targets a live tab's every tick copied the whole conversation (Engine 4.2 ->
+    # 1.7 updates/s as a reply grew). The stats line says "generating…" instead of the
+    # chatbot's pending dots.
     ev_send = gr.on([box.submit, send.click], respond, inputs, outputs, api_visibility="private",
-                    show_progress="hidden", trigger_mode="once")
+                    show_progress="hidden", show_progress_on=[conversation],
+                    trigger_mode="once")
     # an example is sent alone: each of the demo's tasks answers as trained whatever came
     # before (the dense demo misses some tasks asked after another one in one conversation)
     for btn, text in zip(example_buttons, DEMO_EXAMPLES):
         btn.click(lambda text=text: text, None, box, api_visibility="private",
-                  queue=False).then(respond_alone, inputs, outputs, api_visibility="private",
-                                    show_progress="hidden")
+                  queue=False, show_progress="hidden", show_progress_on=[conversation]).then(
+            respond_alone, inputs, outputs, api_visibility="private", show_progress="hidden",
+            show_progress_on=[conversation])
 
     def on_stop(request: gr.Request):
         """Abort in the engine; the reply's own handler writes the stats line ("cut: stopped
@@ -320,7 +327,8 @@ def build(hub: EngineHub) -> ChatParts:
         return [], [], "", idle_send()
 
     clear.click(on_clear, None, [chatbot, conversation, stats, send], cancels=[ev_send],
-                api_visibility="private", queue=False)
+                api_visibility="private", queue=False, show_progress="hidden",
+                show_progress_on=[conversation])
 
     def chat(message: str, system_prompt: str | None = None, temperature: float | None = None,
              max_tokens: int = 128, ignore_eos: bool = False,

@@ -1,6 +1,7 @@
 """Engine tab: the batch timeline, where step time goes, CUDA-graph use (on the GPU) or the
 batch per step (on the CPU), a step history that outlives a burst, request latency
-percentiles, and the TP map."""
+percentiles, and the TP map. The step charts and the latency table are one canvas board
+(views/step_chart.py): a tick sends one value holding only the charts that changed."""
 from __future__ import annotations
 
 import time
@@ -9,14 +10,14 @@ import gradio as gr
 
 from views import figures as F
 from views.figures_engine import (STEP_WINDOW, cpu_batch_figure, history_figure,
-                                  latency_markdown, step_stats)
-from views.live import TICK_IDLE_S, EngineHub, LiveTab, pace
+                                  latency_table, step_stats)
+from views.live import LIVE_SNAPSHOT_AGE_S, TICK_IDLE_S, EngineHub, LiveTab, pace
 from views.live_plot import live_plot, plot_value
+from views.step_chart import board_value, step_board
 from views.step_history import LATENCY_WINDOW_S, StepHistory, fold
 
 IDLE_NOTE_S = 1.0
-SIDE_EVERY_S = 1.0      # step-time and graphs panels: at most once a second
-SLOW_EVERY_S = 2.0      # history plot and latency table
+SLOW_EVERY_S = 1.0      # history (1-second buckets) and latency table: once a second
 RATE_SPAN_S = 60.0      # the headline's token rates: busy time of the last minute
 HELP = ("**What this shows:** the engine's step loop. Each step runs one batch: chunks of "
         "prompts (prefill) and one new token for each running reply (decode), batched "
@@ -57,31 +58,28 @@ def graphs_figure(snap):
     return F.cuda_graph_figure(snap.steps)
 
 
+# the board's layout: (slot id, flex weight, chart or table) per row
+BOARD = [[("engine-timeline", 1, "chart")],
+         [("engine-steptime", 1, "chart"), ("engine-graphs", 1, "chart")],
+         [("engine-history", 3, "chart"), ("engine-latency", 2, "table")]]
+
+
 def build(hub: EngineHub) -> LiveTab:
     """The Engine tab's components and events; returns its timer and refresh."""
     timer = gr.Timer(TICK_IDLE_S, active=False)
     last = gr.State({})
     gr.Markdown(HELP, elem_classes=["gb-help"], elem_id="engine-help")
     stats = gr.Markdown("", elem_id="engine-stats")
-    timeline = live_plot("engine-timeline")
-    with gr.Row():
-        with gr.Column(scale=1):
-            steptime = live_plot("engine-steptime")
-        with gr.Column(scale=1):
-            graphs = live_plot("engine-graphs")
-    with gr.Row():
-        with gr.Column(scale=3):
-            history = live_plot("engine-history")
-        with gr.Column(scale=2):
-            latency = gr.Markdown("", elem_id="engine-latency")
+    board = step_board("engine-charts", BOARD)
     tp = live_plot("engine-tp")
-    outputs = [stats, timeline, steptime, graphs, history, latency, tp, last, timer]
+    # few outputs: Gradio's page does bookkeeping per output of every tick
+    outputs = [stats, board, tp, last, timer]
 
     def tick(last_keys: dict):
         out = {o: gr.skip() for o in outputs}
         if hub.switching:
             return out
-        snap = hub.snapshot()
+        snap = hub.snapshot(max_age=LIVE_SNAPSHOT_AGE_S)
         hist = fold(hub, snap)
         now = time.time()
         keys = dict(last_keys)
@@ -89,6 +87,7 @@ def build(hub: EngineHub) -> LiveTab:
         key = (snap.steps[-1].step_id if snap.steps else -1, len(snap.running),
                len(snap.waiting), snap.model_name)
         idle_s = int(now - snap.steps[-1].wall_time) if snap.steps else 0
+        parts = {}
         if keys.get("key") == key:          # idle: only the "idle for" note moves
             if idle_s != keys.get("idle"):
                 out[stats] = stats_line(snap, now, hist)
@@ -96,26 +95,23 @@ def build(hub: EngineHub) -> LiveTab:
             if keys.get("model") != snap.model_name:
                 out[tp] = plot_value(F.tp_map_figure(snap.tp_layout, snap.num_heads,
                                                      snap.num_kv_heads))
-            out.update({stats: stats_line(snap, now, hist),
-                        timeline: plot_value(F.batch_timeline_figure(snap.steps))})
-        # the two side panels at most SIDE_EVERY_S apart (and once more when the engine went
-        # quiet): every plotly redraw costs the page's main thread, and the timeline is the
-        # one that shows each step
-        if keys.get("side_key") != key and now - keys.get("side_t", 0) >= SIDE_EVERY_S:
-            out.update({steptime: plot_value(F.step_time_figure(snap.steps)),
-                        graphs: plot_value(graphs_figure(snap))})
-            keys.update(side_t=now, side_key=key)
+            out[stats] = stats_line(snap, now, hist)
+            parts = {"engine-timeline": F.batch_timeline_figure(snap.steps),
+                     "engine-steptime": F.step_time_figure(snap.steps),
+                     "engine-graphs": graphs_figure(snap)}
         # the minutes-long views move slowly: every SLOW_EVERY_S is enough
         if now - keys.get("slow_t", 0) >= SLOW_EVERY_S:
-            out[history] = plot_value(history_figure(hist.series(), now))
-            lat = latency_markdown(hist.latency(now), LATENCY_WINDOW_S)
+            parts["engine-history"] = history_figure(hist.series(), now)
+            lat = latency_table(hist.latency(now), LATENCY_WINDOW_S)
             if lat != keys.get("latency"):
-                out[latency] = keys["latency"] = lat
+                parts["engine-latency"] = keys["latency"] = lat
             keys["slow_t"] = now
+        if parts:
+            out[board] = board_value(parts)
         keys.update(key=key, model=snap.model_name, idle=idle_s)
         out[last] = keys
         return out
 
     timer.tick(tick, last, outputs, api_visibility="private", trigger_mode="once",
-               show_progress="hidden", show_progress_on=[stats], queue=False)  # views/layers.py
+               show_progress="hidden", show_progress_on=[last], queue=False)  # views/live.py
     return LiveTab(timer, tick, [last], outputs)

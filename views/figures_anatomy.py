@@ -53,6 +53,11 @@ def weights_figure(w: WeightBreakdown) -> Figure:
     rows = ["all weights"] + (["read per token"] if w.active_params != w.total_params else [])
     traces, shown, callouts, offset = [], set(), [], 0
     sum_bytes = w.total_params * w.elem_bytes
+    # callouts rise from the first bar's middle past the legend row above the plot (each 16 px
+    # above the one before); the first bar's middle is half a row below the plot's top
+    thin = sum(p.params and p.params * w.elem_bytes < MIN_VISIBLE * sum_bytes for p in w.parts)
+    height, top = 166 + 40 * len(rows) + 16 * thin, 96 + 16 * thin
+    rise = (height - top - 40) / (2 * len(rows)) + 34
     for p in w.parts:
         if p.params == 0:
             continue
@@ -66,7 +71,7 @@ def weights_figure(w: WeightBreakdown) -> Figure:
             callouts.append(dict(x=offset + values[0] / 2, y=rows[0], xref="x", yref="y",
                                  text=f"{p.label}: {fmt_bytes(values[0])} "
                                       f"({100 * values[0] / max(1, sum_bytes):.2g} %)",
-                                 showarrow=True, arrowhead=2, ax=0, ay=-28 - 16 * len(callouts),
+                                 showarrow=True, arrowhead=2, ax=0, ay=-rise - 16 * len(callouts),
                                  font=dict(size=11, color=colour)))
         offset += values[0]
         traces.append(go.Bar(
@@ -84,11 +89,9 @@ def weights_figure(w: WeightBreakdown) -> Figure:
     if len(rows) > 1:
         title += f" · {fmt_count(w.active_params)} read per token"
     return _figure(traces, title, uirevision="anatomy-weights",
-                   height=150 + 40 * len(rows) + 16 * len(callouts), annotations=callouts,
-                       barmode="stack", legend=TOP_LEGEND,
-                       margin=dict(l=110, r=20, t=80 + 16 * len(callouts), b=40),
-                       xaxis=dict(title="bytes", rangemode="tozero"),
-                       yaxis=dict(autorange="reversed"))
+                   height=height, annotations=callouts, barmode="stack", legend=TOP_LEGEND,
+                   margin=dict(l=110, r=20, t=top, b=40),
+                   xaxis=dict(title="bytes", rangemode="tozero"), yaxis=dict(autorange="reversed"))
 
 
 # ---- KV cache data plane ---------------------------------------------------------------------

@@ -1,4 +1,10 @@
-"""Pure builders for the Engine tab: batch timeline, step time split, CUDA graphs, TP map."""
+"""Pure builders for the Engine tab's charts: batch timeline, step time split, CUDA graphs (or
+the batch per step on the CPU), the step history and the latency table.
+
+They return canvas chart specs (views/step_chart.py), not plotly figures: the tab redraws them
+several times a second and a canvas drawing costs the page a few ms where a plotly re-layout
+cost ~100 ms on two cores. Each point of a chart spans [lo, hi) on the x axis: a step is
+[id - 0.5, id + 0.5), a history bucket its seconds."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -6,16 +12,16 @@ from typing import Sequence
 
 import numpy as np
 
-from engine.records import RankLayout, StepTrace
-from views.figures_common import (DECODE_COLOUR, PALETTE, PHASE_COLOURS, PREFILL_COLOUR,
-                                  Figure, bar, empty_figure, fmt_bytes, heatmap, legend_title,
-                                  make_figure, scatter)
+from engine.records import StepTrace
+from views.figures_common import DECODE_COLOUR, PHASE_COLOURS, PREFILL_COLOUR
+from views.step_chart import empty_chart
 
 STEP_WINDOW = 64          # steps shown; the x range is fixed to this many
 MAX_TIMELINE_ROWS = 24    # most recent requests in the timeline
 IDLE_GAP_S = 0.05         # a pause between two steps longer than this (past the step's own
                           # time) is idle time: the engine had nothing to run
-GRAPH_COLOUR, EAGER_COLOUR = "#59a14f", "#e15759"
+GRAPH_COLOUR, EAGER_COLOUR, BATCH_COLOUR = "#59a14f", "#e15759", "#333333"
+ROW_PX = 18               # one timeline row per request
 
 
 def step_seconds(s: StepTrace) -> float:
@@ -51,248 +57,136 @@ def step_stats(steps: Sequence[StepTrace], window: int = STEP_WINDOW) -> StepSta
                      dec / busy if busy > 0 else None, pre / busy if busy > 0 else None)
 
 
-def int_axis(top: float, **extra) -> dict:
-    """A count axis with whole-number ticks (about four of them) from 0."""
-    top = max(1.0, float(top))
-    raw = top / 4
-    mag = 10 ** np.floor(np.log10(raw)) if raw >= 1 else 1
-    dtick = max(1, int(next(m * mag for m in (1, 2, 5, 10) if m * mag >= raw)))
-    return dict(tick0=0, dtick=dtick, rangemode="tozero", tickformat="d", **extra)
+def step_axis(steps: Sequence[StepTrace], window: int) -> dict:
+    """The shared x axis of the step charts: the last `window` steps, fixed width."""
+    ids = [s.step_id for s in steps]
+    last = ids[-1] if ids else 0
+    return {"lo": [i - 0.5 for i in ids], "hi": [i + 0.5 for i in ids], "values": ids,
+            "range": [last - window + 0.5, last + 0.5], "name": "step", "title": "step",
+            "int": True}
 
 
-def _window(steps: Sequence[StepTrace], window: int) -> tuple[list[StepTrace], list[float]]:
-    steps = list(steps)[-window:]
-    last = steps[-1].step_id if steps else 0
-    return steps, [last - window + 0.5, last + 0.5]
+def series(name: str, colour: str, y: list, **extra) -> dict:
+    return {"name": name, "colour": colour, "y": y, **extra}
 
 
-def batch_timeline_figure(steps: Sequence[StepTrace], window: int = STEP_WINDOW) -> Figure:
+def chart(title: str, legend: list, x: dict, panels: list, height: int) -> dict:
+    return {"title": title, "legend": legend, "x": x, "panels": panels, "height": height}
+
+
+def batch_timeline_figure(steps: Sequence[StepTrace], window: int = STEP_WINDOW) -> dict:
     """Top: prefill vs decode tokens per step. Bottom: which request ran in which step, and how."""
+    title = "Batch timeline: tokens per step (top), requests in each step (below)"
     if not steps:
-        return empty_figure("No engine steps yet", "Batch timeline")
-    steps, xrange = _window(steps, window)
+        return empty_chart("No engine steps yet", title)
+    steps = list(steps)[-window:]
     seen: dict[str, None] = {}          # insertion-ordered set: a list's `in` is quadratic
     for s in steps:                     # at 256 requests a step
         for e in s.entries:
             seen.setdefault(e.request_id)
     rids = list(seen)[-MAX_TIMELINE_ROWS:]
     row = {r: i for i, r in enumerate(rids)}
-    x = [s.step_id for s in steps]
-    z = np.full((len(rids), len(steps)), np.nan)                # 1 = decode, 2 = prefill
-    text = np.full((len(rids), len(steps)), "", dtype=object)
-    for j, s in enumerate(steps):
-        for e in s.entries:
-            if e.request_id in row:
-                z[row[e.request_id], j] = 2 if e.kind == "prefill" else 1
-                text[row[e.request_id], j] = f"{e.kind} {e.num_tokens} tok @ {e.start_pos}"
-    prefill = [s.num_prefill_tokens for s in steps]
-    decode = [s.num_decode_tokens for s in steps]
-    # stacked step-shaped areas: one SVG path per series, where bars cost one per step
-    traces = [
-        scatter(x=x, y=prefill, name="prefill tokens", mode="lines", stackgroup="tok",
-                   line=dict(color=PREFILL_COLOUR, width=1, shape="hv"),
-                   xaxis="x", yaxis="y", hovertemplate="step %{x}: %{y} prefill<extra></extra>"),
-        scatter(x=x, y=decode, name="decode tokens", mode="lines", stackgroup="tok",
-                   line=dict(color=DECODE_COLOUR, width=1, shape="hv"),
-                   xaxis="x", yaxis="y", hovertemplate="step %{x}: %{y} decode<extra></extra>"),
-        heatmap(z=z, x=x, y=rids, zmin=1, zmax=2, showscale=False, xgap=1, ygap=1,
-                   colorscale=[[0, DECODE_COLOUR], [0.5, DECODE_COLOUR], [0.5, PREFILL_COLOUR],
-                               [1, PREFILL_COLOUR]], xaxis="x", yaxis="y2",
-                   customdata=text,
-                   hovertemplate="step %{x} · %{y}<br>%{customdata}<extra></extra>"),
-    ]
-    # bars on top (y), one row per request below (y2), sharing the step axis
-    return make_figure(
-        traces, legend_title("Batch timeline: tokens per step (top), requests in each step "
-                             "(below)", {"prefill": PREFILL_COLOUR, "decode": DECODE_COLOUR}),
-        uirevision="engine-timeline", height=max(340, 18 * len(rids) + 240),
-        # the left margin fits the longest request id: ids are never cut ("chatcmpl-5df0d9a-5")
-        margin=dict(l=min(280, 40 + 7 * max(len(r) for r in rids)) if rids else 70, r=20, t=62,
-                    b=40),
-        xaxis=dict(range=xrange, title="step", anchor="y2", tickformat="d"),
-        yaxis=int_axis(max(p + d for p, d in zip(prefill, decode)), domain=[0.68, 1],
-                       title="tokens"),
-        yaxis2=dict(domain=[0, 0.62], title="request", type="category", autorange="reversed"))
+    cells = [[j, row[e.request_id], 1 if e.kind == "prefill" else 0,
+              f"{e.kind} {e.num_tokens} tok @ {e.start_pos}"]
+             for j, s in enumerate(steps) for e in s.entries if e.request_id in row]
+    tokens = {"kind": "stack", "weight": 110, "y_title": "tokens", "int": True, "series": [
+        series("prefill tokens", PREFILL_COLOUR, [s.num_prefill_tokens for s in steps]),
+        series("decode tokens", DECODE_COLOUR, [s.num_decode_tokens for s in steps])]}
+    requests = {"kind": "cells", "weight": max(60, ROW_PX * len(rids)), "y_title": "request",
+                "rows": rids, "kinds": [["decode", DECODE_COLOUR], ["prefill", PREFILL_COLOUR]],
+                "cells": cells}
+    return chart(title, [["prefill", PREFILL_COLOUR, "fill"], ["decode", DECODE_COLOUR, "fill"]],
+                 step_axis(steps, window), [tokens, requests],
+                 height=max(300, ROW_PX * len(rids) + 230))
 
 
-def step_time_figure(steps: Sequence[StepTrace], window: int = STEP_WINDOW) -> Figure:
+def step_time_figure(steps: Sequence[StepTrace], window: int = STEP_WINDOW) -> dict:
     """Where each step's time went: schedule / prepare / forward / sample, stacked, in ms."""
     if not steps:
-        return empty_figure("No engine steps yet", "Step time")
-    steps, xrange = _window(steps, window)
-    x = [s.step_id for s in steps]
-    traces = [scatter(x=x, y=[1e3 * getattr(s, f"t_{phase}") for s in steps], name=phase,
-                         mode="lines", stackgroup="ms", line=dict(color=colour, width=1, shape="hv"),
-                         hovertemplate=f"step %{{x}}<br>{phase} %{{y:.2f}} ms<extra></extra>")
-              for phase, colour in PHASE_COLOURS.items()]
+        return empty_chart("No engine steps yet", "Step time")
+    steps = list(steps)[-window:]
     stats = step_stats(steps, window)
-    return make_figure(
-        traces, legend_title(f"Step time split (median {stats.median_ms:.1f} ms over the last "
-                             f"{stats.num_steps} steps)", PHASE_COLOURS),
-        uirevision="engine-steptime", height=290, margin=dict(l=60, r=20, t=62, b=40),
-        xaxis=dict(title="step", range=xrange, tickformat="d"),
-        yaxis=dict(title="ms", rangemode="tozero"))
+    panel = {"kind": "stack", "y_title": "ms", "digits": 2, "series": [
+        series(phase, colour, [1e3 * getattr(s, f"t_{phase}") for s in steps], unit=" ms")
+        for phase, colour in PHASE_COLOURS.items()]}
+    return chart(f"Step time split (median {stats.median_ms:.1f} ms over the last "
+                 f"{stats.num_steps} steps)",
+                 [[p, c, "fill"] for p, c in PHASE_COLOURS.items()], step_axis(steps, window),
+                 [panel], height=290)
 
 
-def cuda_graph_figure(steps: Sequence[StepTrace], window: int = STEP_WINDOW) -> Figure:
-    """Per step: the CUDA-graph batch bucket replayed, or eager (red) — with the batch size."""
+def cuda_graph_figure(steps: Sequence[StepTrace], window: int = STEP_WINDOW) -> dict:
+    """Per step: the CUDA-graph batch bucket replayed, or eager (red) with its tokens, and the
+    requests in the batch."""
     if not steps:
-        return empty_figure("No engine steps yet", "CUDA graphs")
-    steps, xrange = _window(steps, window)
-    graph = [s for s in steps if s.graph_bucket is not None]
-    eager = [s for s in steps if s.graph_bucket is None]
-    x = [s.step_id for s in steps]
-    # one path per series (a gap where the other kind ran), where bars cost one per step
-    traces = [
-        scatter(x=x, y=[s.graph_bucket for s in steps], name="graph bucket", mode="lines",
-                   fill="tozeroy", connectgaps=False,
-                   line=dict(color=GRAPH_COLOUR, width=1, shape="hv"),
-                   hovertemplate="step %{x}<br>graph bucket %{y}<extra></extra>"),
-        scatter(x=x, y=[None if s.graph_bucket is not None else
-                           s.num_prefill_tokens + s.num_decode_tokens for s in steps],
-                   name="eager (tokens)", fill="tozeroy", connectgaps=False,
-                   # isolated eager steps (prefills between graph replays) need a marker
-                   mode="lines+markers" if len(eager) < 16 else "lines",
-                   marker=dict(size=5, color=EAGER_COLOUR),
-                   line=dict(color=EAGER_COLOUR, width=1, shape="hv"),
-                   hovertemplate="step %{x}<br>eager, %{y} tokens<extra></extra>"),
-        scatter(x=x, y=[len(s.entries) for s in steps], mode="lines",
-                   name="requests in batch", line=dict(color="#333", width=1.5, shape="hv")),
-    ]
-    share = len(graph) / len(steps)
-    top = max([s.graph_bucket or 0 for s in graph] + [len(s.entries) for s in steps] +
-              [s.num_prefill_tokens + s.num_decode_tokens for s in eager])
-    return make_figure(
-        traces, legend_title(f"CUDA graphs: {share:.0%} of recent steps replayed a graph",
-                             {"graph bucket": GRAPH_COLOUR, "eager (tokens)": EAGER_COLOUR,
-                              "requests in batch": "#333"}),
-        uirevision="engine-graphs", height=290, margin=dict(l=60, r=20, t=62, b=40),
-        xaxis=dict(title="step", range=xrange, tickformat="d"),
-        yaxis=int_axis(top, title="batch / bucket"))
+        return empty_chart("No engine steps yet", "CUDA graphs")
+    steps = list(steps)[-window:]
+    graph = sum(s.graph_bucket is not None for s in steps)
+    panel = {"kind": "stack", "y_title": "batch / bucket", "int": True, "series": [
+        series("graph bucket", GRAPH_COLOUR, [s.graph_bucket or 0 for s in steps]),
+        series("eager (tokens)", EAGER_COLOUR,
+               [0 if s.graph_bucket is not None else s.num_prefill_tokens + s.num_decode_tokens
+                for s in steps])],
+        "lines": [series("requests in batch", BATCH_COLOUR, [len(s.entries) for s in steps])]}
+    return chart(f"CUDA graphs: {graph / len(steps):.0%} of recent steps replayed a graph",
+                 [["graph bucket", GRAPH_COLOUR, "fill"], ["eager (tokens)", EAGER_COLOUR, "fill"],
+                  ["requests in batch", BATCH_COLOUR, "line"]],
+                 step_axis(steps, window), [panel], height=290)
 
 
-def tp_map_figure(tp_layout: Sequence[RankLayout], num_heads: int, num_kv_heads: int
-                  ) -> Figure:
-    """Which rank holds which query heads, KV heads and MLP/expert slice."""
-    if not tp_layout:
-        return empty_figure("No tensor-parallel layout reported", "TP map")
-    ranks = [f"rank {r.rank}" for r in tp_layout]
-    traces = []
-    for r in tp_layout:
-        colour = PALETTE[r.rank % len(PALETTE)]
-        hover = (f"rank {r.rank}<br>KV cache {fmt_bytes(r.kv_cache_bytes)}"
-                 f"<br>vocab [{r.vocab_slice[0]}, {r.vocab_slice[1]})")
-        for axis, heads in (("", r.q_heads), ("2", r.kv_heads)):
-            traces.append(scatter(
-                x=heads, y=[f"rank {r.rank}"] * len(heads), mode="markers", showlegend=False,
-                marker=dict(symbol="square", size=14, color=colour), xaxis=f"x{axis}",
-                yaxis=f"y{axis}", hovertemplate=f"head %{{x}}<br>{hover}<extra></extra>"))
-        sl = r.expert_slice or r.mlp_slice
-        if sl is not None:
-            what = "each expert" if r.expert_slice else "MLP"
-            traces.append(bar(
-                y=[f"rank {r.rank}"], x=[sl[1] - sl[0]], base=[sl[0]], orientation="h",
-                marker_color=colour, showlegend=False, xaxis="x3", yaxis="y3",
-                hovertemplate=f"[{sl[0]}, {sl[1]}) of {what}<extra></extra>"))
-    cat = dict(type="category", categoryorder="array", categoryarray=ranks,
-               autorange="reversed")
-    # three stacked panels laid out by hand: query heads, KV heads, intermediate slices
-    panels = [(0.78, 1.0), (0.42, 0.60), (0.0, 0.20)]   # gaps leave room for tick labels
-    titles = ["query heads", "KV heads", "MLP / expert intermediate slice"]
-    notes = [dict(text=t, x=0.5, y=hi + 0.02, xref="paper", yref="paper", showarrow=False,
-                  xanchor="center", yanchor="bottom", font=dict(size=12))
-             for t, (_, hi) in zip(titles, panels)]
-    return make_figure(
-        traces, f"Tensor-parallel map ({len(tp_layout)} rank{'s' if len(ranks) > 1 else ''})",
-        uirevision="engine-tp", height=max(340, 3 * 34 * len(ranks) + 240), annotations=notes,
-        margin=dict(l=70, r=20, t=50, b=40),
-        xaxis=dict(range=[-0.5, max(num_heads, 1) - 0.5], anchor="y",
-                   dtick=1 if num_heads <= 32 else None),
-        yaxis=dict(domain=panels[0], **cat),
-        xaxis2=dict(range=[-0.5, max(num_kv_heads, 1) - 0.5], anchor="y2",
-                    dtick=1 if num_kv_heads <= 32 else None),
-        yaxis2=dict(domain=panels[1], **cat),
-        xaxis3=dict(title="intermediate dim", anchor="y3"),
-        yaxis3=dict(domain=panels[2], **cat))
-
-
-def cpu_batch_figure(steps: Sequence[StepTrace], window: int = STEP_WINDOW) -> Figure:
+def cpu_batch_figure(steps: Sequence[StepTrace], window: int = STEP_WINDOW) -> dict:
     """On the CPU, where CUDA graphs do not exist: what each step ran (requests in the batch,
-    prefill and decode tokens), instead of a panel of 'eager' steps that could be nothing else."""
+    running and waiting), instead of a panel of 'eager' steps that could be nothing else."""
     if not steps:
-        return empty_figure("No engine steps yet", "Batch per step")
-    steps, xrange = _window(steps, window)
-    x = [s.step_id for s in steps]
-    traces = [
-        scatter(x=x, y=[len(s.entries) for s in steps], mode="lines", name="requests in batch",
-                line=dict(color="#333", width=1.5, shape="hv"),
-                hovertemplate="step %{x}<br>%{y} requests<extra></extra>"),
-        scatter(x=x, y=[s.num_running for s in steps], mode="lines", name="running",
-                line=dict(color=DECODE_COLOUR, width=1, shape="hv", dash="dot"),
-                hovertemplate="step %{x}<br>%{y} running<extra></extra>"),
-        scatter(x=x, y=[s.num_waiting for s in steps], mode="lines", name="waiting",
-                line=dict(color=PREFILL_COLOUR, width=1, shape="hv", dash="dot"),
-                hovertemplate="step %{x}<br>%{y} waiting<extra></extra>"),
-    ]
-    top = max([len(s.entries) for s in steps] + [s.num_running + s.num_waiting for s in steps])
-    return make_figure(
-        traces, legend_title("Batch per step (CPU: no CUDA graphs — each step runs eagerly, "
-                             "one at a time)", {"requests in batch": "#333",
-                                               "running": DECODE_COLOUR,
-                                               "waiting": PREFILL_COLOUR}),
-        uirevision="engine-graphs", height=290, margin=dict(l=60, r=20, t=62, b=40),
-        xaxis=dict(title="step", range=xrange, tickformat="d"),
-        yaxis=int_axis(top, title="requests"))
+        return empty_chart("No engine steps yet", "Batch per step")
+    steps = list(steps)[-window:]
+    panel = {"kind": "stack", "y_title": "requests", "int": True, "lines": [
+        series("requests in batch", BATCH_COLOUR, [len(s.entries) for s in steps]),
+        series("running", DECODE_COLOUR, [s.num_running for s in steps], dash=True),
+        series("waiting", PREFILL_COLOUR, [s.num_waiting for s in steps], dash=True)]}
+    return chart("Batch per step (CPU: no CUDA graphs, every step runs eagerly)",
+                 [["requests in batch", BATCH_COLOUR, "line"], ["running", DECODE_COLOUR, "dash"],
+                  ["waiting", PREFILL_COLOUR, "dash"]],
+                 step_axis(steps, window), [panel], height=290)
 
 
-def history_figure(buckets: Sequence, now: float, span_s: float = 15 * 60) -> Figure:
+def history_figure(buckets: Sequence, now: float, span_s: float = 15 * 60) -> dict:
     """Tokens per second over the last `span_s` seconds from the view's aggregated history
     (views/step_history.py): 1-second buckets for the last two minutes, 10-second ones before."""
     title = "Engine history: tokens/s, last 15 min (older than 2 min: 10-s averages)"
     if not buckets:
-        return empty_figure("No engine steps yet", title)
-    x = [round(b.t + b.width / 2 - now, 1) for b in buckets]
-    pre = [b.prefill_tokens / b.width for b in buckets]
-    dec = [b.decode_tokens / b.width for b in buckets]
-    traces = [
-        scatter(x=x, y=pre, name="prefill tok/s", mode="lines", stackgroup="tok",
-                line=dict(color=PREFILL_COLOUR, width=1, shape="hv"),
-                hovertemplate="%{x:.0f} s: %{y:.0f} prefill tok/s<extra></extra>"),
-        scatter(x=x, y=dec, name="decode tok/s", mode="lines", stackgroup="tok",
-                line=dict(color=DECODE_COLOUR, width=1, shape="hv"),
-                hovertemplate="%{x:.0f} s: %{y:.0f} decode tok/s<extra></extra>"),
-        scatter(x=x, y=[b.max_running for b in buckets], name="running", mode="lines",
-                line=dict(color="#333", width=1, shape="hv"), yaxis="y2",
-                hovertemplate="%{x:.0f} s: %{y} running<extra></extra>"),
-    ]
-    return make_figure(
-        traces, legend_title(title, {"prefill tok/s": PREFILL_COLOUR,
-                                     "decode tok/s": DECODE_COLOUR, "running (right)": "#333"}),
-        uirevision="engine-history", height=260, margin=dict(l=60, r=50, t=62, b=40),
-        # the span with data (at least a minute, at most span_s): a new server's first burst
-        # is not squeezed into the right edge of an empty quarter hour
-        xaxis=dict(title="seconds ago",
-                   range=[-min(span_s, max(60.0, now - buckets[0].t)), 0]),
-        yaxis=dict(title="tok/s", rangemode="tozero"),
-        yaxis2=dict(overlaying="y", side="right", rangemode="tozero", tickformat="d",
-                    showgrid=False, title="running"))
+        return empty_chart("No engine steps yet", title)
+    # the span with data (at least a minute, at most span_s): a new server's first burst
+    # is not squeezed into the right edge of an empty quarter hour
+    x = {"lo": [round(b.t - now, 2) for b in buckets],
+         "hi": [round(b.t + b.width - now, 2) for b in buckets],
+         "values": [f"{now - b.t - b.width / 2:.0f} s ago" for b in buckets],
+         "range": [-min(span_s, max(60.0, now - buckets[0].t)), 0], "name": "",
+         "title": "seconds ago", "int": True}
+    panel = {"kind": "stack", "y_title": "tok/s", "digits": 0, "series": [
+        series("prefill tok/s", PREFILL_COLOUR, [b.prefill_tokens / b.width for b in buckets]),
+        series("decode tok/s", DECODE_COLOUR, [b.decode_tokens / b.width for b in buckets])],
+        "lines": [series("running", BATCH_COLOUR, [b.max_running for b in buckets],
+                         right=True, width=1)]}
+    return chart(title, [["prefill tok/s", PREFILL_COLOUR, "fill"],
+                         ["decode tok/s", DECODE_COLOUR, "fill"],
+                         ["running (right axis)", BATCH_COLOUR, "line"]], x, [panel], height=260)
 
 
 def _ms(v: float) -> str:
     return f"{1e3 * v:.0f}" if v >= 0.01 else f"{1e3 * v:.1f}"
 
 
-def latency_markdown(lat: dict, window_s: float) -> str:
+def latency_table(lat: dict, window_s: float) -> dict:
     """The latency panel: TTFT, inter-token and end-to-end p50 / p90 / p99, in ms."""
-    head = (f"**Latency, last {window_s / 60:.0f} min** ({lat['requests']} requests finished, "
-            f"{lat['tokens']} token gaps; measured in engine steps from each request's first "
-            "scheduled step, queueing before it not included)")
+    title = f"Latency, last {window_s / 60:.0f} min"
+    note = (f"{lat['requests']} requests finished, {lat['tokens']} token gaps; measured in "
+            "engine steps from each request's first scheduled step, queueing before it not "
+            "included")
     if not lat["requests"] and not lat["tokens"]:
-        return head + ": none yet."
-    rows = ["| | p50 | p90 | p99 |", "| --- | --- | --- | --- |"]
-    for name, key in (("time to first token (ms)", "ttft"), ("inter-token (ms)", "itl"),
-                      ("end to end (ms)", "e2e")):
-        p = lat[key]
-        rows.append(f"| {name} | " + (" | ".join(_ms(v) for v in p) if p else "— | — | —")
-                    + " |")
-    return head + "\n\n" + "\n".join(rows)
+        return {"kind": "table", "title": title + ": none yet", "note": note}
+    rows = [[name] + ([_ms(v) for v in lat[key]] if lat[key] else ["—"] * 3)
+            for name, key in (("time to first token (ms)", "ttft"), ("inter-token (ms)", "itl"),
+                              ("end to end (ms)", "e2e"))]
+    return {"kind": "table", "title": title, "head": ["", "p50", "p90", "p99"], "rows": rows,
+            "note": note}

@@ -11,7 +11,7 @@ import gradio as gr
 
 from engine import SamplingParams
 from views import figures as F
-from views.live import TICK_IDLE_S, EngineHub, LiveTab, pace
+from views.live import LIVE_SNAPSHOT_AGE_S, TICK_IDLE_S, EngineHub, LiveTab, pace
 from views.live_plot import live_plot, plot_value
 from views.step_history import fold
 
@@ -166,7 +166,7 @@ def build(hub: EngineHub) -> LiveTab:
     def tick(last_keys: dict):
         if hub.switching:
             return {last: last_keys}
-        snap = hub.snapshot()
+        snap = hub.snapshot(max_age=LIVE_SNAPSHOT_AGE_S)
         fold(hub, snap)              # the Engine tab's history keeps counting meanwhile
         now = time.time()
         key = state_key(snap)
@@ -193,7 +193,7 @@ def build(hub: EngineHub) -> LiveTab:
     # queue=False: two status messages per tick instead of four (each one costs the page a
     # pass over every output component's props)
     timer.tick(tick, last, outputs, api_visibility="private", trigger_mode="once",
-               show_progress="hidden", show_progress_on=[stats], queue=False)  # views/layers.py
+               show_progress="hidden", show_progress_on=[last], queue=False)  # views/live.py
 
     def on_burst(n, max_tokens):
         try:

@@ -23,6 +23,10 @@ from engine.serving import SNAPSHOT_MAX_AGE_S, ServingHub  # noqa: F401  (re-exp
 TICK_BUSY_S = 0.2
 TICK_IDLE_S = 1.0
 IDLE_AFTER_S = 1.5
+# a live tab's snapshot may be at most this old: half a busy tick, so consecutive ticks never
+# read the same shared snapshot (with the hub's default 0.2 s, a 0.2 s tick saw the snapshot of
+# the tick before about every other time and drew nothing new: ~3 updates/s at best)
+LIVE_SNAPSHOT_AGE_S = TICK_BUSY_S / 2
 DEMO_DIR = Path(__file__).resolve().parents[1] / "assets"
 
 
@@ -39,6 +43,14 @@ def pace(timer: gr.Timer, keys: dict, snap: EngineSnapshot, out: dict) -> None:
     if keys.get("interval") != interval:
         out[timer] = gr.Timer(value=interval)
         keys["interval"] = interval
+
+
+# Progress targets: the page's events name a gr.State in show_progress_on (their loading
+# status is hidden anyway), because Gradio 6's page re-sends a loading status to every
+# component any event ever reported one for, on every later event (each streamed token and
+# each live tick included), and copies each such component's props ($state.snapshot) as it
+# does, its children's too for a row: ~3 ms a component on two cores, the whole conversation
+# for the chatbot. A State is not drawn, so the copy is skipped.
 
 
 class LiveTab(NamedTuple):
