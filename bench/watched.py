@@ -116,8 +116,7 @@ class Page(threading.Thread):
 
     def tick_engine(self) -> None:
         from views import figures as F
-        from views.engine_view import graphs_figure
-        from views.figures_engine import step_stats
+        from views.figures_engine import graphs_figure, step_stats
         from views.step_chart import board_value
         snap = self.hub.snapshot()
         step_stats(snap.steps)

@@ -9,7 +9,7 @@ import time
 import gradio as gr
 
 from views import figures as F
-from views.figures_engine import (STEP_WINDOW, cpu_batch_figure, history_figure,
+from views.figures_engine import (STEP_WINDOW, cpu_batch_figure, graphs_figure, history_figure,
                                   latency_table, step_stats)
 from views.live import LIVE_SNAPSHOT_AGE_S, TICK_IDLE_S, EngineHub, LiveTab, pace
 from views.live_plot import live_plot, plot_value
@@ -49,13 +49,6 @@ def stats_line(snap, now: float | None = None, history: StepHistory | None = Non
     return (f"step **{steps[-1].step_id}** · median **{st.median_ms:.1f} ms**/step over the "
             f"last {st.num_steps} steps{rates}{state} · {snap.preemptions} preemptions · "
             f"{steps[-1].collectives} collectives/step")
-
-
-def graphs_figure(snap):
-    """CUDA graphs on the GPU; on the CPU (no graphs there) the batch of each step."""
-    if str(snap.device).startswith("cpu"):
-        return cpu_batch_figure(snap.steps)
-    return F.cuda_graph_figure(snap.steps)
 
 
 # the board's layout: (slot id, flex weight, chart or table) per row

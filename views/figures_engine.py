@@ -190,3 +190,10 @@ def latency_table(lat: dict, window_s: float) -> dict:
                               ("end to end (ms)", "e2e"))]
     return {"kind": "table", "title": title, "head": ["", "p50", "p90", "p99"], "rows": rows,
             "note": note}
+
+
+def graphs_figure(snap):
+    """CUDA graphs on the GPU; on the CPU (no graphs there) the batch of each step."""
+    if str(snap.device).startswith("cpu"):
+        return cpu_batch_figure(snap.steps)
+    return cuda_graph_figure(snap.steps)
