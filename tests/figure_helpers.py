@@ -185,17 +185,9 @@ def _shape(a) -> tuple[int, ...]:
     return np.asarray(a, dtype=object).shape
 
 
-def plain_spec(spec: dict) -> dict:
-    """A chart spec with its pre-encoded fragments (views.live_plot.RawJSON) decoded: what
-    the page receives, as Python values."""
-    from views.live_plot import RawJSON
-    return {k: (json.loads(v) if isinstance(v, RawJSON) else v) for k, v in spec.items()}
-
-
 def check_chart_spec(spec: dict) -> None:
     """A canvas chart spec views/canvas_chart.js can draw: the fields it reads are there and
     agree in size, colours parse, marks fall on the grid (an empty chart has a message)."""
-    spec = plain_spec(spec)
     assert spec.get("title") is not None and spec.get("height", 1) > 0
     if "message" in spec:
         assert "kind" not in spec and spec["message"]

@@ -3,6 +3,7 @@
 views/kv_map.js draws it), plotly figure dicts (shapes, labels, colours, fixed ranges,
 uirevision), the Layers tab's canvas chart specs (the fields views/canvas_chart.js reads) and
 the Engine tab's (views/step_chart.js)."""
+import json
 import re
 from collections import Counter
 
@@ -11,7 +12,7 @@ import pytest
 
 from ui_helpers import make_snapshot, make_trace  # noqa: I001  (puts the repo on sys.path)
 from figure_helpers import (check_chart_spec, check_plotly_figure, decode, drawn_ids, live_ids,
-                            map_cells, plain_spec, random_cache, seeded_rng, strict_json,
+                            map_cells, random_cache, seeded_rng, strict_json,
                             unpack_map)
 
 from engine.records import StepEntry
@@ -353,7 +354,6 @@ def test_logit_lens_chart_layer_by_step_with_top_token_text(rng):
     pick = int(rng.integers(0, len(tr.lens)))
     spec = F.logit_lens_figure(tr, decode, token=tr.lens[pick].position)
     check_chart_spec(spec)
-    spec = plain_spec(spec)
     z = np.asarray(spec["z"])
     assert z.shape == (tr.num_layers, len(tr.lens))
     assert np.array_equal(z, np.stack([s.top_probs[:, 0] for s in tr.lens], axis=1))
@@ -363,9 +363,12 @@ def test_logit_lens_chart_layer_by_step_with_top_token_text(rng):
     assert spec["x_values"] == [s.position for s in tr.lens]       # a click scrubs to these
     assert [(m["from"], m["to"]) for m in spec["col_outlines"]] == [(pick, pick + 1)]
     s, l = tr.lens[pick], int(rng.integers(tr.num_layers))
-    hover = spec["cell_hover"][l][pick]
-    assert repr(decode([int(s.top_ids[l, 0])])) in hover
-    assert f"sampled {decode([s.sampled_token])!r}: rank {int(s.sampled_rank[l])}" in hover
+    hover = F.lens_hover_text(spec, l, pick)        # what the page writes from lens_hover
+    q = lambda t: json.dumps(t, ensure_ascii=False)     # noqa: E731
+    guesses = ", ".join(f"{q(decode([int(i)]))} {p:.2f}" for i, p in zip(s.top_ids[l], s.top_probs[l]))
+    assert hover.startswith(f"next-token guesses: {guesses}\n")
+    assert f"sampled {q(decode([s.sampled_token]))}: rank {int(s.sampled_rank[l])}" in hover
+    assert f"entropy {float(s.entropy[l]):.2f} nats" in hover
     assert "No generated tokens" in F.logit_lens_figure(RequestTrace("r", 2), decode)["message"]
 
 

@@ -235,6 +235,9 @@ function data() {
     specFrom = props.value;
     spec = typeof specFrom === 'string' && specFrom ? JSON.parse(specFrom) : (specFrom || null);
     if (spec && spec.z && spec.z.b64 !== undefined) spec.z = unpack(spec.z);
+    if (spec && spec.lens_hover) {          // numbers for the lens' hovers (written on hover)
+      for (const key of ['ids', 'p', 'rank', 'sp', 'entropy']) spec.lens_hover[key] = unpack(spec.lens_hover[key]);
+    }
   }
   return spec;
 }
@@ -292,6 +295,16 @@ function cellAt(ev) {
   return {row, col: c};
 }
 
+// one logit-lens cell's hover from the numbers the server sent (views/figures_layers.py
+// lens_hover_text writes the same text): top-k guesses, the sampled token's rank and p, entropy
+function lensHover(L, r, c) {
+  const q = (id) => JSON.stringify(L.texts[String(id)] ?? String(id));
+  const guesses = [];
+  for (let j = 0; j < L.k; j++) guesses.push(`${q(L.ids[r][c * L.k + j])} ${Number(L.p[r][c * L.k + j]).toFixed(2)}`);
+  return `next-token guesses: ${guesses.join(', ')}\nsampled ${q(L.sampled[c])}: rank ${L.rank[r][c]}, ` +
+    `p=${Number(L.sp[r][c]).toFixed(2)} · entropy ${Number(L.entropy[r][c]).toFixed(2)} nats`;
+}
+
 function hoverText(s, h) {
   if (s.kind === 'bars') {
     const p = s.panels[h.panel];
@@ -303,6 +316,7 @@ function hoverText(s, h) {
   if (s.col_text) out += ` “${s.col_text[h.col]}”`;
   out += `\n${s.value_name || 'value'} ${v === null ? '—' : Number(s.value_fmt === 'p' ? v * v : v).toPrecision(3)}`;
   if (s.cell_hover) out += '\n' + s.cell_hover[h.row][h.col];
+  if (s.lens_hover) out += '\n' + lensHover(s.lens_hover, h.row, h.col);
   if (s.click_hint) out += '\n' + s.click_hint;
   return out;
 }

@@ -45,6 +45,12 @@ def pack_matrix(z) -> dict:
             "cols": int(a.shape[1]) if a.ndim > 1 else 0}
 
 
+def unpack_matrix(m: dict) -> np.ndarray:
+    """pack_matrix's inverse (tests read what the page reads)."""
+    a = np.frombuffer(base64.b64decode(m["b64"]), dtype="<f4")
+    return a.reshape(m["rows"], m["cols"]) if m["cols"] else a
+
+
 def chart_value(spec: dict | None) -> str | None:
     """A chart's value: its spec as a JSON string (NaN as null); a large heatmap's z packed
     (pack_matrix; views/canvas_chart.js unpacks it)."""

@@ -10,8 +10,8 @@ from views.figures_tp import tp_map_figure
 from views.figures_kv import (block_detail, block_state, block_tables_html, kv_block_figure,
                               kv_layout_markdown, kv_map_data, kv_map_json, kv_usage_figure)
 from views.figures_layers import (attention_at, attention_heads_figure, attention_row_figure,
-                                  attention_step_for, expert_load_figure, logit_lens_figure,
-                                  norms_figure, routing_figure)
+                                  attention_step_for, expert_load_figure, lens_hover_text,
+                                  logit_lens_figure, norms_figure, routing_figure)
 
 __all__ = [
     "empty_figure", "request_colour",
@@ -20,5 +20,5 @@ __all__ = [
     "kv_map_json",
     "kv_layout_markdown", "kv_usage_figure",
     "attention_at", "attention_heads_figure", "attention_row_figure", "attention_step_for",
-    "expert_load_figure", "logit_lens_figure", "norms_figure", "routing_figure",
+    "expert_load_figure", "lens_hover_text", "logit_lens_figure", "norms_figure", "routing_figure",
 ]

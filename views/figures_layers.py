@@ -14,8 +14,8 @@ from typing import Callable, Sequence
 import numpy as np
 
 from engine.probes.trace import AttentionStep, RequestTrace
-from views.canvas_chart import BLUES, MAGMA_R, PURPLES, VIRIDIS, YLORRD, empty_chart
-from views.live_plot import RawJSON
+from views.canvas_chart import (BLUES, MAGMA_R, PURPLES, VIRIDIS, YLORRD, empty_chart,
+                                pack_matrix)
 from views.figures_common import DECODE_COLOUR, PREFILL_COLOUR, PROB_TICKS, short_text
 from views.trace_texts import key_hovers, number_labels, short_texts
 
@@ -157,61 +157,77 @@ def _lens_window(trace: RequestTrace, token: int | None) -> list[int]:
     return list(range(lo, min(n, lo + MAX_LENS_STEPS)))
 
 
-_LENS_CELLS: OrderedDict[int, tuple] = OrderedDict()
-_LENS_CELLS_MAX = 8192
+_TEXTS: dict[tuple[int, int], str] = {}     # (decoder, token id) -> its text, bounded below
 
 
-def _lens_column(s, decode: Decode) -> tuple[list[str], list[str]]:
-    """One lens step's cell texts and hovers as JSON strings, one per layer. A step never
-    changes once recorded, so they are made and encoded once (decoding and encoding ~700
-    strings a tick was most of the lens's cost, on the server's Python beside the engine's
-    thread) and kept in a bounded cache by identity."""
-    hit = _LENS_CELLS.get(id(s))
-    if hit is not None and hit[0] is s and hit[1] == decode:   # bound methods: ==, not is
-        _LENS_CELLS.move_to_end(id(s))
-        return hit[2]
-    texts, hovers = [], []
-    for l in range(s.top_ids.shape[0]):
-        texts.append(json.dumps(short_text(decode([int(s.top_ids[l, 0])]), 8)))
-        hovers.append(json.dumps("next-token guesses: " + ", ".join(
-            f"{decode([int(i)])!r} {p:.2f}" for i, p in zip(s.top_ids[l], s.top_probs[l]))
-            + f"\nsampled {decode([s.sampled_token])!r}: rank {int(s.sampled_rank[l])}, "
-            + f"p={float(s.sampled_prob[l]):.2f} · entropy {float(s.entropy[l]):.2f} nats"))
-    _LENS_CELLS[id(s)] = (s, decode, (texts, hovers))   # the step kept: its id stays unique
-    while len(_LENS_CELLS) > _LENS_CELLS_MAX:
-        _LENS_CELLS.popitem(last=False)
-    return texts, hovers
-
-
-def _rows_json(cols: list[list[str]], num_rows: int) -> RawJSON:
-    """[row][col] JSON from per-column lists of encoded strings (a join, no re-encoding)."""
-    return RawJSON("[" + ",".join("[" + ",".join(c[r] for c in cols) + "]"
-                                  for r in range(num_rows)) + "]")
+def _token_texts_of(ids, decode: Decode) -> dict[str, str]:
+    """{str(id): text} for the distinct ids, each decoded once per decoder (a dict lookup
+    afterwards: the lens shows ~7k guesses a tick, and at batch-1 speed every column is new)."""
+    owner = id(getattr(decode, "__self__", decode))
+    if len(_TEXTS) > 200_000:
+        _TEXTS.clear()
+    out = {}
+    for t in np.unique(np.asarray(ids, dtype=np.int64)).tolist():
+        key = (owner, t)
+        txt = _TEXTS.get(key)
+        if txt is None:
+            txt = _TEXTS[key] = decode([t])
+        out[str(t)] = txt
+    return out
 
 
 def logit_lens_figure(trace: RequestTrace, decode: Decode, token: int | None = None) -> Chart:
     """Layer × input token: each layer's top guess for the *next* token (text) and its
     probability (shade). Columns are labelled by the token whose residual is read
-    (TransformerLens' convention), so the scrubbed token's column is the one outlined."""
+    (TransformerLens' convention), so the scrubbed token's column is the one outlined.
+
+    A cell's hover (the top-k guesses, the sampled token's rank and probability, the entropy)
+    is written by the page from numbers (`lens_hover`): made here, ~7k formatted strings a
+    tick would be most of the tab's Python, which shares the GIL with the engine's thread."""
     title = "Logit lens: each layer's top guess for the next token (shade = its probability)"
     if not trace.lens:
         return empty_chart("No generated tokens yet", title)
     steps = [trace.lens[i] for i in _lens_window(trace, token)]
-    num_layers = steps[0].top_ids.shape[0]
-    z = np.stack([s.top_probs[:, 0] for s in steps], axis=1)          # [layers, steps]
-    cols = [_lens_column(s, decode) for s in steps]     # per step, made once and kept
-    cell_text = _rows_json([c[0] for c in cols], num_layers)
-    hover = _rows_json([c[1] for c in cols], num_layers)
-    chosen = [j for j, s in enumerate(steps) if token is not None and s.position == token]
+    num_layers, k = steps[0].top_ids.shape
+    top_ids = np.stack([st.top_ids for st in steps], axis=1)           # [layers, steps, k]
+    top_p = np.stack([st.top_probs for st in steps], axis=1)           # [layers, steps, k]
+    z = top_p[:, :, 0]                                                 # [layers, steps]
+    sampled = [st.sampled_token for st in steps]
+    texts = _token_texts_of(np.concatenate([top_ids.reshape(-1), sampled]), decode)
+    cell_text = [[short_text(texts[str(i)], 8) for i in row] for row in top_ids[:, :, 0].tolist()]
+    chosen = [j for j, st in enumerate(steps) if token is not None and st.position == token]
+    S = len(steps)
     return {
         "kind": "heatmap", "title": title, "height": max(260, 24 * num_layers + 150),
         "z": z, "zmin": 0.0, "zmax": 1.0, "colorscale": BLUES, "dark_above": 0.5,
         "y_labels": [f"L{l}" for l in range(num_layers)],
-        "x_labels": [f"{s.position}:{_text(trace.token_texts, s.position)}" for s in steps],
-        "x_values": [s.position for s in steps], "x_name": "token", "value_name": "top-1 p",
+        "x_labels": [f"{st.position}:{_text(trace.token_texts, st.position)}" for st in steps],
+        "x_values": [st.position for st in steps], "x_name": "token", "value_name": "top-1 p",
         "x_title": "input token (position:text) · click one to scrub to it",
-        "cell_text": cell_text, "cell_hover": hover,
+        "cell_text": cell_text,
+        "lens_hover": {
+            "k": int(k), "texts": texts, "sampled": [str(t) for t in sampled],
+            "ids": pack_matrix(top_ids.reshape(num_layers, S * k)),     # exact: ids < 2^24
+            "p": pack_matrix(top_p.reshape(num_layers, S * k)),
+            "rank": pack_matrix(np.stack([st.sampled_rank for st in steps], axis=1)),
+            "sp": pack_matrix(np.stack([st.sampled_prob for st in steps], axis=1)),
+            "entropy": pack_matrix(np.stack([st.entropy for st in steps], axis=1))},
         "col_outlines": [{"from": j, "to": j + 1, "colour": CHOSEN} for j in chosen]}
+
+
+def lens_hover_text(spec: dict, row: int, col: int) -> str:
+    """The hover of one lens cell, as the page writes it (views/canvas_chart.js lensHover):
+    for tests and exports."""
+    from views.canvas_chart import unpack_matrix
+    h = spec["lens_hover"]
+    k, t = h["k"], h["texts"]
+    ids, p = unpack_matrix(h["ids"]), unpack_matrix(h["p"])
+    q = lambda s: json.dumps(s, ensure_ascii=False)     # noqa: E731 — JSON.stringify's quoting
+    guesses = ", ".join(f"{q(t[str(int(ids[row, col * k + j]))])} {p[row, col * k + j]:.2f}"
+                        for j in range(k))
+    rank, sp, ent = (unpack_matrix(h[x])[row, col] for x in ("rank", "sp", "entropy"))
+    return (f"next-token guesses: {guesses}\nsampled {q(t[h['sampled'][col]])}: rank "
+            f"{int(rank)}, p={sp:.2f} · entropy {ent:.2f} nats")
 
 
 def attention_at(trace: RequestTrace, token: int) -> AttentionStep | None:

@@ -9,7 +9,7 @@ import gradio as gr
 import numpy as np
 
 from views import figures as F
-from views.live import TICK_IDLE_S, EngineHub, LiveTab, pace
+from views.live import LIVE_SNAPSHOT_AGE_S, TICK_IDLE_S, EngineHub, LiveTab, pace
 from views.canvas_chart import canvas_chart, chart_value, empty_chart
 from views.step_history import fold
 
@@ -113,7 +113,7 @@ def build(hub: EngineHub) -> LiveTab:
             return skip_all
         sess = hub.session(request.session_hash if request else None)
         llm = hub.llm
-        snap = hub.snapshot()
+        snap = hub.snapshot(max_age=LIVE_SNAPSHOT_AGE_S)    # not the previous tick's
         fold(hub, snap)              # the Engine tab's history keeps counting meanwhile
         traced = llm.traced_requests()
         if not getattr(hub, "public_traces", True):
@@ -222,9 +222,10 @@ def build(hub: EngineHub) -> LiveTab:
     controls = [last, req, token, follow, layer, head]
     # show_progress_on: Gradio tracks a loading status for every component it is given, on
     # every tick, even hidden; over all 15 outputs that bookkeeping was most of the page's
-    # main-thread time (1.2-2 updates/s measured, 3.8-4.8 with one)
+    # main-thread time (1.2-2 updates/s measured, 3.8-4.8 with one); a State, which Gradio's
+    # page does not snapshot (views/live.py says why)
     timer.tick(refresh, controls, outputs, api_visibility="private", trigger_mode="once",
-               show_progress="hidden", show_progress_on=[status], queue=False)
+               show_progress="hidden", show_progress_on=[last], queue=False)
     # a user's move of the slider stops following the newest token
     token.input(lambda: False, None, follow, api_visibility="private", queue=False).then(
         refresh, controls, outputs, api_visibility="private", show_progress="hidden",

@@ -46,36 +46,15 @@ def _nan_to_none(o):
     return _finite(o)
 
 
-class RawJSON(str):
-    """A value already serialised as JSON (a cached fragment): plot_value splices it in as is."""
-
-
-def _splice(fig: dict) -> tuple[dict, dict[str, str]]:
-    """Top-level RawJSON values swapped for placeholder strings; returns the figure and
-    {placeholder as dumps writes it: the raw JSON} to splice back after dumps."""
-    raw = {k: v for k, v in fig.items() if isinstance(v, RawJSON)}
-    if not raw:
-        return fig, {}
-    out, marks = dict(fig), {}
-    for k, v in raw.items():
-        out[k] = f"\0raw:{k}\0"           # NUL cannot occur in a figure's own strings
-        marks[json.dumps(out[k])] = v
-    return out, marks
-
-
 def plot_value(fig: dict | None) -> str | None:
     """A live plot's value: the figure dict (views/figures_common.py) as plotly JSON, a string
     (Gradio's page copies a string in one go, an object through its reactive proxies)."""
     if fig is None or isinstance(fig, str):     # None, or a value already serialised
         return fig
-    fig, marks = _splice(fig)
     try:
-        out = json.dumps(fig, default=_json_default, separators=(",", ":"), allow_nan=False)
+        return json.dumps(fig, default=_json_default, separators=(",", ":"), allow_nan=False)
     except ValueError:      # a NaN in a plain list: the slow, careful way
-        out = json.dumps(_nan_to_none(fig), default=_json_default, separators=(",", ":"))
-    for mark, raw in marks.items():
-        out = out.replace(mark, raw, 1)
-    return out
+        return json.dumps(_nan_to_none(fig), default=_json_default, separators=(",", ":"))
 
 
 def live_plot(elem_id: str, fig: dict | None = None, **kwargs) -> "gr.HTML":

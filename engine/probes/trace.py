@@ -53,7 +53,7 @@ class AttentionStep:
     def probs(self) -> np.ndarray:
         """[len(layers), num_heads, position + 1] on the host (moved on first use)."""
         if not isinstance(self._probs, np.ndarray):
-            from .attention_store import move_to_host, side_stream
+            from .host_copy import move_to_host, side_stream
             move_to_host([self], side_stream())   # a racing reader or spill is harmless:
         return self._probs                        # the same values either way
 
@@ -64,7 +64,7 @@ class AttentionStep:
             return self._probs[index]
         got = self._layer_rows.get(index)
         if got is None:
-            from .attention_store import rows_to_host, side_stream
+            from .host_copy import rows_to_host, side_stream
             rows = self.device_rows
             got = self._probs[index] if rows is None else rows_to_host(rows[index],
                                                                        side_stream())
