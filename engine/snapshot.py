@@ -9,13 +9,15 @@ tokens are read on demand for that block only (LLM.block_info).
 """
 from __future__ import annotations
 
-from operator import attrgetter
+from operator import attrgetter, itemgetter
 
 from .records import EngineSnapshot, RequestRecord, TableViews
 
 
-# per request, read under the lock in one C-level pass (operator.attrgetter through map)
-_FACTS = attrgetter("request_id", "block_table", "num_computed_tokens", "num_resolved_tokens",
+# per request, read under the lock in C-level passes (operator.attrgetter and len through map):
+# plain attributes only, no property, so no Python frame runs while the lock is held (a frame
+# is where CPython may hand the GIL to another thread, with the engine lock still held)
+_FACTS = attrgetter("request_id", "block_table", "num_computed_tokens", "pending", "token_ids",
                     "params", "grammar", "num_masked_steps", "annotation")
 
 
@@ -32,20 +34,24 @@ def copy_state(llm) -> tuple:
     bm, sched = llm.block_manager, llm.scheduler
     n_running = len(sched.running)
     facts = list(map(_FACTS, [*sched.running, *sched.waiting]))
-    table_lens = list(map(len, [f[1] for f in facts]))
+    table_lens = list(map(len, map(itemgetter(1), facts)))
+    token_lens = list(map(len, map(itemgetter(4), facts)))
+    pending = list(map(dict.copy, map(itemgetter(3), facts)))   # positions still on the device
     steps = llm.core.steps.window()
-    return (llm, facts, table_lens, n_running, bm.ref_count.copy(), bm.hashed.copy(),
-            bm.num_free_blocks, bm.prefix_hits, bm.prefix_queries, bm.evictions,
+    return (llm, facts, table_lens, token_lens, pending, n_running, bm.ref_count.copy(),
+            bm.hashed.copy(), bm.num_free_blocks, bm.prefix_hits, bm.prefix_queries, bm.evictions,
             sched.num_preemptions, steps, llm.core.steps.count)
 
 
 def build_snapshot(state: tuple) -> EngineSnapshot:
     """The EngineSnapshot from `copy_state`'s values (no lock needed: nothing here is live)."""
-    (llm, facts, table_lens, n_running, ref, hashed, free, hits, queries, evictions,
-     preemptions, steps, step_count) = state
+    (llm, facts, table_lens, token_lens, pending, n_running, ref, hashed, free, hits, queries,
+     evictions, preemptions, steps, step_count) = state
     bm = llm.block_manager          # fixed facts only below (sizes), never live state
     views, tokens, records = {}, {}, {}
-    for (rid, table, computed, resolved, params, g, masked, note), n in zip(facts, table_lens):
+    for (rid, table, computed, _, _, params, g, masked, note), n, n_tok, pend in zip(
+            facts, table_lens, token_lens, pending):
+        resolved = min(pend) if pend else n_tok     # Sequence.num_resolved_tokens, as copied
         # a grammar's plain counters only, never its matcher (the engine thread may be using
         # it); read after the lock, so they may be a step newer than the tables
         records[rid] = RequestRecord(params.summary, g is not None, masked,
