@@ -210,6 +210,15 @@ def test_tour_chat_streams_and_every_tab_renders(running, browser):
                         ("layers-heads", "attention of token"), ("layers-row", "head")):
         plot_rendered(page, elem, title)
     assert "Watching" in page.inner_text("#layers-status")
+    # a lens cell's hover is written by the page from the numbers the server sends
+    page.locator("#layers-lens canvas").scroll_into_view_if_needed()
+    box = page.locator("#layers-lens canvas").bounding_box()
+    page.mouse.move(box["x"] + box["width"] * 0.6, box["y"] + box["height"] * 0.35)
+    wait_js(page, "() => { const t = document.querySelector('#layers-lens .gb-chart-tip');"
+                  " return t && /next-token guesses: .+ \\d\\.\\d\\d/.test(t.textContent) &&"
+                  " /sampled .*: rank \\d+, p=\\d\\.\\d\\d · entropy/.test(t.textContent); }",
+            what="a logit-lens cell's hover, with its guesses, rank and entropy")
+    page.mouse.move(0, 0)
     screenshot(page, "layers")
 
     show_tab(page, "engine")

@@ -326,7 +326,10 @@ def build(hub: EngineHub) -> ChatParts:
         hub.abort_session(request.session_hash if request else None, CLEARED)
         return [], [], "", idle_send()
 
-    clear.click(on_clear, None, [chatbot, conversation, stats, send], cancels=[ev_send],
+    # no `cancels`: the aborted reply's own handler ends with an empty chat (CLEARED), so its
+    # last word is always the empty one; cancelling it could leave a streamed update that
+    # arrived after Clear's on the page
+    clear.click(on_clear, None, [chatbot, conversation, stats, send],
                 api_visibility="private", queue=False, show_progress="hidden",
                 show_progress_on=[conversation])
 
