@@ -67,6 +67,10 @@ class AttentionStore:
             self._bytes = 0
             self._stop = True
             self._cv.notify()
+        if self._thread is not None:
+            # a daemon thread still inside a torch call when the interpreter exits aborts it
+            # (see tests/test_exit.py): wait for the spill in progress before returning
+            self._thread.join(timeout=30)
         move_to_host(steps, None)
 
     def _run(self) -> None:
