@@ -265,6 +265,10 @@ class LLM:
         self.core = EngineCore(self.runner, self.scheduler, self.block_manager, self.tokenizer,
                                self.eos_token_ids, self.probes, trace_history,
                                overlap=self.async_scheduling, lock=self._lock)
+        # while the engine is busy, readers' snapshots are copied by the engine thread at its
+        # step boundaries (engine/snapshot_handoff.py): no reader holds the lock it needs
+        from .snapshot_handoff import SnapshotHandoff
+        self.snapshots = SnapshotHandoff()
         from .interventions.plan import InterventionPlanner
         from .interventions.spec import ModelFacts
         self.intervention_facts = ModelFacts.of(self.hf_config, self.runner.moe_layers)
@@ -423,6 +427,8 @@ class LLM:
                     self._fail_one(rid, err)
                 for ev in result.events:
                     self._deliver(ev)
+                if self.snapshots.wanted:               # a reader waits for a copy
+                    self.snapshots.serve(self._copy_state)
             # between steps: give waiting threads the lock; CPython locks are not fair
             time.sleep(0)
 
@@ -609,10 +615,25 @@ class LLM:
                     "num_preemptions": sched.num_preemptions, "block_size": bm.block_size,
                     "alive": not self._stop and self._error is None and self._thread.is_alive()}
 
+    def _copy_state(self):
+        from .snapshot import copy_state
+        return copy_state(self)
+
+    def _engine_busy(self) -> bool:
+        """A step boundary is coming (read without the lock: a hint for SnapshotHandoff)."""
+        return not self._stop and self._error is None and self.core.has_work()
+
     def inspect(self) -> EngineSnapshot:
         """A consistent snapshot of the engine (KV blocks as arrays, queues, recent steps),
-        copied under the lock in O(requests): looking never stalls the engine."""
+        copied in O(requests): by the engine thread at its next step boundary while it is busy
+        (the reader holds no lock), under the lock by the reader when the engine is idle.
+        Looking never stalls the engine."""
         from .snapshot import build_snapshot, copy_state
+        self._check_open()
+        if threading.current_thread() is not self._thread:
+            state = self.snapshots.take(self._engine_busy)
+            if state is not None:
+                return build_snapshot(state)
         with self._lock:
             t0, c0 = time.perf_counter(), time.thread_time()
             self._check_open()
@@ -712,6 +733,7 @@ class LLM:
             self._fail_all(EngineShutdownError(
                 "the engine was shut down while this request was in flight"))
             self._closed = True
+        self.snapshots.clear()
         self.probes.release_device()
         self.runner.shutdown()
         import gc
