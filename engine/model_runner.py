@@ -72,6 +72,7 @@ class ModelRunner:
         self.num_heads = attn0.num_heads
         self.kv_cache: torch.Tensor | None = None
         self.graphs = None
+        self.prefill_graphs = None          # prefill_graphs.PrefillGraphs (GPU, not eager)
         self._last_sampled: tuple[int, torch.Tensor | None] = (-1, None)
         # penalised requests' output-token counts, kept on the device across steps
         self.penalty_state = PenaltyState(self.device)
@@ -214,6 +215,9 @@ class ModelRunner:
             return
         from .cuda_graphs import DecodeGraphs
         self.graphs = DecodeGraphs(self, max_num_seqs)
+        if os.environ.get("GLASSBOX_PREFILL_GRAPHS", "1") != "0":
+            from .prefill_graphs import PrefillGraphs
+            self.prefill_graphs = PrefillGraphs(self, self.config.max_num_batched_tokens)
 
     # ---- the step API the engine core calls (a TP driver offers the same) -------------------
     def execute_step(self, inp: StepInputs) -> StepOutput:
@@ -235,6 +239,10 @@ class ModelRunner:
             if self.graphs is not None and inp.is_decode and inp.prompt_lp_rows is None and \
                     self.graphs.can_run(inp, plan):
                 logits, bufs, out.graph_bucket, timer, replayed = self.graphs.replay(inp, plan)
+            elif self.prefill_graphs is not None and self.prefill_graphs.can_run(inp, plan):
+                # a short prefill (a chat turn): one replay instead of ~270 eager launches
+                bufs, timer = None, None
+                logits, out.graph_bucket, replayed = self.prefill_graphs.replay(inp)
             else:
                 bufs = None
                 if plan is not None:
@@ -309,7 +317,7 @@ class ModelRunner:
     def shutdown(self) -> None:
         """Release the weights, the KV cache and the graphs (a later engine in this process
         gets the memory back)."""
-        self.graphs = None
+        self.graphs = self.prefill_graphs = None
         self._last_sampled = (-1, None)
         self.penalty_state = PenaltyState(self.device)
         self.kv_cache = None

@@ -50,7 +50,7 @@ class StepTrace:
     t_prepare: float            # host seconds building its inputs
     t_forward: float            # device seconds of forward + sampling (host launch time on a CPU)
     t_sample: float             # host seconds postprocessing (tokens, stop rules, text, probes)
-    graph_bucket: int | None    # CUDA-graph batch size replayed, None when eager
+    graph_bucket: int | None    # graph replayed: decode batch or prefill tokens; None: eager
     num_running: int
     num_waiting: int
     kv_usage: float             # fraction of blocks in use after the step

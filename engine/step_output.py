@@ -24,7 +24,7 @@ class StepOutput:
     # (chosen [R] fp32, rank [R] int64, top ids [R, k], top lps [R, k]); None when not asked
     prompt_logprobs_host: tuple | None = None
     probes: object | None = None            # probes.result.ProbeResult, or None
-    graph_bucket: int | None = None         # CUDA-graph batch size replayed, None when eager
+    graph_bucket: int | None = None         # decode batch size or prefill token bucket replayed; None: eager
     collectives: int = 0                    # collectives issued by the forward (TP)
     collective_timer: object | None = None  # parallel_state.CollectiveTimer of this step
     t_launch: float = 0.0                   # host seconds to stage inputs and launch
