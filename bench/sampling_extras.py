@@ -4,6 +4,8 @@ on every request (target <= 3 %). Prints one JSON object.
 
     python bench/sampling_extras.py --model Qwen/Qwen3-0.6B          # a GPU
     python bench/sampling_extras.py --shape qwen3-0.6b --only penalties   # its shapes, dummy
+    python bench/sampling_extras.py --shape qwen3-0.6b --tokenizer DIR    # + a tokenizer
+                                   # (tools/make_bpe_tokenizer.py DIR: a Qwen-sized BPE)
     python bench/sampling_extras.py --tiny                           # CPU smoke run
 """
 from __future__ import annotations
@@ -45,18 +47,24 @@ def main(argv=None) -> dict:
     p.add_argument("--only", choices=("guided", "penalties"), help="run one of the two")
     p.add_argument("--shape", help="a named shape of bench/common.py (e.g. qwen3-0.6b) with "
                    "dummy weights instead of --model; it has no tokenizer, so penalties only")
+    p.add_argument("--tokenizer", help="with --shape: a directory whose tokenizer files go "
+                   "beside the shape's config (tools/make_bpe_tokenizer.py makes a Qwen-sized "
+                   "one), so the grammar runs too")
     a = p.parse_args(argv)
     n_tok, n_req, out_len = (32, 8, 16) if a.tiny else (256, 256, 128)
     n_tok, n_req, out_len = a.tokens or n_tok, a.requests or n_req, a.output_len or out_len
-    if a.shape and a.only != "penalties":
-        p.error("--shape has no tokenizer (a grammar needs one): add --only penalties, or "
-                "give a checkpoint with --model")
-    if a.shape:
+    if a.shape and a.only != "penalties" and not a.tokenizer:
+        p.error("--shape has no tokenizer (a grammar needs one): add --tokenizer DIR or "
+                "--only penalties, or give a checkpoint with --model")
+    if a.shape and a.tokenizer:
+        llm = _shape_with_tokenizer(a.shape, a.tokenizer)
+    elif a.shape:
         from common import build_engine, resolve_device
         llm = build_engine(a.shape, resolve_device(None))
     else:
         llm = LLM(a.model)
-    res = {"model": a.shape or a.model, "device": llm.device}
+    res = {"model": a.shape or a.model, "device": llm.device,
+           "vocab": len(llm.tokenizer) if llm.tokenizer is not None else None}
     try:
         if a.only != "penalties":
             res.update(_guided(llm, n_tok, a.repeats))
@@ -66,6 +74,23 @@ def main(argv=None) -> dict:
         llm.shutdown()
     print(json.dumps(res, indent=1))
     return res
+
+
+def _shape_with_tokenizer(shape: str, tok_dir: str):
+    """The named shape's config (dummy weights) beside the given tokenizer's files."""
+    import shutil
+    import tempfile
+    try:
+        from bench.common import default_dtype, model_dir, resolve_device
+    except ImportError:         # run as a script: bench/ is on the path
+        from common import default_dtype, model_dir, resolve_device
+    d = Path(tempfile.mkdtemp(prefix="glassbox-shape-"))
+    shutil.copy(Path(model_dir(shape)) / "config.json", d / "config.json")
+    for f in Path(tok_dir).iterdir():
+        if f.name.startswith("tokenizer"):
+            shutil.copy(f, d / f.name)
+    dev = resolve_device(None)
+    return LLM(str(d), device=str(dev), dtype=default_dtype(dev), load_format="dummy")
 
 
 def _guided(llm, n_tok: int, repeats: int) -> dict:

@@ -166,6 +166,40 @@ def _pct(slow: float, fast: float) -> float:
     return 100.0 * (slow / fast - 1.0)
 
 
+class _GcLog:
+    """Every garbage collection of the run (start, end, generation), through gc.callbacks."""
+
+    def __init__(self):
+        import gc
+        self.runs, self._start = [], {}
+        self._cb = self._on
+        gc.callbacks.append(self._cb)
+
+    def _on(self, phase, info):
+        import threading
+        t, key = time.perf_counter(), threading.get_ident()
+        if phase == "start":
+            self._start[key] = t
+        elif key in self._start:
+            self.runs.append((self._start.pop(key), t, info.get("generation")))
+
+    def stop(self) -> None:
+        import gc
+        if self._cb in gc.callbacks:
+            gc.callbacks.remove(self._cb)
+
+    def _overlaps(self, t0, wall):
+        return [g for a, b, g in self.runs if a < t0 + wall and b > t0]
+
+    def inside(self, starts, walls) -> list[bool]:
+        return [bool(self._overlaps(t0, w)) for t0, w in zip(starts, walls)]
+
+    def gens_inside(self, starts, walls) -> str:
+        from collections import Counter
+        c = Counter(g for t0, w in zip(starts, walls) for g in self._overlaps(t0, w))
+        return ", ".join(f"{g}: {n}" for g, n in sorted(c.items())) or "none"
+
+
 def _stats_ms(xs) -> tuple[float, float, float]:
     a = np.asarray(list(xs), dtype=float) * 1e3
     if not len(a):
@@ -271,7 +305,9 @@ def main(model: str = "qwen3-0.6b", device: str | None = None, dtype=None,
         hand = llm.snapshots
         hand.copy_s.clear()
         hand.copy_cpu_s.clear()
+        hand.copy_at.clear()
         served0, fall0 = hand.served, hand.fallbacks
+        gc_log = _GcLog()           # which engine copies a garbage collection ran inside
         off, on, w_lat = latency_runs(llm, hub, shape, id_high, lat_repeats)
         note = f"batch 1, {shape['new_tokens']} tok, watched both, median of {lat_repeats}, {blocks}"
         rows += [row(BENCH, model, "glassbox", "ms_per_token[nobody watching]", median(off),
@@ -312,6 +348,13 @@ def main(model: str = "qwen3-0.6b", device: str | None = None, dtype=None,
         p50, p99, mx = _stats_ms(hand.copy_cpu_s)
         rows += [row(BENCH, model, "glassbox", "inspect_engine_copy_cpu_p99", p99, "ms",
                      "the engine thread's CPU time per copy")]
+        gc_log.stop()
+        hit = gc_log.inside(hand.copy_at, hand.copy_s)
+        clean = [w for w, h in zip(hand.copy_s, hit) if not h]
+        p50c, p99c, _ = _stats_ms(clean)
+        rows.append(row(BENCH, model, "glassbox", "inspect_engine_copy_p99[no gc inside]", p99c,
+                        "ms", f"{sum(hit)} of {len(hit)} copies had a garbage collection "
+                        f"(gens {gc_log.gens_inside(hand.copy_at, hand.copy_s)}) inside"))
         rows.append(row(BENCH, model, "glassbox", "inspect_handed_over_pct",
                         100.0 * served / max(1, served + fell), "%", note))
         import sys as _sys

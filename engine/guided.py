@@ -123,8 +123,19 @@ _POW2: dict = {}
 
 def apply_bitmask(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """logits [B, V] fp32, mask [B, ceil(V/32)] int32 on the same device -> disallowed = -inf.
-    Two [B, V] passes: the bits against a cached [32] table of powers of two, then the fill."""
+    On a GPU one Triton launch (kernels/bitmask_kernel.py); the torch reference below (the CPU
+    path) is two [B, V] passes: the bits against a cached table of powers of two, the fill."""
+    if logits.is_cuda:
+        from .kernels.bitmask_kernel import apply_bitmask_kernel
+        return apply_bitmask_kernel(logits, mask)
+    return apply_bitmask_ref(logits, mask)
+
+
+def apply_bitmask_ref(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The torch reference of apply_bitmask (ids past the mask's 32 * W bits are forbidden)."""
     v = logits.shape[-1]
+    if mask.shape[1] * 32 < v:          # a vocabulary padded past the tokenizer's
+        mask = torch.nn.functional.pad(mask, (0, (v + 31) // 32 - mask.shape[1]))
     pow2 = _POW2.get(logits.device)
     if pow2 is None:    # 1 << 31 wraps to int32's sign bit, which is what bit 31 tests
         pow2 = _POW2[logits.device] = torch.tensor([1 << b for b in range(31)] + [-(1 << 31)],

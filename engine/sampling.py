@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .sampling_noise import uniform_noise
@@ -45,28 +46,42 @@ class SamplingTensors:
     @classmethod
     def from_batch(cls, b, device) -> "SamplingTensors":
         """A step_inputs.SamplingBatch (host lists) -> tensors on `device`. The penalties'
-        tensors come from the runner's persistent count rows (penalties.PenaltyState.step)."""
-        f32 = dict(dtype=torch.float32, device="cpu")
+        tensors come from the runner's persistent count rows (penalties.PenaltyState.step).
+
+        Every per-row setting and the grammar mask cross in one packed buffer: one pinned
+        allocation and one non-blocking copy, the tensors views of it (was a tensor, a pin and
+        a copy each: ~20 host calls on a host-bound batch-1 step)."""
+        B = len(b.seeds)
         temps = b.temperature
-        t = cls(temperature=torch.tensor(temps, **f32),
-                top_k=torch.tensor(b.top_k, dtype=torch.int64),
-                top_p=torch.tensor(b.top_p, **f32), min_p=torch.tensor(b.min_p, **f32),
-                seeds=torch.tensor(b.seeds, dtype=torch.int64),
-                positions=torch.tensor(b.positions, dtype=torch.int64),
-                all_greedy=all(x == 0.0 for x in temps),
+        mask = getattr(b, "grammar_mask", None)
+        cuda = torch.device(device).type == "cuda"
+        all_greedy = all(x == 0.0 for x in temps)
+        n_mask = mask.size if mask is not None else 0
+        # int64 top_k | seeds | positions, then fp32 temperature | top_p | min_p, then the mask
+        # (offsets stay multiples of each dtype's size: 24 B, then 12 B per row)
+        o32, om = 24 * B, 36 * B
+        host = torch.empty(om + 4 * n_mask, dtype=torch.uint8,
+                           pin_memory=cuda and (mask is not None or not all_greedy))
+        h = host.numpy()
+        h64 = h[:o32].view(np.int64).reshape(3, B)
+        h64[0], h64[1], h64[2] = b.top_k, b.seeds, b.positions
+        h32 = h[o32:om].view(np.float32).reshape(3, B)
+        h32[0], h32[1], h32[2] = temps, b.top_p, b.min_p
+        if mask is not None:
+            h[om:].view(np.int32).reshape(mask.shape)[...] = mask
+        # (pinned: the copy is queued, the caching host allocator keeps the buffer until it ran)
+        dev = host.to(device, non_blocking=True) if cuda and host.is_pinned() else host
+        # argmax needs none of the per-row tensors: an all-greedy batch keeps them on the host
+        rows = host if all_greedy else dev
+        i64 = rows[:o32].view(torch.int64).view(3, B)
+        f32 = rows[o32:om].view(torch.float32).view(3, B)
+        t = cls(temperature=f32[0], top_k=i64[0], top_p=f32[1], min_p=f32[2], seeds=i64[1],
+                positions=i64[2], all_greedy=all_greedy,
                 need_sort=any(k > 0 for k in b.top_k) or any(p < 1.0 for p in b.top_p),
                 need_min_p=any(m > 0 for m in b.min_p), max_logprobs=b.max_logprobs,
                 banned=b.banned)
-        if getattr(b, "grammar_mask", None) is not None:
-            nb = torch.device(device).type == "cuda"
-            m = torch.from_numpy(b.grammar_mask)
-            t.grammar_mask = (m.pin_memory() if nb else m).to(device, non_blocking=nb)
-        if t.all_greedy:        # argmax needs none of the per-row tensors: skip the copies
-            return t
-        nb = torch.device(device).type == "cuda"
-        for name in ("temperature", "top_k", "top_p", "min_p", "seeds", "positions"):
-            v = getattr(t, name)
-            setattr(t, name, (v.pin_memory() if nb else v).to(device, non_blocking=nb))
+        if mask is not None:
+            t.grammar_mask = dev[om:].view(torch.int32).view(mask.shape)
         return t
 
 

@@ -39,6 +39,7 @@ class SnapshotHandoff:
         # the engine thread's time per copy, newest last: wall and CPU seconds
         self.copy_s: deque = deque(maxlen=4096)
         self.copy_cpu_s: deque = deque(maxlen=4096)
+        self.copy_at: deque = deque(maxlen=4096)     # perf_counter() at each copy's start
         self.served = 0             # snapshots handed over by the engine thread
         self.fallbacks = 0          # readers that copied under the lock themselves
 
@@ -71,6 +72,7 @@ class SnapshotHandoff:
         ticket = self._asked                    # every reader that asked before the copy
         t0, c0 = time.perf_counter(), time.thread_time()
         state = copy()
+        self.copy_at.append(t0)
         self.copy_s.append(time.perf_counter() - t0)
         self.copy_cpu_s.append(time.thread_time() - c0)
         with self._cv:

@@ -103,3 +103,27 @@ def test_overlap_keeps_guided_tokens_identical_to_serial(late):
     for o in outs[True][:3]:
         obj = json.loads(o.text)
         assert set(obj) == {"n", "tags"} and isinstance(obj["n"], int)
+
+
+def _random_mask(g, B, words):
+    # every bit pattern, bit 31 (int32's sign) included
+    return torch.randint(-(1 << 31), 1 << 31, (B, words), generator=g, dtype=torch.int64).to(
+        torch.int32)
+
+
+def test_the_bitmask_kernel_equals_its_torch_reference(triton_interpreter):
+    from engine.guided import apply_bitmask_ref
+    from engine.kernels.bitmask_kernel import apply_bitmask_kernel
+    g = torch.Generator().manual_seed(int(np.random.SeedSequence().entropy % 2**31))
+    B, V = 3, 1000                      # not a multiple of 32 nor of the block
+    logits = torch.randn(B, V, generator=g) * 4
+    for words in ((V + 31) // 32, 20):  # full width, and a mask narrower than the vocabulary
+        mask = _random_mask(g, B, words)
+        want = apply_bitmask_ref(logits, mask)
+        got = apply_bitmask_kernel(logits, mask, block=256)
+        assert torch.equal(got, want)
+        bits = ((mask[:, :, None].long() >> torch.arange(32)) & 1).reshape(B, -1)[:, :V].bool()
+        if words * 32 < V:
+            bits = torch.nn.functional.pad(bits, (0, V - words * 32))
+        assert torch.equal(torch.isinf(got), ~bits), "a token's bit and its -inf disagree"
+        assert torch.equal(got[bits], logits[bits])

@@ -115,3 +115,16 @@ def test_penalty_kernel_equals_its_torch_reference_at_qwen_vocab_compiled():
     got = apply_count_penalties(logits.clone(), rows, slot_ids, counts, seen, pres, freq, rep)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert torch.equal(got[1], logits[1]) and torch.equal(got[3], logits[3])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bitmask_kernel_equals_reference_at_qwen_vocab(dtype):
+    from engine.guided import apply_bitmask_ref
+    from engine.kernels.bitmask_kernel import apply_bitmask_kernel
+    g = torch.Generator(device="cuda").manual_seed(11)
+    B, V = 5, 151936
+    logits = (torch.randn(B, V, generator=g, device="cuda") * 3).to(dtype)
+    words = (151646 + 31) // 32          # a tokenizer narrower than the model's vocabulary
+    mask = torch.randint(-(1 << 31), 1 << 31, (B, words), generator=g, device="cuda",
+                         dtype=torch.int64).to(torch.int32)
+    assert torch.equal(apply_bitmask_kernel(logits, mask), apply_bitmask_ref(logits, mask))
