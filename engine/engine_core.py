@@ -83,6 +83,8 @@ class EngineCore:
         self.masks = GrammarMasks()         # guided rows' bitmask buffers
         # the runner fills a guided step's mask after launching its forward (runner.py)
         self.late_masks = bool(getattr(runner, "fills_masks_late", False))
+        # called while the host waits for the device (LLM: hand a waiting reader its snapshot)
+        self.on_idle = None
 
     # ---- requests ----------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -254,7 +256,7 @@ class EngineCore:
 
     def _complete(self, f: InFlight, res: StepResult) -> None:
         """Wait for a launched step, then postprocess it (under the lock) into `res`."""
-        t_wait = f.out.wait(self.runner.check_workers)
+        t_wait = f.out.wait(self.runner.check_workers, idle=self.on_idle)
         with self.lock:
             t3 = time.perf_counter()
             expert_load = self._postprocess(f, res)

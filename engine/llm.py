@@ -163,6 +163,20 @@ def _shorten_gil_switch_interval() -> None:
         sys.setswitchinterval(want)
 
 
+def _weak_call(obj, method: str):
+    """obj.method as a callable that holds no strong reference to obj (a bound method kept by
+    an object obj owns is a cycle, which outlives a model switch once the next engine's
+    gc.freeze() keeps it)."""
+    import weakref
+    ref = weakref.ref(obj)
+
+    def call():
+        o = ref()
+        if o is not None:
+            getattr(o, method)()
+    return call
+
+
 class LLM:
     def __init__(self, model: str, device=None, dtype=None, tensor_parallel_size: int = 1,
                  block_size: int = 16, num_kv_blocks: int | None = None,
@@ -269,6 +283,7 @@ class LLM:
         # step boundaries (engine/snapshot_handoff.py): no reader holds the lock it needs
         from .snapshot_handoff import SnapshotHandoff
         self.snapshots = SnapshotHandoff()
+        self.core.on_idle = _weak_call(self, "_serve_while_waiting")
         from .interventions.plan import InterventionPlanner
         from .interventions.spec import ModelFacts
         self.intervention_facts = ModelFacts.of(self.hf_config, self.runner.moe_layers)
@@ -614,6 +629,15 @@ class LLM:
                     "prefix_hits": bm.prefix_hits, "prefix_queries": bm.prefix_queries,
                     "num_preemptions": sched.num_preemptions, "block_size": bm.block_size,
                     "alive": not self._stop and self._error is None and self._thread.is_alive()}
+
+    def _serve_while_waiting(self) -> None:
+        """The engine thread waits for the device: a reader that asked meanwhile gets its copy
+        now, not a whole (long: a big prefill) step later. The lock is free here: the step's
+        changes are made before the launch and after the wait."""
+        if self.snapshots.wanted:
+            with self._lock:
+                if self.snapshots.wanted:
+                    self.snapshots.serve(self._copy_state)
 
     def _copy_state(self):
         from .snapshot import copy_state

@@ -37,22 +37,25 @@ class StepOutput:
     def ready(self) -> bool:
         return self.done is None or self.done.query()
 
-    def wait(self, poll=None, interval_s: float = 0.5) -> float:
+    def wait(self, poll=None, interval_s: float = 0.5, idle=None) -> float:
         """Block until the step's device work and copies are done; seconds waited. `poll` is
         called every `interval_s` while waiting (TP: notice a dead worker instead of hanging
-        in a collective that will never complete)."""
+        in a collective that will never complete); `idle`, if given, at every turn of the
+        wait (the engine hands a waiting reader its snapshot there: the host is idle anyway)."""
         if self.done is None:
             return 0.0
         t0 = time.perf_counter()
-        if poll is None:
+        if poll is None and idle is None:
             self.done.synchronize()
         else:
             last = t0
             while not self.done.query():
                 now = time.perf_counter()
-                if now - last >= interval_s:
+                if poll is not None and now - last >= interval_s:
                     poll()
                     last = now
+                if idle is not None:
+                    idle()
                 # yield at first (a step usually ends within a few ms), then back off
                 time.sleep(0 if now - t0 < 2e-3 else 50e-6)
         return time.perf_counter() - t0

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import threading
+import time
 
 import gradio as gr
 import numpy as np
@@ -113,7 +114,6 @@ def test_a_busy_engine_copies_the_snapshot_itself_and_it_reflects_what_the_reade
 
 
 def test_an_idle_engine_is_inspected_under_the_lock_at_once(big):
-    import time
     hand = big.snapshots
     deadline = time.perf_counter() + 10
     while big.core.has_work() and time.perf_counter() < deadline:   # the last steps drain
@@ -282,3 +282,29 @@ def test_step_history_is_read_in_order_and_only_new_steps(model_factory):
         snap = llm.inspect()
         assert snap.step_count == cursor2 and [s.step_id for s in snap.steps] == \
             [s.step_id for s in new]
+
+
+def test_a_reader_is_served_while_the_engine_waits_for_the_device(big):
+    """A long step (a big GPU prefill) must not make a reader wait for its end: the engine
+    hands the snapshot over while it waits for the device (StepOutput.wait's idle turns)."""
+    from engine.step_output import StepOutput
+    hand = big.snapshots
+    got = []
+    reader = threading.Thread(target=lambda: got.append(hand.take(lambda: True)))
+    reader.start()
+    deadline = time.perf_counter() + 5
+    while not hand.wanted and time.perf_counter() < deadline:
+        time.sleep(0.001)
+
+    class Device:                   # a step still running for a few turns of the wait
+        turns = 0
+
+        def query(self):
+            self.turns += 1
+            return self.turns > 5
+    out = StepOutput(step_id=0, sampled_ids=None)
+    out.done = Device()
+    out.wait(big.runner.check_workers, idle=big.core.on_idle)
+    reader.join(timeout=5)
+    assert got and got[0] is not None, "the waiting reader got no snapshot during the wait"
+    assert got[0][0] is big                 # copy_state's tuple, for this engine
