@@ -232,3 +232,18 @@ def test_host_overhead_bench_runs_and_reports_a_positive_time():
     from bench import host_overhead
     out = host_overhead.main(batch=8, steps=3)
     assert out["batch"] == 8 and out["host_ms_per_step"] > 0
+
+
+def test_sampling_extras_guided_runs_tiny_on_cpu_generate_and_streamed(capsys):
+    from bench import sampling_extras
+    res = sampling_extras.main(["--tiny", "--only", "guided", "--repeats", "1", "--tokens", "8"])
+    for key in ("guided_cost_pct", "streamed_guided_cost_pct"):
+        assert math.isfinite(res[key]), res
+    assert res["streamed_ms_per_token"] > 0 and res["streamed_guided_ms_per_token"] > 0
+
+
+def test_prefill_graphs_bench_runs_tiny_on_cpu():
+    from bench import prefill_graphs
+    res = prefill_graphs.main(["--model", "tiny", "--lens", "16", "--repeats", "1"])
+    assert res["ttft_ms_16"]["graphs"] > 0 and res["ttft_ms_16"]["eager"] > 0
+    assert res["buckets"] == []          # the CPU captures no graphs: both runs are eager
