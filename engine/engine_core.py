@@ -28,7 +28,7 @@ from .detokenizer import IncrementalDetokenizer
 from .errors import RequestFailedError, WorkerDiedError
 from .grammar_masks import GrammarMasks, LateMask
 from .penalty_slots import PenaltySlots
-from .records import StepEntry, StepTrace
+from .records import StepEntries, StepTrace
 from .scheduler import ScheduledSeq, Scheduler
 from .sequence import Sequence, TokenEvent, TokenLogprobs
 from .step_history import StepHistory
@@ -348,15 +348,19 @@ class EngineCore:
         return ev
 
     def _record(self, f: InFlight, t_wait: float, t_post: float, expert_load) -> StepTrace:
-        entries, n_pre, n_dec = [], 0, 0
+        ids, kinds, ntok, starts, n_pre, n_dec = [], [], [], [], 0, 0
         for s in f.scheduled:
             n = s.num_tokens
+            ids.append(s.seq.request_id)
+            ntok.append(n)
+            starts.append(s.start)
             if n == 1 and s.start >= s.seq.num_prompt_tokens:
-                entries.append(StepEntry(s.seq.request_id, "decode", 1, s.start))
+                kinds.append("decode")
                 n_dec += 1
             else:
-                entries.append(StepEntry(s.seq.request_id, "prefill", n, s.start))
+                kinds.append("prefill")
                 n_pre += n
+        entries = StepEntries(ids, kinds, ntok, starts)
         out = f.out
         used = self.bm.num_blocks - self.bm.num_free_blocks
         gpu = out.gpu_time

@@ -12,7 +12,7 @@ from typing import Sequence
 
 import numpy as np
 
-from engine.records import StepTrace
+from engine.records import StepEntries, StepTrace
 from views.figures_common import DECODE_COLOUR, PHASE_COLOURS, PREFILL_COLOUR
 from views.step_chart import empty_chart
 
@@ -80,15 +80,16 @@ def batch_timeline_figure(steps: Sequence[StepTrace], window: int = STEP_WINDOW)
     if not steps:
         return empty_chart("No engine steps yet", title)
     steps = list(steps)[-window:]
+    cols = [StepEntries.of(s.entries) for s in steps]   # columns: no tuple per entry
     seen: dict[str, None] = {}          # insertion-ordered set: a list's `in` is quadratic
-    for s in steps:                     # at 256 requests a step
-        for e in s.entries:
-            seen.setdefault(e.request_id)
+    for c in cols:                      # at 256 requests a step
+        seen.update(dict.fromkeys(c.request_ids))
     rids = list(seen)[-MAX_TIMELINE_ROWS:]
     row = {r: i for i, r in enumerate(rids)}
-    cells = [[j, row[e.request_id], 1 if e.kind == "prefill" else 0,
-              f"{e.kind} {e.num_tokens} tok @ {e.start_pos}"]
-             for j, s in enumerate(steps) for e in s.entries if e.request_id in row]
+    cells = [[j, row[rid], 1 if kind == "prefill" else 0, f"{kind} {n} tok @ {pos}"]
+             for j, c in enumerate(cols)
+             for rid, kind, n, pos in zip(c.request_ids, c.kinds, c.num_tokens, c.start_pos)
+             if rid in row]
     tokens = {"kind": "stack", "weight": 110, "y_title": "tokens", "int": True, "series": [
         series("prefill tokens", PREFILL_COLOUR, [s.num_prefill_tokens for s in steps]),
         series("decode tokens", DECODE_COLOUR, [s.num_decode_tokens for s in steps])]}

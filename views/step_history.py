@@ -17,7 +17,7 @@ from typing import Sequence
 
 import numpy as np
 
-from engine.records import EngineSnapshot, StepTrace
+from engine.records import EngineSnapshot, StepEntries, StepTrace
 
 HISTORY_S = 15 * 60          # the history reaches this far back
 FINE_S = 120                 # the newest FINE_S seconds stay in 1-second buckets
@@ -105,11 +105,12 @@ class StepHistory:
             self.buckets.append(Bucket(sec, 1.0))
         self.buckets[-1].add(s)
         end = t + s.t_schedule + s.t_prepare + s.t_forward + s.t_sample
-        for e in s.entries:
-            r = self.live.get(e.request_id)
+        c = StepEntries.of(s.entries)   # the columns: no tuple per entry
+        for rid, kind in zip(c.request_ids, c.kinds):
+            r = self.live.get(rid)
             if r is None:
-                r = self.live[e.request_id] = _Live(first=t)
-            if e.kind == "decode":
+                r = self.live[rid] = _Live(first=t)
+            if kind == "decode":
                 if r.first_token is None:     # its first token was sampled by the step before
                     r.first_token = t
                 if r.last_decode is not None:
