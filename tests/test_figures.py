@@ -711,3 +711,25 @@ def test_plot_value_sends_every_nan_as_null_whatever_the_array(rng):
     assert out["y"][1] is None and out["y"][4] is None and out["y"][0] == vals[0]
     assert out["customdata"] == ["a", None, 3.5, None]
     assert out["x"] == [0.0, None, 2.0]
+
+
+def test_norms_colour_range_is_never_another_requests_under_the_same_id(rng):
+    """A request id can come again (a client's X-Request-Id, a new engine): the range kept for
+    the first must not colour the second."""
+    first = trace(rng, num_prompt=8)
+    F.norms_figure(first)                       # keeps the first's range for ("req-0", 8)
+    second = trace(rng, num_prompt=8)
+    second.resid_norms = [r * 7.0 + 3.0 for r in second.resid_norms]
+    spec = F.norms_figure(second)
+    prompt = second.norms()[:8]
+    assert spec["zmin"] == pytest.approx(prompt.min())
+    assert spec["zmax"] == pytest.approx(np.percentile(prompt, 99))
+
+
+def test_block_table_cells_are_never_another_requests_under_the_same_id():
+    """A reused request id with a table of the same length shows its own block ids."""
+    from views.figures_kv import _table_cells
+    ref = np.ones(64, np.int32)
+    a = _table_cells("reused-id", "#123456", [3, 4, 5], ref)
+    b = _table_cells("reused-id", "#123456", [9, 10, 11], ref)
+    assert "physical 9" in b and "physical 3" not in b and "physical 3" in a

@@ -153,11 +153,13 @@ _CELLS: OrderedDict[tuple, str] = OrderedDict()
 
 
 def _table_cells(rid: str, colour: str, table: list[int], ref: np.ndarray) -> str:
-    """One request's table cells as HTML, made once per (table length, which cells are
-    shared): a live tab redraws every table several times a second, and a table's first ids
-    never change while its request holds them (records.TableViews)."""
-    shared = (ref[np.asarray(table, dtype=np.int64)] > 1) if table else np.zeros(0, bool)
-    key = (rid, colour, len(table), shared.tobytes())
+    """One request's table cells as HTML, made once per (table, which cells are shared): a
+    live tab redraws every table several times a second. The key holds the ids themselves (one
+    numpy pass, as the sharing test needs anyway): a request id can come again — a client's
+    X-Request-Id — with other blocks."""
+    ids = np.asarray(table, dtype=np.int64)
+    shared = (ref[ids] > 1) if table else np.zeros(0, bool)
+    key = (rid, colour, ids.tobytes(), shared.tobytes())
     html_cells = _CELLS.get(key)
     if html_cells is None:
         html_cells = "".join(

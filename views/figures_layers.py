@@ -85,18 +85,21 @@ def stacked_norms(trace: RequestTrace) -> np.ndarray:
     return out
 
 
-_RANGES: OrderedDict[tuple, tuple[float, float]] = OrderedDict()
+_RANGES: OrderedDict[tuple, tuple[object, float, float]] = OrderedDict()
 
 
 def _norm_range(request_id: str, norms: np.ndarray, n_prompt: int, cached: np.ndarray,
-                prompt_done: bool) -> tuple[float, float]:
+                prompt_done: bool, anchor: object = None) -> tuple[float, float]:
     """The colour range, from the prompt's rows once they are all there (then it is fixed:
     kept per request, not re-sorted every tick), clipped at the 99th percentile so an
-    attention-sink token's huge norm does not wash out the rest."""
+    attention-sink token's huge norm does not wash out the rest. `anchor`: the prompt's last
+    norm row object; a kept range is trusted only for that same object (a request id can come
+    again — a client's X-Request-Id, a new engine — with other norms)."""
     whole = prompt_done and n_prompt and not cached[:n_prompt].all()
     key = (request_id, n_prompt)
-    if whole and key in _RANGES:
-        return _RANGES[key]
+    hit = _RANGES.get(key) if whole else None
+    if hit is not None and anchor is not None and hit[0] is anchor:
+        return hit[1], hit[2]
     ref = norms[:n_prompt] if n_prompt and not cached[:n_prompt].all() else norms
     if np.isnan(ref).all():
         zmin, zmax = 0.0, 1.0
@@ -104,8 +107,8 @@ def _norm_range(request_id: str, norms: np.ndarray, n_prompt: int, cached: np.nd
         zmin, zmax = float(np.nanmin(ref)), float(np.nanpercentile(ref, 99))
     if not zmax > zmin:
         zmax = zmin + 1.0
-    if whole and request_id:
-        _RANGES[key] = (zmin, zmax)
+    if whole and request_id and anchor is not None:
+        _RANGES[key] = (anchor, zmin, zmax)
         while len(_RANGES) > 256:
             _RANGES.popitem(last=False)
     return zmin, zmax
@@ -125,7 +128,8 @@ def norms_figure(trace: RequestTrace, token: int | None = None) -> Chart:
     # colour range from the prompt (fixed once prefill ran), clipped so an attention-sink
     # token's huge norm does not wash out the rest
     zmin, zmax = _norm_range(trace.request_id, norms, n_prompt, cached,
-                             len(trace.prompt_token_ids) <= t)
+                             len(trace.prompt_token_ids) <= t,
+                             trace.resid_norms[n_prompt - 1] if n_prompt else None)
     y = ["embed"] + [f"L{i}" for i in range(norms.shape[1] - 1)]
     texts = _token_texts(trace, t)
     spans = [{"from": a, "to": b, "fill": CACHED, "label": "prefix cache: not recomputed"}
