@@ -67,8 +67,8 @@ class SnapshotHandoff:
             return self._state
 
     def serve(self, copy) -> None:
-        """The engine thread's side, at a step boundary with the engine lock held: `copy()`
-        takes the state."""
+        """The engine thread's side, with the engine lock held: at a step boundary, or while
+        it waits for the device inside a step. `copy()` takes the state."""
         ticket = self._asked                    # every reader that asked before the copy
         t0, c0 = time.perf_counter(), time.thread_time()
         state = copy()

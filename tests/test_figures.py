@@ -593,9 +593,12 @@ def test_cuda_graph_figure_splits_graph_and_eager_steps(rng):
     spec = F.cuda_graph_figure(snap.steps)
     check_step_chart(spec)
     (panel,) = spec["panels"]
-    graph, eager_t = panel["series"]
+    graph, prefill_graph, eager_t = panel["series"]
     (batch,) = panel["lines"]
-    assert graph["y"] == [s.graph_bucket or 0 for s in snap.steps]      # 0: an eager step
+    # 0: an eager step, or the other kind of graph (a prefill graph's bucket is its tokens)
+    assert graph["y"] == [0 if s.num_prefill_tokens else s.graph_bucket or 0 for s in snap.steps]
+    assert prefill_graph["y"] == [s.graph_bucket or 0 if s.num_prefill_tokens else 0
+                                  for s in snap.steps]
     assert eager_t["y"] == [s.num_prefill_tokens + s.num_decode_tokens if i in eager else 0
                             for i, s in enumerate(snap.steps)]
     assert batch["y"] == [len(s.entries) for s in snap.steps]

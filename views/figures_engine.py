@@ -21,6 +21,7 @@ MAX_TIMELINE_ROWS = 24    # most recent requests in the timeline
 IDLE_GAP_S = 0.05         # a pause between two steps longer than this (past the step's own
                           # time) is idle time: the engine had nothing to run
 GRAPH_COLOUR, EAGER_COLOUR, BATCH_COLOUR = "#59a14f", "#e15759", "#333333"
+PREFILL_GRAPH_COLOUR = "#8cd17d"        # a lighter green: a graph too, by prompt tokens
 ROW_PX = 18               # one timeline row per request
 
 
@@ -117,20 +118,28 @@ def step_time_figure(steps: Sequence[StepTrace], window: int = STEP_WINDOW) -> d
 
 
 def cuda_graph_figure(steps: Sequence[StepTrace], window: int = STEP_WINDOW) -> dict:
-    """Per step: the CUDA-graph batch bucket replayed, or eager (red) with its tokens, and the
+    """Per step: the decode graph's batch bucket, or the prefill graph's token bucket (a step
+    with prompt tokens: engine/prefill_graphs.py), or eager (red) with its tokens, and the
     requests in the batch."""
     if not steps:
         return empty_chart("No engine steps yet", "CUDA graphs")
     steps = list(steps)[-window:]
     graph = sum(s.graph_bucket is not None for s in steps)
+
+    def bucket(s, prefill: bool) -> int:
+        return s.graph_bucket if s.graph_bucket is not None and \
+            bool(s.num_prefill_tokens) == prefill else 0
     panel = {"kind": "stack", "y_title": "batch / bucket", "int": True, "series": [
-        series("graph bucket", GRAPH_COLOUR, [s.graph_bucket or 0 for s in steps]),
+        series("decode graph (batch)", GRAPH_COLOUR, [bucket(s, False) for s in steps]),
+        series("prefill graph (tokens)", PREFILL_GRAPH_COLOUR, [bucket(s, True) for s in steps]),
         series("eager (tokens)", EAGER_COLOUR,
                [0 if s.graph_bucket is not None else s.num_prefill_tokens + s.num_decode_tokens
                 for s in steps])],
         "lines": [series("requests in batch", BATCH_COLOUR, [len(s.entries) for s in steps])]}
     return chart(f"CUDA graphs: {graph / len(steps):.0%} of recent steps replayed a graph",
-                 [["graph bucket", GRAPH_COLOUR, "fill"], ["eager (tokens)", EAGER_COLOUR, "fill"],
+                 [["decode graph (batch)", GRAPH_COLOUR, "fill"],
+                  ["prefill graph (tokens)", PREFILL_GRAPH_COLOUR, "fill"],
+                  ["eager (tokens)", EAGER_COLOUR, "fill"],
                   ["requests in batch", BATCH_COLOUR, "line"]],
                  step_axis(steps, window), [panel], height=290)
 
