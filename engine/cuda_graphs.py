@@ -21,6 +21,7 @@ all-reduce time per step is measured where it happens, at the cost of nothing on
 """
 from __future__ import annotations
 
+import bisect
 from typing import NamedTuple
 
 import numpy as np
@@ -46,6 +47,13 @@ def graph_buckets(max_num_seqs: int) -> list[int]:
     sizes = [1, 2, 4, 8] + list(range(16, 257, 16)) + list(range(320, 1025, 64))
     return [b for b in sizes if b < max_num_seqs] + [max_num_seqs] if max_num_seqs <= 1024 \
         else sizes
+
+
+def smallest_bucket(buckets: list[int], n: int) -> int | None:
+    """The smallest bucket holding n (buckets ascending), or None past the largest: the
+    graph a step of n rows (decode) or n tokens (prefill_graphs.py) replays."""
+    i = bisect.bisect_left(buckets, n)
+    return buckets[i] if i < len(buckets) else None
 
 
 class DecodeGraphs:
@@ -151,10 +159,7 @@ class DecodeGraphs:
 
     # ---- replay ------------------------------------------------------------------------------
     def bucket(self, batch: int) -> int | None:
-        for b in self.buckets:
-            if b >= batch:
-                return b
-        return None
+        return smallest_bucket(self.buckets, batch)
 
     def can_run(self, inp, plan) -> bool:
         if self.bucket(inp.num_seqs) is None:

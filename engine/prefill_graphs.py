@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from .context import ForwardContext, set_context
+from .cuda_graphs import smallest_bucket
 
 MAX_SEQS = 4                # sequences per graphed prefill step (chat turns arrive one by one)
 TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 768, 1024, 1536, 2048)
@@ -93,10 +94,7 @@ class PrefillGraphs:
 
     # ---- replay ------------------------------------------------------------------------------
     def bucket(self, num_tokens: int) -> int | None:
-        for b in self.buckets:
-            if b >= num_tokens:
-                return b
-        return None
+        return smallest_bucket(self.buckets, num_tokens)
 
     def can_run(self, inp, plan) -> bool:
         return (not inp.is_decode and plan is None and inp.interventions is None

@@ -46,3 +46,11 @@ def test_token_buckets_stop_at_the_step_budget():
     assert token_buckets(8192)[-1] == 2048
     assert token_buckets(512)[-1] == 512 and 1024 not in token_buckets(512)
     assert token_buckets(8) == [16]
+
+
+def test_smallest_bucket_is_the_first_that_holds_n():
+    from engine.cuda_graphs import graph_buckets, smallest_bucket
+    buckets = graph_buckets(256)
+    for n in range(1, 258):
+        want = min((b for b in buckets if b >= n), default=None)
+        assert smallest_bucket(buckets, n) == want
