@@ -306,7 +306,7 @@ def main(model: str = "qwen3-0.6b", device: str | None = None, dtype=None,
         hand.copy_s.clear()
         hand.copy_cpu_s.clear()
         hand.copy_at.clear()
-        served0, fall0 = hand.served, hand.fallbacks
+        served0, fall0, reused0 = hand.served, hand.fallbacks, hand.reused
         gc_log = _GcLog()           # which engine copies a garbage collection ran inside
         off, on, w_lat = latency_runs(llm, hub, shape, id_high, lat_repeats)
         note = f"batch 1, {shape['new_tokens']} tok, watched both, median of {lat_repeats}, {blocks}"
@@ -340,7 +340,8 @@ def main(model: str = "qwen3-0.6b", device: str | None = None, dtype=None,
         # or a step runs past the handoff's wait (counted above as inspect_lock_hold)
         served, fell = hand.served - served0, hand.fallbacks - fall0
         note = (f"{served} snapshots copied by the engine thread at a step boundary, "
-                f"{fell} by the reader under the lock, {blocks}")
+                f"{fell} by the reader under the lock, {hand.reused - reused0} reused lock-free "
+                f"(an idle engine, unchanged since the last copy), {blocks}")
         p50, p99, mx = _stats_ms(hand.copy_s)
         rows += [row(BENCH, model, "glassbox", "inspect_engine_copy_p50", p50, "ms", note),
                  row(BENCH, model, "glassbox", "inspect_engine_copy_p99", p99, "ms", note),

@@ -14,6 +14,8 @@ import time
 import weakref
 from typing import Callable
 
+from .generation_lock import GenerationLock
+from .snapshot_handoff import SnapshotHandoff, without_gc
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .engine_core import EngineCore
@@ -274,14 +276,15 @@ class LLM:
         self._sinks: dict[str, Callable[[object], None]] = {}
         # called with every request's final TokenEvent (engine thread, lock held: be quick)
         self.finish_listeners: list[Callable[[TokenEvent], None]] = []
-        self._lock = threading.RLock()
+        # counts the sections that may change state: an idle engine's snapshot is reused, lock-free
+        self._lock = GenerationLock()
+        self._kept = None           # (generation, copy_state()[1:]): the last reader-side copy
         self._wake = threading.Condition(self._lock)
         self.core = EngineCore(self.runner, self.scheduler, self.block_manager, self.tokenizer,
                                self.eos_token_ids, self.probes, trace_history,
                                overlap=self.async_scheduling, lock=self._lock)
         # while the engine is busy, readers' snapshots are copied by the engine thread at its
         # step boundaries (engine/snapshot_handoff.py): no reader holds the lock it needs
-        from .snapshot_handoff import SnapshotHandoff
         self.snapshots = SnapshotHandoff()
         self.core.on_idle = _weak_call(self, "_serve_while_waiting")
         from .interventions.plan import InterventionPlanner
@@ -622,7 +625,7 @@ class LLM:
             raise EngineShutdownError("the engine has been shut down; create a new LLM")
     def stats(self) -> dict:
         """Engine-wide counters, cheap (no per-block copies): for /metrics and health checks."""
-        with self._lock:
+        with self._lock.reading():
             bm, sched = self.block_manager, self.scheduler
             return {"num_running": len(sched.running), "num_waiting": len(sched.waiting),
                     "kv_usage": (bm.num_blocks - bm.num_free_blocks) / bm.num_blocks,
@@ -635,7 +638,7 @@ class LLM:
         now, not a whole (long: a big prefill) step later. The lock is free here: the step's
         changes are made before the launch and after the wait."""
         if self.snapshots.wanted:
-            with self._lock:
+            with self._lock.reading():
                 if self.snapshots.wanted:
                     self.snapshots.serve(self._copy_state)
 
@@ -650,19 +653,27 @@ class LLM:
     def inspect(self) -> EngineSnapshot:
         """A consistent snapshot of the engine (KV blocks as arrays, queues, recent steps),
         copied in O(requests): by the engine thread at its next step boundary while it is busy
-        (the reader holds no lock), under the lock by the reader when the engine is idle.
-        Looking never stalls the engine."""
+        (the reader holds no lock), under the lock by the reader when the engine is idle, and
+        handed out again without any lock while nothing has changed since that copy
+        (engine/generation_lock.py). Looking never stalls the engine."""
         from .snapshot import build_snapshot, copy_state
         self._check_open()
         if threading.current_thread() is not self._thread:
             state = self.snapshots.take(self._engine_busy)
             if state is not None:
                 return build_snapshot(state)
-        with self._lock:
+        kept = self._kept
+        if kept is not None and kept[0] == self._lock.generation:
+            # nothing has entered a writer's section since that copy: it is still the state
+            self.snapshots.reused += 1
+            return build_snapshot((self, *kept[1]))
+        with self._lock.reading():
             t0, c0 = time.perf_counter(), time.thread_time()
             self._check_open()
-            state = copy_state(self)
+            gen = self._lock.generation
+            state = without_gc(copy_state, self)
             self._held("inspect", t0, c0)
+        self._kept = (gen, state[1:])       # without the engine itself: no reference cycle
         return build_snapshot(state)
 
     def _held(self, what: str, t0: float, c0: float) -> None:
@@ -676,14 +687,14 @@ class LLM:
         are kept). Reference copies of the rows under the lock; new tokens' texts are decoded
         after it; attention rows still on the device move to the host when a reader first uses
         one (`AttentionStep.probs`), one token at a time."""
-        with self._lock:
+        with self._lock.reading():
             t0, c0 = time.perf_counter(), time.thread_time()
             tr = self.probes.read(request_id)
             self._held("trace", t0, c0)
         start = len(tr.token_texts)
         new = self.probes.decode_texts(tr)       # the tokenizer runs with no lock held
         if new:
-            with self._lock:
+            with self._lock.reading():
                 self.probes.keep_texts(request_id, start, new)
         return tr
 
@@ -691,7 +702,7 @@ class LLM:
         """(the step traces recorded since `cursor` that the bounded ring still holds, the new
         cursor): a reader that keeps its own longer history folds in only the new steps,
         O(new steps) under the lock. Start with cursor 0 (or a snapshot's `step_count`)."""
-        with self._lock:
+        with self._lock.reading():
             return self.core.steps.since(cursor)
 
     def block_info(self, block_id: int) -> BlockInfo:
@@ -700,7 +711,7 @@ class LLM:
         if not 0 <= int(block_id) < self.num_kv_blocks:
             raise ValueError(f"block_id must be in [0, {self.num_kv_blocks}), got {block_id}")
         b = int(block_id)
-        with self._lock:
+        with self._lock.reading():
             self._check_open()
             bm = self.block_manager
             seqs = self.scheduler.all_sequences() if bm.ref_count[b] > 0 else []
@@ -713,7 +724,7 @@ class LLM:
         """(model, kv_cache) of rank 0, for engine/anatomy to read the modules' structure and
         the cache's layout (both fixed while the engine lives). EngineShutdownError once the
         engine is shut down, e.g. by a model switch."""
-        with self._lock:
+        with self._lock.reading():
             self._check_open()
             return self.runner.model, self.runner.kv_cache
 
@@ -721,13 +732,13 @@ class LLM:
         """Raw bytes of rank 0's KV cache tensor from a byte offset (the Anatomy tab's view
         of one region), read between steps under the lock."""
         from .anatomy.kv_regions import read_cache_bytes
-        with self._lock:
+        with self._lock.reading():
             self._check_open()
             return read_cache_bytes(self.runner.kv_cache, offset, nbytes)
 
     def traced_requests(self) -> list[str]:
         """Request ids that have a trace, newest first."""
-        with self._lock:
+        with self._lock.reading():
             return list(reversed(self.probes.traces))
 
     def read_kv_block(self, block_id: int, layer: int, head: int, which: str = "k"):
@@ -739,7 +750,7 @@ class LLM:
         if not 0 <= layer < self.hf_config.num_hidden_layers:
             raise InvalidArgumentError(f"layer must be in [0, {self.hf_config.num_hidden_layers})",
                                        "layer")
-        with self._lock:
+        with self._lock.reading():
             self._check_open()
             return self.runner.read_kv_block(block_id, layer, head, 0 if which == "k" else 1)
 
@@ -758,6 +769,7 @@ class LLM:
                 "the engine was shut down while this request was in flight"))
             self._closed = True
         self.snapshots.clear()
+        self._kept = None
         self.probes.release_device()
         self.runner.shutdown()
         import gc

@@ -19,12 +19,27 @@ the engine is either parked or inside a forward that holds no lock.
 """
 from __future__ import annotations
 
+import gc
 import threading
 import time
 from collections import deque
 
 WAIT_S = 0.05           # the longest a reader waits for a boundary before copying itself
 POLL_S = 0.005          # how often a waiting reader checks that the engine is still busy
+
+
+def without_gc(fn, *args):
+    """fn(*args) with the cyclic collector held off: a collection that an allocation of the copy
+    would trigger runs after it instead, once the lock is released (the copy allocates a few
+    hundred tuples, the collector's young-generation threshold is 700: without this, a copy in
+    ten held a collection, and a full one walked the whole heap with the engine lock held)."""
+    if not gc.isenabled():          # someone else holds it off: leave that to them
+        return fn(*args)
+    gc.disable()
+    try:
+        return fn(*args)
+    finally:
+        gc.enable()
 
 
 class SnapshotHandoff:
@@ -42,6 +57,7 @@ class SnapshotHandoff:
         self.copy_at: deque = deque(maxlen=4096)     # perf_counter() at each copy's start
         self.served = 0             # snapshots handed over by the engine thread
         self.fallbacks = 0          # readers that copied under the lock themselves
+        self.reused = 0             # idle-engine readers handed the last copy again, lock-free
 
     @property
     def wanted(self) -> bool:
@@ -71,7 +87,7 @@ class SnapshotHandoff:
         it waits for the device inside a step. `copy()` takes the state."""
         ticket = self._asked                    # every reader that asked before the copy
         t0, c0 = time.perf_counter(), time.thread_time()
-        state = copy()
+        state = without_gc(copy)
         self.copy_at.append(t0)
         self.copy_s.append(time.perf_counter() - t0)
         self.copy_cpu_s.append(time.thread_time() - c0)

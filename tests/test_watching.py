@@ -125,6 +125,35 @@ def test_an_idle_engine_is_inspected_under_the_lock_at_once(big):
     assert not s.running and hand.served == served and hand.fallbacks == fall
 
 
+def test_an_idle_engine_hands_the_same_copy_again_without_the_lock_until_something_changes(big):
+    """A page polling an idle engine: the first inspect() copies under the lock, the next ones
+    reuse that copy (no hold at all) — until a submit, an abort or a step changes the state."""
+    deadline = time.perf_counter() + 10
+    while big.core.has_work() and time.perf_counter() < deadline:
+        time.sleep(0.01)
+    held, hand = big.lock_hold_s["inspect"], big.snapshots
+    first = big.inspect()
+    n_held, reused = len(held), hand.reused
+    again = [big.inspect() for _ in range(5)]
+    assert len(held) == n_held, "an idle engine's unchanged state was copied again"
+    assert hand.reused == reused + 5
+    assert all(a.step_count == first.step_count and a.running == first.running
+               and (a.block_ref == first.block_ref).all() for a in again)
+    # a submit (and the steps it brings) make the next snapshot a fresh copy that shows them
+    done = threading.Event()
+    big.submit(ids(901, 40), greedy(3), request_id="idle-reuse", on_event=lambda ev:
+               ev.finished and done.set())
+    s = big.inspect()
+    assert "idle-reuse" in s.running or "idle-reuse" in s.waiting or s.step_count > first.step_count
+    assert done.wait(30)
+    while big.core.has_work() and time.perf_counter() < deadline + 30:
+        time.sleep(0.01)
+    after = big.inspect()
+    assert after.step_count > first.step_count and "idle-reuse" not in after.running
+    n_held = len(held)
+    assert big.inspect().step_count == after.step_count and len(held) == n_held
+
+
 def test_a_snapshot_never_changes_after_it_is_handed_out(big):
     gen = big.stream(ids(7, 300), greedy(40))
     next(gen)

@@ -16,17 +16,20 @@ SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
 def corpus(limit_bytes: int):
-    root = Path(sysconfig.get_paths()["stdlib"])
+    """The standard library's sources, then the installed packages' (a machine's stdlib alone
+    may be too small: one GPU host's gave a BPE of only 59k tokens)."""
+    paths = sysconfig.get_paths()
     seen = 0
-    for p in sorted(root.rglob("*.py")):
-        try:
-            text = p.read_text(encoding="utf-8")
-        except (UnicodeDecodeError, OSError):
-            continue
-        seen += len(text)
-        yield text
-        if seen >= limit_bytes:
-            return
+    for root in dict.fromkeys(Path(paths[k]) for k in ("stdlib", "purelib", "platlib")):
+        for p in sorted(root.rglob("*.py")):
+            try:
+                text = p.read_text(encoding="utf-8")
+            except (UnicodeDecodeError, OSError):
+                continue
+            seen += len(text)
+            yield text
+            if seen >= limit_bytes:
+                return
 
 
 def main(argv=None) -> None:
@@ -43,6 +46,10 @@ def main(argv=None) -> None:
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=False)
     tok.train_from_iterator(corpus(a.corpus_mb << 20), trainer)
+    if tok.get_vocab_size() != a.vocab_size:
+        raise SystemExit(f"the corpus gave {tok.get_vocab_size()} BPE tokens, not {a.vocab_size}: "
+                         "too little source text on this machine; build the tokenizer on "
+                         "another machine and copy the directory")
     tok.add_special_tokens(SPECIALS)        # after the BPE: Qwen's ids 151643-151645
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
