@@ -4,6 +4,7 @@ README's screenshots: into a temporary folder, or into assets/screenshots/ when
 GLASSBOX_SCREENSHOTS=1 (a test run must not rewrite tracked files)."""
 import io
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -226,6 +227,23 @@ def test_tour_chat_streams_and_every_tab_renders(running, browser):
                         ("engine-graphs", "CPU: no CUDA graphs"),
                         ("engine-tp", "Tensor-parallel")):
         plot_rendered(page, elem, title)
+    # a timeline cell's hover is written by the page from the numbers the server sends
+    canvas = page.locator("#engine-timeline canvas").first
+    canvas.scroll_into_view_if_needed()
+    box, hover = canvas.bounding_box(), ""
+    for fx in (0.97, 0.93, 0.85, 0.75, 0.6, 0.45):
+        for fy in (0.9, 0.8, 0.7):
+            page.mouse.move(box["x"] + box["width"] * fx, box["y"] + box["height"] * fy)
+            hover = page.evaluate("() => document.querySelector('body > .gb-board-tip')"
+                                  "?.textContent || ''")
+            if re.search(r": (decode|prefill) \d+ tok @ \d+", hover):
+                break
+        else:
+            continue
+        break
+    assert re.search(r": (decode|prefill) \d+ tok @ \d+", hover), \
+        f"no timeline cell's hover names its kind, tokens and position: {hover!r}"
+    page.mouse.move(0, 0)
     screenshot(page, "engine")
 
     show_tab(page, "chat")                         # an empty message: a clear note, no crash

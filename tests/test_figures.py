@@ -536,9 +536,9 @@ def check_step_chart(spec):
     for p in spec["panels"]:
         for se in p.get("series", []) + p.get("lines", []):
             assert len(se["y"]) == n and re.fullmatch(r"#[0-9a-f]{6}", se["colour"])
-        for i, row, kind, hover in p.get("cells", []):
+        for i, row, kind, tokens, start in p.get("cells", []):     # the page writes the hover
             assert 0 <= i < n and 0 <= row < len(p["rows"]) and 0 <= kind < len(p["kinds"])
-            assert isinstance(hover, str)
+            assert type(kind) is int and tokens >= 1 and start >= 0
     strict_json(plot_value(spec))
 
 
@@ -562,9 +562,9 @@ def test_batch_timeline_rows_are_requests_and_cells_mark_prefill(rng):
     seen = list(dict.fromkeys(e.request_id for s in steps for e in s.entries))
     assert requests["rows"] == seen                                      # rows in order seen
     kinds = [k for k, _ in requests["kinds"]]
-    want = {(j, seen.index(e.request_id), e.kind, f"{e.kind} {e.num_tokens} tok @ {e.start_pos}")
+    want = {(j, seen.index(e.request_id), e.kind, e.num_tokens, e.start_pos)
             for j, s in enumerate(steps) for e in s.entries}
-    assert {(j, r, kinds[k], h) for j, r, k, h in requests["cells"]} == want
+    assert {(j, r, kinds[k], n, pos) for j, r, k, n, pos in requests["cells"]} == want
     last = snap.steps[-1].step_id
     assert spec["x"]["range"] == [last - 63.5, last + 0.5]
 

@@ -87,7 +87,10 @@ def batch_timeline_figure(steps: Sequence[StepTrace], window: int = STEP_WINDOW)
         seen.update(dict.fromkeys(c.request_ids))
     rids = list(seen)[-MAX_TIMELINE_ROWS:]
     row = {r: i for i, r in enumerate(rids)}
-    cells = [[j, row[rid], 1 if kind == "prefill" else 0, f"{kind} {n} tok @ {pos}"]
+    # [step, row, kind (an index into "kinds"), tokens, start position]: numbers only, the
+    # page writes the hover text ("prefill 8 tok @ 0"); 16k cells at 256 requests a step,
+    # where a formatted string each was most of this tab's CPU time
+    cells = [[j, row[rid], 1 if kind == "prefill" else 0, n, pos]
              for j, c in enumerate(cols)
              for rid, kind, n, pos in zip(c.request_ids, c.kinds, c.num_tokens, c.start_pos)
              if rid in row]

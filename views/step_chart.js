@@ -248,7 +248,9 @@ function hover(root, ev) {
   if (p.kind === 'cells') {
     const row = Math.floor((my - panel.py) / (panel.ph / Math.max(p.rows.length, 1)));
     const c = (p.cells || []).find(c => c[0] === i && c[1] === row);
-    if (p.rows[row] !== undefined) lines.push(p.rows[row] + ': ' + (c ? c[3] : 'not in this step'));
+    // a cell is [step, row, kind, tokens, start]: the hover text is written here
+    const text = c ? `${p.kinds[c[2]][0]} ${c[3]} tok @ ${c[4]}` : 'not in this step';
+    if (p.rows[row] !== undefined) lines.push(p.rows[row] + ': ' + text);
   } else {
     for (const se of [...(p.series || []), ...(p.lines || [])]) {
       lines.push(`${se.name}: ${fmt(se.y[i], p.digits)}${se.unit || ''}`);

@@ -9,7 +9,7 @@ by views/figures_engine.py:
    "x": {"lo": [...], "hi": [...], "values": [...], "range": [a, b], "name", "title", "int"},
    "panels": [{"kind": "stack", "series": [{"name", "colour", "y"}], "lines": [...], ...},
               {"kind": "cells", "rows": [...], "kinds": [[name, colour]],
-               "cells": [[i, row, kind, hover]]}]}
+               "cells": [[i, row, kind, tokens, start]]}]}
   {"title", "message", "height"}                       an empty chart that says why
   {"kind": "table", "title", "head": [...], "rows": [[...]], "note"}
 """
