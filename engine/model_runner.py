@@ -76,6 +76,7 @@ class ModelRunner:
         self._last_sampled: tuple[int, torch.Tensor | None] = (-1, None)
         # penalised requests' output-token counts, kept on the device across steps
         self.penalty_state = PenaltyState(self.device)
+        self._events = None                 # step_events.StepEvents, made on the first GPU step
 
     # ---- KV cache ----------------------------------------------------------------------------
     @property
@@ -232,9 +233,12 @@ class ModelRunner:
         replayed = 0
         ivs = None      # interventions' device tables (None: no request in the step has any)
         if cuda:
-            out.gpu_start = torch.cuda.Event(enable_timing=True)
-            out.gpu_end = torch.cuda.Event(enable_timing=True)
-            out.gpu_start.record()
+            if self._events is None:
+                from .step_events import StepEvents
+                self._events = StepEvents(self.device)
+            stream = self._events.stream()
+            out.gpu_start, out.gpu_end, out.done = self._events.take()
+            out.gpu_start.record(stream)
         with torch.inference_mode():
             if self.graphs is not None and inp.is_decode and inp.prompt_lp_rows is None and \
                     self.graphs.can_run(inp, plan):
@@ -280,9 +284,8 @@ class ModelRunner:
         out.collectives = self.tp.take_collective_count() + replayed
         out.collective_timer = timer
         if cuda:
-            out.gpu_end.record()
-            out.done = torch.cuda.Event()
-            out.done.record()
+            out.gpu_end.record(stream)
+            out.done.record(stream)
         out.t_launch = time.perf_counter() - t0
         return out
 

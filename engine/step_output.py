@@ -33,6 +33,7 @@ class StepOutput:
     gpu_end: object | None = None
     # steering-vector requests (engine/interventions): per-row sums of the captured residual
     resid_captures: object | None = None
+    _gpu_time: float | None = None          # read from the events when the wait ends
 
     def ready(self) -> bool:
         return self.done is None or self.done.query()
@@ -47,6 +48,7 @@ class StepOutput:
         t0 = time.perf_counter()
         if poll is None and idle is None:
             self.done.synchronize()
+            self._read_gpu_time()
         else:
             last = t0
             while not self.done.query():
@@ -58,7 +60,14 @@ class StepOutput:
                     idle()
                 # yield at first (a step usually ends within a few ms), then back off
                 time.sleep(0 if now - t0 < 2e-3 else 50e-6)
+            self._read_gpu_time()
         return time.perf_counter() - t0
+
+    def _read_gpu_time(self) -> None:
+        # now, while the events are this step's: the runner records them again for a later
+        # step (engine/step_events.py)
+        if self.gpu_start is not None and self._gpu_time is None:
+            self._gpu_time = self.gpu_start.elapsed_time(self.gpu_end) / 1e3
 
     @property
     def tokens(self) -> list[int]:
@@ -69,7 +78,9 @@ class StepOutput:
         """Device seconds from the forward's start to the end of sampling (after wait())."""
         if self.gpu_start is None:
             return None
-        return self.gpu_start.elapsed_time(self.gpu_end) / 1e3
+        if self._gpu_time is None:
+            self._read_gpu_time()
+        return self._gpu_time
 
     @property
     def collective_time(self) -> float | None:
