@@ -244,9 +244,10 @@ class ModelRunner:
                     self.graphs.can_run(inp, plan):
                 logits, bufs, out.graph_bucket, timer, replayed = self.graphs.replay(inp, plan)
             elif self.prefill_graphs is not None and self.prefill_graphs.can_run(inp, plan):
-                # a short prefill (a chat turn): one replay instead of ~270 eager launches
-                bufs, timer = None, None
-                logits, out.graph_bucket, replayed = self.prefill_graphs.replay(inp)
+                # a short prefill (a chat turn, watched or not): one replay instead of ~270
+                # eager launches
+                timer = None
+                logits, bufs, out.graph_bucket, replayed = self.prefill_graphs.replay(inp, plan)
             else:
                 bufs = None
                 if plan is not None:

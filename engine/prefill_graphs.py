@@ -11,8 +11,13 @@ sequence's real length return at once, and padded sequences (q_len 0, context 0)
 Padded tokens (id 0, position 0, slot -1) write no K/V and belong to no sequence; every other
 op is row-wise, so their rows never touch a real one, and only real rows are sampled.
 
-Used for steps without probes, interventions or prompt logprobs (those run eagerly, as
-before), with at most MAX_SEQS sequences and MAX_TOKENS tokens. Graph inputs are static device
+Watched prefills replay too: a probe-capturing variant per (bucket, probes.buffers.graph_variant),
+captured the first time a watched prompt needs it (as the decode graphs do), whose static probe
+buffers record every token's residual norms (and routing) and the last token's lens and
+attention; the host keeps the watched request's rows (ProbeBuffers.load_plan points them). A
+step with more than one watched request, prompt attention patterns, or (MoE) a bucket past the
+router's stacked buffers runs eagerly, as do steps with interventions or prompt logprobs;
+graphed steps hold at most MAX_SEQS sequences and MAX_TOKENS tokens. Graph inputs are static device
 buffers filled by two non-blocking copies from pinned memory allocated per step (overlap
 scheduling prepares step N+1 before step N's copies ran: a reused staging buffer would race).
 With tensor parallelism every rank captures the same buckets and replays them in lockstep.
@@ -52,43 +57,68 @@ class PrefillGraphs:
         self.cu_seqlens = self.i32[:S + 1]
         self.context_lens = self.i32[S + 1:2 * S + 1]
         self.block_tables = self.i32[2 * S + 1:].view(S, self.max_blocks)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}
-        self.collectives: dict[int, int] = {}      # collectives each graph issues per replay
+        # key: (bucket, variant); variant None = probes off, else graph_variant(plan)
+        self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[tuple, torch.Tensor] = {}
+        self.collectives: dict[tuple, int] = {}    # collectives each graph issues per replay
+        self.probe_bufs: dict[tuple, object] = {}
         self.pool = torch.cuda.graph_pool_handle()
         self._capture_all()
 
     # ---- capture -----------------------------------------------------------------------------
-    def _run(self, T: int) -> torch.Tensor:
+    def _run(self, T: int, probes=None) -> torch.Tensor:
         set_context(ForwardContext(
             slot_mapping=self.slot_mapping[:T], context_lens=self.context_lens,
             block_tables=self.block_tables, cu_seqlens_q=self.cu_seqlens, max_seqlen_q=T,
-            is_decode=False))
+            is_decode=False, probes=probes))
         try:
             hidden = self.runner.model(self.input_ids[:T], self.positions[:T])
             return self.runner.model.compute_logits(hidden.index_select(0, self.sample_rows))
         finally:
             set_context(None)
 
-    def _capture_all(self) -> None:
-        # harmless inputs for warm-up and capture: one sequence of T tokens, no K/V written
-        # (slots -1), every table entry block 0 (valid memory to read)
+    def _harmless(self, T: int) -> None:
+        """Inputs for warm-up and capture: one sequence of T tokens (ids, positions and the
+        sampled rows 0: a later capture at a smaller bucket must not see the last replay's
+        rows, e.g. row 1,023 of a 1,024-token prompt, past its T), no K/V written (slots -1),
+        every table entry block 0 (valid memory to read)."""
+        self.i64.zero_()
         self.slot_mapping.fill_(-1)
+        self.block_tables.zero_()
+        self.cu_seqlens.copy_(torch.tensor([0] + [T] * self.max_seqs, dtype=torch.int32))
+        self.context_lens.zero_()
+        self.context_lens[0] = T
+
+    def _capture(self, T: int, variant) -> None:
+        from .probes.buffers import graph_probe_buffers
+        probes = (graph_probe_buffers(self.runner, T, variant, prefill=True)
+                  if variant is not None else None)
         tp = self.runner.tp
+        self._harmless(T)
         with torch.inference_mode():
-            for T in reversed(self.buckets):
-                self.cu_seqlens.copy_(torch.tensor([0] + [T] * self.max_seqs, dtype=torch.int32))
-                self.context_lens.zero_()
-                self.context_lens[0] = T
-                self._run(T)                        # warm-up: compile, allocate scratch
-                torch.cuda.synchronize()
-                g = torch.cuda.CUDAGraph()
-                tp.timer = None
-                tp.take_collective_count()
-                with torch.cuda.graph(g, pool=self.pool):
-                    self.logits[T] = self._run(T)
-                self.collectives[T] = tp.take_collective_count()
-                self.graphs[T] = g
+            self._run(T, probes)                    # warm-up: compile, allocate scratch
+            torch.cuda.synchronize()
+            g = torch.cuda.CUDAGraph()
+            tp.timer = None
+            tp.take_collective_count()
+            with torch.cuda.graph(g, pool=self.pool):
+                self.logits[(T, variant)] = self._run(T, probes)
+            self.collectives[(T, variant)] = tp.take_collective_count()
+        self.graphs[(T, variant)] = g
+        if probes is not None:
+            self.probe_bufs[(T, variant)] = probes
+
+    def _capture_all(self) -> None:
+        for T in reversed(self.buckets):
+            self._capture(T, None)
+        self.context_lens.zero_()
+        torch.cuda.synchronize()
+
+    def _capture_late(self, T: int, variant) -> None:
+        """A probe variant, the first time a watched prompt needs it, between steps (the
+        static inputs are refilled by every replay, so overwriting them here is harmless)."""
+        torch.cuda.synchronize()
+        self._capture(T, variant)
         self.context_lens.zero_()
         torch.cuda.synchronize()
 
@@ -97,16 +127,24 @@ class PrefillGraphs:
         return smallest_bucket(self.buckets, num_tokens)
 
     def can_run(self, inp, plan) -> bool:
-        return (not inp.is_decode and plan is None and inp.interventions is None
-                and inp.prompt_lp_rows is None and inp.num_seqs <= self.max_seqs
-                and len(inp.sample_rows) <= self.max_seqs
-                and self.bucket(inp.num_tokens) is not None
-                and inp.block_tables.shape[1] <= self.max_blocks)
-
-    def replay(self, inp) -> tuple[torch.Tensor, int, int]:
-        """-> (logits of the sampled rows [S, vocab], the token bucket replayed, collectives
-        replayed)."""
+        if (inp.is_decode or inp.interventions is not None or inp.prompt_lp_rows is not None
+                or inp.num_seqs > self.max_seqs or len(inp.sample_rows) > self.max_seqs
+                or inp.block_tables.shape[1] > self.max_blocks):
+            return False
         T = self.bucket(inp.num_tokens)
+        if T is None:
+            return False
+        from .probes.buffers import prefill_graph_supports
+        return prefill_graph_supports(plan, self.runner, T)
+
+    def replay(self, inp, plan=None) -> tuple[torch.Tensor, object, int, int]:
+        """-> (logits of the sampled rows [S, vocab], the variant's probe buffers or None,
+        the token bucket replayed, collectives replayed)."""
+        from .probes.buffers import graph_variant
+        T = self.bucket(inp.num_tokens)
+        key = (T, graph_variant(plan))
+        if key not in self.graphs:
+            self._capture_late(*key)
         S, P = self.max_seqs, len(inp.pending_rows)
         h64 = torch.empty(3 * self.max_tokens + S + 2 * P, dtype=torch.int64, pin_memory=True)
         h32 = torch.empty(2 * S + 1 + inp.num_seqs * self.max_blocks, dtype=torch.int32,
@@ -120,8 +158,11 @@ class PrefillGraphs:
             base = 3 * self.max_tokens + S
             self.input_ids.index_copy_(0, self.i64[base:base + P],
                                        prev.index_select(0, self.i64[base + P:base + 2 * P]))
-        self.graphs[T].replay()
-        return self.logits[T][:len(inp.sample_rows)], T, self.collectives[T]
+        bufs = self.probe_bufs.get(key)
+        if bufs is not None:
+            bufs.load_plan(plan)
+        self.graphs[key].replay()
+        return self.logits[key][:len(inp.sample_rows)], bufs, T, self.collectives[key]
 
 
 def pack_prefill_inputs(inp, max_tokens: int, T: int, S: int, max_blocks: int,

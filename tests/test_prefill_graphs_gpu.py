@@ -83,3 +83,106 @@ def test_graphed_prefill_bf16_logprobs_close_to_hf(model_factory, monkeypatch):
     with torch.no_grad():
         lp = torch.log_softmax(hf(torch.tensor([p], device="cuda")).logits[0, -1].float(), -1)
     assert abs(out.logprobs[0].logprob - lp[out.token_ids[0]].item()) < 0.08
+
+
+def watched_run(path, graphs: bool, monkeypatch, batches, watch, **kw):
+    """Each batch generated with its first prompt watched by `watch` (the rest unwatched):
+    (tokens, traces of the watched requests, prefill steps graphed, every step's expert load)."""
+    monkeypatch.setenv("GLASSBOX_PREFILL_GRAPHS", "1" if graphs else "0")
+    llm = LLM(path, device="cuda", dtype="float32", num_kv_blocks=512, block_size=16,
+              max_num_seqs=8, **kw)
+    try:
+        sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+        ids, traces = [], []
+        for batch in batches:
+            outs = llm.generate(batch, sp, watch=[watch] + [None] * (len(batch) - 1))
+            ids += [o.token_ids for o in outs]
+            traces.append(llm.trace(outs[0].request_id))
+        steps = llm.inspect().steps
+        graphed = [s for s in steps if s.num_prefill_tokens and s.graph_bucket]
+        loads = [s.expert_load for s in steps if s.expert_load is not None]
+        return ids, traces, graphed, loads
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
+def test_a_watched_prefill_replays_a_graph_that_records_what_the_eager_one_does(
+        model_factory, monkeypatch, arch):
+    """Norms of every prompt token, the last token's lens and attention over its context,
+    routing and expert load: a watched prompt's probes from a prefill graph (captured on
+    first use) equal the eager prefill's — alone, beside unwatched prompts, and chunked."""
+    from engine import ProbeSpec
+    path = model_factory(arch)
+    batches = [prompts(11, [37]), prompts(12, [20, 90, 5]), prompts(13, [150])]
+    kw = dict(max_num_batched_tokens=64)        # the 150-token prompt: three chunks
+    ref_ids, ref_tr, none, ref_loads = watched_run(path, False, monkeypatch, batches,
+                                                   ProbeSpec(), **kw)
+    assert not none
+    ids, trs, graphed, loads = watched_run(path, True, monkeypatch, batches, ProbeSpec(), **kw)
+    assert ids == ref_ids
+    # every prefill step of these batches fits a graph: one watched request each
+    assert len(graphed) >= 3, f"only {len(graphed)} watched prefill steps replayed a graph"
+    for a, b in zip(trs, ref_tr):
+        na, nb = a.norms(), b.norms()
+        assert na.shape == nb.shape and na.shape[0] >= len(a.prompt_token_ids)
+        np.testing.assert_allclose(na, nb, rtol=1e-3)
+        assert len(a.lens) == len(b.lens) and a.lens[0].position == b.lens[0].position
+        for x, y in zip(a.lens, b.lens):
+            np.testing.assert_array_equal(x.top_ids[:, 0], y.top_ids[:, 0])
+            np.testing.assert_allclose(x.top_probs, y.top_probs, atol=1e-4)
+        assert len(a.attention) == len(b.attention)
+        for x, y in zip(a.attention, b.attention):
+            assert x.position == y.position and x.layers == y.layers
+            np.testing.assert_allclose(x.probs, y.probs, atol=1e-4)
+        ra, rb = a.routing(), b.routing()
+        assert (ra is None) == (rb is None)
+        if ra is not None:
+            np.testing.assert_allclose(ra[0], rb[0], atol=1e-5)
+            np.testing.assert_array_equal(ra[1], rb[1])
+    # the expert load of every step, padded tokens of a bucket excluded
+    assert len(loads) == len(ref_loads)
+    for x, y in zip(loads, ref_loads):
+        np.testing.assert_array_equal(x, y)
+
+
+def test_two_watched_prompts_in_one_prefill_step_run_eagerly_and_stay_exact(model_factory,
+                                                                            monkeypatch):
+    from engine import ProbeSpec
+    path = model_factory("qwen3")
+    monkeypatch.setenv("GLASSBOX_PREFILL_GRAPHS", "1")
+    llm = LLM(path, device="cuda", dtype="float32", num_kv_blocks=256, block_size=16)
+    try:
+        ps = prompts(14, [30, 41])
+        outs = llm.generate(ps, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True),
+                            watch=[ProbeSpec(), ProbeSpec()])
+        first = llm.inspect().steps[0]
+        assert first.num_prefill_tokens == 71 and first.graph_bucket is None
+        for o, p in zip(outs, ps):
+            assert llm.trace(o.request_id).norms().shape[0] >= len(p)
+    finally:
+        llm.shutdown()
+
+
+def test_a_watched_variant_captured_after_a_longer_prompt_starts_from_harmless_inputs(
+        model_factory, monkeypatch):
+    """The static inputs hold the last replay's rows (a 300-token prompt samples row 299); a
+    probe variant captured next at the 16-token bucket runs its warm-up on them: they must be
+    reset first (it was a device-side assert: row 299 of a 16-row hidden state)."""
+    from engine import ProbeSpec
+    path = model_factory("qwen3")
+    monkeypatch.setenv("GLASSBOX_PREFILL_GRAPHS", "1")
+    llm = LLM(path, device="cuda", dtype="float32", num_kv_blocks=256, block_size=16)
+    try:
+        sp = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+        llm.generate(prompts(15, [300]), sp)
+        short = prompts(16, [9])[0]
+        out = llm.generate([short], sp, watch=ProbeSpec())[0]
+        steps = llm.inspect().steps
+        pre = [s for s in steps if s.num_prefill_tokens == 9]
+        assert pre and pre[-1].graph_bucket == 16
+        assert llm.trace(out.request_id).norms().shape[0] >= len(short)
+        ref = llm.generate([short], sp)[0]          # the same prompt, unwatched: same tokens
+        assert ref.token_ids == out.token_ids
+    finally:
+        llm.shutdown()

@@ -71,20 +71,29 @@ class ProbeBuffers:
         self.expert_load = (torch.zeros(m, num_experts, device=device)
                             if self.record_load and not self.stacked else None)
         self.lens_out = None
-        self.graph_rows = False     # a CUDA graph's padded batch: rows with context 0 are padding
+        # a CUDA graph's padded rows: "seqs" (decode: rows with context 0 are padding),
+        # "tokens" (prefill: padded tokens write no K/V, slot -1), False (eager: none)
+        self.graph_rows: str | bool = False
         self.packed = None          # flat fp32 of the small results (norms, routing, lens top-k)
         self.layout: dict[str, tuple[int, tuple]] = {}    # name -> (offset, shape) in packed
 
     def load_plan(self, plan: ProbePlan) -> None:
         """Point a CUDA graph's static buffers at this step's watched rows (one copy)."""
-        # the template records one row; a plan that needs none points it at row 0, and the
-        # host then ignores what was recorded there
+        # the template records R rows (decode: 1, prefill: the token bucket) and one last
+        # row: the plan's rows come first, in order (the host reads columns 0 .. len(rows)),
+        # the rest, and a last row the plan does not need, point at row 0 and are ignored
         # fresh pinned memory each step: the copy of the step before may not have run yet
-        staging = torch.empty(3, dtype=torch.int64, pin_memory=True)
+        R = len(self.rows)
+        if len(plan.rows) > R or len(plan.last_rows) > 1:
+            raise ValueError(f"a graph's probe template holds {R} rows and 1 last row; this "
+                             f"step watches {len(plan.rows)} and {len(plan.last_rows)}")
+        staging = torch.empty(R + 2, dtype=torch.int64, pin_memory=True)
         st = staging.numpy()
-        st[0] = plan.rows[0] if len(plan.rows) == 1 else 0
-        st[1] = plan.last_rows[0] if len(plan.last_rows) == 1 else 0
-        st[2] = plan.last_batch[0] if len(plan.last_batch) == 1 else 0
+        n = len(plan.rows)
+        st[:n] = plan.rows
+        st[n:R] = 0
+        st[R] = plan.last_rows[0] if plan.last_rows else 0
+        st[R + 1] = plan.last_batch[0] if plan.last_batch else 0
         self.index.copy_(staging, non_blocking=True)
 
     @classmethod
@@ -221,7 +230,10 @@ class ProbeBuffers:
         if self.record_load:
             E = self.num_experts
             ids = (self.ids_all.long() + torch.arange(m, device=self.ids_all.device)[:, None, None] * E)
-            if self.graph_rows:         # padding rows of a graph bucket route garbage: weight 0
+            if self.graph_rows == "tokens":     # a prefill bucket's padded tokens: slot -1
+                valid = (get_context().slot_mapping[:N] >= 0).float()
+                w = valid[None, :, None].expand(m, N, k)
+            elif self.graph_rows:       # padding rows of a graph bucket route garbage: weight 0
                 valid = (get_context().context_lens[:N] > 0).float()
                 w = valid[None, :, None].expand(m, N, k)
             else:
@@ -309,25 +321,28 @@ def graph_variant(plan: ProbePlan | None) -> tuple[bool, bool] | None:
     return bool(plan.lens and len(plan.last_rows)), bool(plan.attention_layers)
 
 
-def _template_plan(runner, variant: tuple[bool, bool]) -> ProbePlan:
+def _template_plan(runner, variant: tuple[bool, bool], num_rows: int = 1) -> ProbePlan:
     lens, attention = variant
     moe = bool(getattr(runner.model, "moe_layers", []))
-    return ProbePlan(entries=[], rows=[0], last_rows=[0], last_batch=[0],
+    return ProbePlan(entries=[], rows=list(range(num_rows)), last_rows=[0], last_batch=[0],
                      norms=True, lens=lens, lens_top_k=GRAPH_LENS_TOP_K,
                      attention_layers=list(range(runner.num_layers)) if attention else [],
                      routing=moe, expert_load=moe)
 
 
-def graph_probe_buffers(runner, batch: int, variant: tuple[bool, bool]) -> ProbeBuffers:
-    """Static probe buffers captured into the decode graph of one bucket: one watched
-    request, the probes of `variant` on (the host keeps only what its ProbeSpec asked for)."""
+def graph_probe_buffers(runner, batch: int, variant: tuple[bool, bool],
+                        prefill: bool = False) -> ProbeBuffers:
+    """Static probe buffers captured into the graph of one bucket: one watched request, the
+    probes of `variant` on (the host keeps only what its ProbeSpec asked for). Decode: one
+    row per watched request; prefill (`batch` = the token bucket): up to every token."""
     cfg = runner.hf_config
-    bufs = ProbeBuffers(_template_plan(runner, variant), batch, runner.num_layers,
+    bufs = ProbeBuffers(_template_plan(runner, variant, batch if prefill else 1), batch,
+                        runner.num_layers,
                         cfg.hidden_size, runner.device, runner.dtype,
                         getattr(runner.model, "moe_layers", []),
                         getattr(cfg, "num_experts", 0) or 0,
                         getattr(cfg, "num_experts_per_tok", 0) or 0)
-    bufs.graph_rows = True
+    bufs.graph_rows = "tokens" if prefill else "seqs"
     return bufs
 
 
@@ -339,3 +354,16 @@ def graph_supports(plan: ProbePlan, runner) -> bool:
     if len(plan.entries) > 1 or plan.pattern_layers or plan.lens_top_k > GRAPH_LENS_TOP_K:
         return False
     return len(plan.rows) <= 1 and len(plan.last_rows) <= 1
+
+
+def prefill_graph_supports(plan: ProbePlan, runner, num_tokens: int) -> bool:
+    """A prefill step whose probes fit a prefill bucket's template: at most one watched
+    request (its rows and its last row), no prompt patterns, and on an MoE model a bucket
+    whose routing the router writes straight into the stacked buffers."""
+    if plan is None:
+        return True
+    if len(plan.entries) > 1 or plan.pattern_layers or plan.lens_top_k > GRAPH_LENS_TOP_K:
+        return False
+    if len(plan.last_rows) > 1 or len(plan.rows) > num_tokens:
+        return False
+    return not getattr(runner.model, "moe_layers", []) or num_tokens <= STACK_ROUTING_ROWS
