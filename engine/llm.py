@@ -26,6 +26,7 @@ from .probes.spec import ProbeSpec
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .records import BlockInfo, EngineSnapshot, KVLayout
+from .snapshot import build_snapshot, copy_state
 from .sequence import RequestOutput, Sequence, TokenEvent
 
 _engine_ids = itertools.count()
@@ -643,7 +644,6 @@ class LLM:
                     self.snapshots.serve(self._copy_state)
 
     def _copy_state(self):
-        from .snapshot import copy_state
         return copy_state(self)
 
     def _engine_busy(self) -> bool:
@@ -656,7 +656,6 @@ class LLM:
         (the reader holds no lock), under the lock by the reader when the engine is idle, and
         handed out again without any lock while nothing has changed since that copy
         (engine/generation_lock.py). Looking never stalls the engine."""
-        from .snapshot import build_snapshot, copy_state
         self._check_open()
         if threading.current_thread() is not self._thread:
             state = self.snapshots.take(self._engine_busy)

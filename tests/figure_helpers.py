@@ -116,7 +116,8 @@ def unpack_map(value: str) -> dict:
     payload = strict_json(value)
     for key, a in payload.items():
         if isinstance(a, dict) and "b64" in a:
-            payload[key] = np.frombuffer(base64.b64decode(a["b64"]), "<i4")[:a["n"]].tolist()
+            payload[key] = np.frombuffer(base64.b64decode(a["b64"]),
+                                         "<" + a.get("dtype", "i4"))[:a["n"]].tolist()
     return payload
 
 

@@ -736,3 +736,17 @@ def test_block_table_cells_are_never_another_requests_under_the_same_id():
     a = _table_cells("reused-id", "#123456", [3, 4, 5], ref)
     b = _table_cells("reused-id", "#123456", [9, 10, 11], ref)
     assert "physical 9" in b and "physical 3" not in b and "physical 3" in a
+
+
+def test_packed_map_arrays_take_the_narrowest_type_and_round_trip():
+    from views.figures_kv import pack_ints, unpack_ints
+    rng = np.random.default_rng()
+    for lo, hi, tag in ((0, 255, "u1"), (-1, 100, "i1"), (0, 65_535, "u2"), (-1, 30_000, "i2"),
+                        (-1, 65_536, "i4"), (0, 2**31 - 1, "i4")):
+        a = rng.integers(lo, hi + 1, 500)
+        a[:2] = lo, hi                           # the bounds themselves must survive
+        m = pack_ints(a)
+        assert m["dtype"] == tag and m["n"] == 500
+        assert unpack_ints(m).tolist() == a.tolist()
+    empty = pack_ints(np.zeros(0, np.int64))
+    assert empty["n"] == 0 and unpack_ints(empty).size == 0

@@ -35,6 +35,7 @@ FONT = dict(family="Inter, system-ui, sans-serif", size=12)
 
 
 @functools.lru_cache(maxsize=4096)
+@functools.lru_cache(maxsize=8192)     # every tick colours every request (~1 µs of regex each, 256 a tick)
 def request_colour(request_id: str) -> str:
     """Stable colour per request: trailing digits (sequential ids) pick distinct colours."""
     m = re.search(r"(\d+)$", request_id)

@@ -35,18 +35,20 @@ function hatch(ctx, x, y, s) {
   ctx.restore();
 }
 
+const PACKED = {u1: Uint8Array, i1: Int8Array, u2: Uint16Array, i2: Int16Array, i4: Int32Array};
 let parsedFrom = null, parsed = null;
 function data() {            // the value is the map's JSON as a string: parse it once
   if (props.value !== parsedFrom) {
     parsedFrom = props.value;
     parsed = typeof parsedFrom === 'string' ? JSON.parse(parsedFrom || '{}') : parsedFrom;
-    // views/figures_kv.py kv_map_json packs the parallel arrays as base64 int32
+    // views/figures_kv.py kv_map_json packs the parallel arrays as base64, each in its own type
     for (const k of ['ids', 'state', 'fill', 'ref', 'owner']) {
       const a = parsed && parsed[k];
       if (a && a.b64 !== undefined) {
         const bin = atob(a.b64), bytes = new Uint8Array(bin.length);
         for (let i = 0; i < bin.length; i++) bytes[i] = bin.charCodeAt(i);
-        parsed[k] = Array.from(new Int32Array(bytes.buffer, 0, a.n));
+        const T = PACKED[a.dtype || 'i4'];     // figures_kv.pack_ints: the narrowest type
+        parsed[k] = Array.from(new T(bytes.buffer, 0, a.n));
       }
     }
   }
