@@ -51,6 +51,11 @@ class StepOutput:
             self._read_gpu_time()
         else:
             last = t0
+            if idle is not None:
+                # once even when the device is already done: a host-bound engine (the wait
+                # below never turns) still hands a waiting reader its snapshot here, halfway
+                # through its step cycle, not only at the boundary after postprocessing
+                idle()
             while not self.done.query():
                 now = time.perf_counter()
                 if poll is not None and now - last >= interval_s:
