@@ -15,7 +15,7 @@ from figure_helpers import (check_chart_spec, check_plotly_figure, decode, drawn
                             map_cells, random_cache, seeded_rng, strict_json,
                             unpack_map)
 
-from engine.records import StepEntry
+from engine.records import StepEntries, StepEntry
 from engine.probes.trace import RequestTrace
 from views import figures as F
 from views.canvas_chart import chart_value, empty_chart
@@ -567,6 +567,38 @@ def test_batch_timeline_rows_are_requests_and_cells_mark_prefill(rng):
     assert {(j, r, kinds[k], n, pos) for j, r, k, n, pos in requests["cells"]} == want
     last = snap.steps[-1].step_id
     assert spec["x"]["range"] == [last - 63.5, last + 0.5]
+
+
+def test_batch_timeline_shows_the_newest_requests_and_reads_each_step_once(rng):
+    """Past MAX_TIMELINE_ROWS requests the rows are the newest ones in order seen, and every
+    cell of theirs is there; a step's entries replaced by new ones (the same step id) are read
+    again, never served from what was derived from the old ones."""
+    from views.figures_engine import MAX_TIMELINE_ROWS
+    snap = make_snapshot(rng, num_steps=int(rng.integers(20, 90)))
+    rids = [f"r{rng.integers(1 << 30)}-{i}" for i in range(int(rng.integers(30, 80)))]
+
+    def fill(steps):
+        for k, s in enumerate(steps):
+            lo = int(rng.integers(0, len(rids)))
+            batch = rids[max(0, lo - 20):lo + 1]
+            s.entries = StepEntries.of(
+                StepEntry(r, "prefill" if rng.random() < 0.3 else "decode",
+                          int(rng.integers(1, 9)), int(rng.integers(0, 999))) for r in batch)
+    for _ in range(2):                  # the second time: same steps, new entries objects, the
+        fill(snap.steps)                # requests in another order than first seen
+        rids = [str(r) for r in rng.permutation(rids)]
+        spec = F.batch_timeline_figure(snap.steps)
+        requests = spec["panels"][1]
+        steps = snap.steps[-64:]
+        seen = list(dict.fromkeys(e.request_id for s in steps for e in s.entries))
+        assert len(seen) > MAX_TIMELINE_ROWS
+        rows = seen[-MAX_TIMELINE_ROWS:]
+        assert requests["rows"] == rows
+        kinds = [k for k, _ in requests["kinds"]]
+        want = {(j, rows.index(e.request_id), e.kind, e.num_tokens, e.start_pos)
+                for j, s in enumerate(steps) for e in s.entries if e.request_id in rows}
+        got = [(j, r, kinds[k], n, pos) for j, r, k, n, pos in requests["cells"]]
+        assert len(got) == len(want) and set(got) == want
 
 
 def test_step_time_figure_stacks_four_phases_in_ms(rng):

@@ -161,12 +161,13 @@ def _lens_window(trace: RequestTrace, token: int | None) -> list[int]:
     return list(range(lo, min(n, lo + MAX_LENS_STEPS)))
 
 
-_TEXTS: dict[tuple[int, int], str] = {}     # (decoder, token id) -> its text, bounded below
+_TEXTS: dict[tuple[int, int], tuple[str, str]] = {}   # (decoder, id) -> (text, short), bounded
 
 
-def _token_texts_of(ids, decode: Decode) -> dict[str, str]:
-    """{str(id): text} for the distinct ids, each decoded once per decoder (a dict lookup
-    afterwards: the lens shows ~7k guesses a tick, and at batch-1 speed every column is new)."""
+def _token_texts_of(ids, decode: Decode) -> dict[int, tuple[str, str]]:
+    """{id: (text, short text)} for the distinct ids, each decoded and shortened once per
+    decoder (a dict lookup afterwards: the lens shows ~7k guesses a tick, and at batch-1 speed
+    every column is new)."""
     owner = id(getattr(decode, "__self__", decode))
     if len(_TEXTS) > 200_000:
         _TEXTS.clear()
@@ -175,8 +176,9 @@ def _token_texts_of(ids, decode: Decode) -> dict[str, str]:
         key = (owner, t)
         txt = _TEXTS.get(key)
         if txt is None:
-            txt = _TEXTS[key] = decode([t])
-        out[str(t)] = txt
+            text = decode([t])
+            txt = _TEXTS[key] = (text, short_text(text, 8))
+        out[t] = txt
     return out
 
 
@@ -197,8 +199,10 @@ def logit_lens_figure(trace: RequestTrace, decode: Decode, token: int | None = N
     top_p = np.stack([st.top_probs for st in steps], axis=1)           # [layers, steps, k]
     z = top_p[:, :, 0]                                                 # [layers, steps]
     sampled = [st.sampled_token for st in steps]
-    texts = _token_texts_of(np.concatenate([top_ids.reshape(-1), sampled]), decode)
-    cell_text = [[short_text(texts[str(i)], 8) for i in row] for row in top_ids[:, :, 0].tolist()]
+    known = _token_texts_of(np.concatenate([top_ids.reshape(-1), sampled]), decode)
+    short = {i: t[1] for i, t in known.items()}
+    cell_text = [list(map(short.__getitem__, row)) for row in top_ids[:, :, 0].tolist()]
+    texts = {str(i): t[0] for i, t in known.items()}
     chosen = [j for j, st in enumerate(steps) if token is not None and st.position == token]
     S = len(steps)
     return {
