@@ -74,13 +74,20 @@ class Page(threading.Thread):
     def tick_kv(self) -> None:
         from views import figures as F
         from views.live_plot import plot_value
+        lap = self._lap()
         snap = self.hub.snapshot()
-        F.kv_map_json(F.kv_map_data(snap, 0))
+        lap("snapshot")
+        data = F.kv_map_data(snap, 0)
+        lap("map data")
+        F.kv_map_json(data)
+        lap("map json")
         F.block_tables_html(snap)
+        lap("tables")
         now = time.time()
         if now - self.last_usage >= 1.0:            # the usage plot: once a second
             plot_value(F.kv_usage_figure(snap, list(self.hub.hit_history), now))
             self.last_usage = now
+            lap("usage plot")
 
     def tick_layers(self) -> None:
         from views import figures as F
@@ -118,10 +125,15 @@ class Page(threading.Thread):
         from views import figures as F
         from views.figures_engine import graphs_figure, step_stats
         from views.step_chart import board_value
+        lap = self._lap()
         snap = self.hub.snapshot()
+        lap("snapshot")
         step_stats(snap.steps)
-        board_value({"timeline": F.batch_timeline_figure(snap.steps),      # the tab's one value
-                     "steptime": F.step_time_figure(snap.steps), "graphs": graphs_figure(snap)})
+        parts = {"timeline": F.batch_timeline_figure(snap.steps),      # the tab's one value
+                 "steptime": F.step_time_figure(snap.steps), "graphs": graphs_figure(snap)}
+        lap("builders")
+        board_value(parts)
+        lap("json")
 
 
 class Watchers:
@@ -379,11 +391,12 @@ def main(model: str = "qwen3-0.6b", device: str | None = None, dtype=None,
             note = "the tick's CPU time: what it takes from the engine's share of the GIL"
             rows += [row(BENCH, model, "glassbox", f"tab_work_p50[{tab}]", p50, "ms", note),
                      row(BENCH, model, "glassbox", f"tab_work_p99[{tab}]", p99, "ms", note)]
-        for part, xs in w_lat.parts.items():     # where a tick's time goes, beside batch 1
-            a = np.asarray(xs)
-            rows.append(row(BENCH, model, "glassbox", f"tick_part_cpu_p50[{part}, batch 1]",
-                            float(np.median(a[:, 0])), "ms",
-                            f"wall p50 {np.median(a[:, 1]):.2f} ms, {len(a)} ticks"))
+        for where, w in (("batch 1", w_lat), ("throughput", w_tput)):   # where a tick's time goes
+            for part, xs in w.parts.items():
+                a = np.asarray(xs)
+                rows.append(row(BENCH, model, "glassbox", f"tick_part_cpu_p50[{part}, {where}]",
+                                float(np.median(a[:, 0])), "ms",
+                                f"wall p50 {np.median(a[:, 1]):.2f} ms, {len(a)} ticks"))
         errors = w_lat.errors + w_tput.errors
         if errors:
             rows.append(row(BENCH, model, "glassbox", "poller_errors", len(errors), "",

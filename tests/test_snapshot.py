@@ -179,3 +179,41 @@ def test_abort_mid_stream_frees_every_block(llm):
     assert rid not in snap.block_tables and rid not in snap.running
     assert_block_accounting(snap)
     assert snap.num_free_blocks == NUM_BLOCKS
+
+
+def test_a_snapshot_handed_out_never_changes_while_later_copies_reuse_free_buffers(llm):
+    """Snapshot arrays are copied into pooled buffers (engine/snapshot_buffers.py): one still
+    held by a reader — itself or through a view — is never written again, while the buffers of
+    snapshots dropped are reused (no fresh allocation per copy)."""
+    held, frozen, views = [], [], []
+    bufs = llm.snapshot_buffers
+    reused0 = bufs.reused
+    stop = []
+
+    def reader():
+        k = 0
+        while not stop:
+            s = llm.inspect()
+            k += 1
+            if k % 7 == 0 and len(held) < 6:        # keep a few, with what they said then
+                held.append(s)
+                frozen.append((s.block_ref.copy(), s.block_hashed.copy()))
+            elif k % 11 == 0 and len(views) < 3:    # a view alone keeps its buffer too
+                views.append((s.block_ref[1:], s.block_ref[1:].copy()))
+            del s
+            time.sleep(0.001)
+
+    import threading
+    t = threading.Thread(target=reader)
+    t.start()
+    try:
+        llm.generate([prompt(40 + i, 10 + 7 * i) for i in range(4)], greedy(30))
+    finally:
+        stop.append(True)
+        t.join()
+    assert held and views
+    for s, (ref, hashed) in zip(held, frozen):
+        assert np.array_equal(s.block_ref, ref) and np.array_equal(s.block_hashed, hashed)
+    for v, want in views:
+        assert np.array_equal(v, want)
+    assert bufs.reused > reused0, "no copy reused a dropped snapshot's buffer"
