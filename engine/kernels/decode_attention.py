@@ -22,6 +22,16 @@ import triton
 import triton.language as tl
 
 MAX_SPLITS = 32
+# launch parameters (bench/attention_tune.py sweeps them on the GPU): the direct path (one
+# program per sequence and KV head walks the whole context) and the split path
+# (one H200, Qwen3-0.6B shapes, 2026-12-03: three stages instead of two were 3-7 % faster at
+# batch 64-256 and 512-1,024 tokens of context, 128-token tiles 2-3 % more past 1,024 programs;
+# the kernel then reads the KV at 3.6-4.1 TB/s: bench/results/2026-12-03-attention-tune-*.txt)
+DIRECT_LAUNCH = dict(BLOCK_N=64, num_warps=4, num_stages=3)
+DIRECT_WIDE_PROGRAMS = 1024     # batch x KV heads from which the direct path takes ...
+DIRECT_WIDE_BLOCK_N = 128       # ... tiles this wide
+SPLIT_LAUNCH = dict(BLOCK_N=32, num_warps=4, num_stages=2)
+WAVES = 2           # choose_num_splits: programs for about this many waves of the GPU's SMs
 # True: the last split to finish merges (one launch; saves a graph node per layer at batch 1).
 # False: a second kernel merges (the plain flash-decoding shape).
 MERGE_IN_KERNEL = True
@@ -160,7 +170,7 @@ def combine_splits(part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Te
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
     """Enough programs for ~2 waves on the GPU, but no split shorter than one tile's worth."""
-    want = triton.cdiv(2 * num_sms(device), max(1, batch * num_kv_heads))
+    want = triton.cdiv(WAVES * num_sms(device), max(1, batch * num_kv_heads))
     return max(1, min(want, MAX_SPLITS, triton.cdiv(max_context, 64)))
 
 
@@ -204,6 +214,9 @@ def paged_decode_attention(
         part_out = part_lse = counters = out  # unused
     else:
         part_out, part_lse, counters = _workspace(q.device, batch, num_q_heads, num_kv_heads, head_dim, num_splits)
+    launch = DIRECT_LAUNCH if direct else SPLIT_LAUNCH
+    if direct and batch * num_kv_heads >= DIRECT_WIDE_PROGRAMS:
+        launch = {**launch, "BLOCK_N": DIRECT_WIDE_BLOCK_N}
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse, counters,
         scale * math.log2(math.e), num_splits,
@@ -211,9 +224,10 @@ def paged_decode_attention(
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        PAGE_SIZE=page_size, BLOCK_N=64 if direct else 32, DIRECT=direct,
+        PAGE_SIZE=page_size, BLOCK_N=launch["BLOCK_N"], DIRECT=direct,
         MERGE_IN_KERNEL=MERGE_IN_KERNEL, BLOCK_S=triton.next_power_of_2(num_splits),
-        DOT_PREC=dot_precision(q.dtype), num_warps=4, num_stages=2,
+        DOT_PREC=dot_precision(q.dtype), num_warps=launch["num_warps"],
+        num_stages=launch["num_stages"],
     )
     if not direct and not MERGE_IN_KERNEL:
         combine_splits(part_out, part_lse, out)
