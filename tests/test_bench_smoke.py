@@ -247,3 +247,23 @@ def test_prefill_graphs_bench_runs_tiny_on_cpu():
     res = prefill_graphs.main(["--model", "tiny", "--lens", "16", "--repeats", "1"])
     assert res["ttft_ms_16"]["graphs"] > 0 and res["ttft_ms_16"]["eager"] > 0
     assert res["buckets"] == []          # the CPU captures no graphs: both runs are eager
+
+
+def test_attention_tune_checks_each_variant_against_the_reference(capsys, triton_interpreter):
+    from bench import attention_tune
+    from engine.kernels import decode_attention as DA
+    before = dict(DA.DIRECT_LAUNCH), dict(DA.SPLIT_LAUNCH), DA.DIRECT_WIDE_PROGRAMS
+    attention_tune.main(["--smoke", "--batches", "2", "--contexts", "24"])
+    out = capsys.readouterr().out
+    assert "engine today" in out and "!!" not in out and "failed" not in out
+    # the sweep leaves the engine's launch tables as it found them
+    assert (dict(DA.DIRECT_LAUNCH), dict(DA.SPLIT_LAUNCH), DA.DIRECT_WIDE_PROGRAMS) == before
+
+
+def test_attention_ab_runs_tiny_on_cpu_and_restores_the_launch_table():
+    from bench import attention_ab
+    from engine.kernels import decode_attention as DA
+    before = dict(DA.DIRECT_LAUNCH), DA.DIRECT_WIDE_PROGRAMS
+    res = attention_ab.main(tiny=True, rounds=1)
+    assert all(len(v) == 1 and v[0] > 0 for v in res.values()) and len(res) == 2
+    assert (dict(DA.DIRECT_LAUNCH), DA.DIRECT_WIDE_PROGRAMS) == before
