@@ -42,7 +42,7 @@ def test_engine_greedy_tokens_equal_hf(demo):
     for o in outs:
         ids = torch.tensor([o.prompt_token_ids])
         with torch.no_grad():
-            ref = hf.generate(ids, max_new_tokens=12, do_sample=False,
+            ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
                               eos_token_id=sorted(llm.eos_token_ids), pad_token_id=0)
         ref = ref[0, ids.shape[1]:].tolist()
         assert o.token_ids == ref[:len(o.token_ids)] and len(o.token_ids) == len(ref), name

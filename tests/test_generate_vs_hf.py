@@ -40,7 +40,8 @@ def hf_greedy(path: str, prompts: list[list[int]], n: int = NUM_NEW):
                 hf = load_hf(path)
                 hf.generation_config.eos_token_id = None     # like ignore_eos=True
             with torch.no_grad():
-                r = hf.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False,
+                ids = torch.tensor([p])     # an explicit mask: a token 0 is not padding
+                r = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
                                 output_logits=True, return_dict_in_generate=True, pad_token_id=0)
             toks = r.sequences[0, len(p):].tolist()
             assert len(toks) == n, "HF stopped early: it did not ignore EOS"

@@ -115,7 +115,8 @@ def hf_greedy_with(path: str, prompts, ivs_per_prompt, n: int = NUM_NEW):
         handles = hf_hooks(hf, ivs or (), len(p))
         try:
             with torch.no_grad():
-                r = hf.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False,
+                ids = torch.tensor([p])     # an explicit mask: a token 0 is not padding
+                r = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
                                 output_logits=True, return_dict_in_generate=True, pad_token_id=0)
         finally:
             for h in handles:

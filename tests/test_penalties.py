@@ -194,7 +194,10 @@ def _hf_generate(path, prompt, n, **kw):
     if kw.get("presence") or kw.get("frequency"):
         procs.append(OpenAIPenalties(len(prompt), kw.get("presence", 0), kw.get("frequency", 0)))
     with torch.no_grad():
-        r = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
+        ids = torch.tensor([prompt])
+        # an explicit mask: with pad_token_id=0 HF would infer one and mask every prompt
+        # token 0 as padding (a random prompt holds one in ~5 % of draws)
+        r = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
                         repetition_penalty=kw.get("repetition", 1.0), logits_processor=procs,
                         pad_token_id=0)
     return r[0, len(prompt):].tolist()

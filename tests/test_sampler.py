@@ -223,7 +223,8 @@ def test_min_tokens_bans_eos_until_reached(eos_is_first_greedy_token):
     assert not set(o.token_ids[:4]) & set(eos_ids)
     hf = load_hf(path)
     with torch.no_grad():
-        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=4,
+        ids = torch.tensor([prompt])     # an explicit mask: a token 0 is not padding
+        ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, min_new_tokens=4,
                           do_sample=False, eos_token_id=eos_ids, pad_token_id=0)
     assert o.token_ids == ref[0, len(prompt):].tolist()
     assert o.finish_reason == ("stop" if o.token_ids[-1] in eos_ids else "length")
@@ -248,7 +249,8 @@ def test_stop_token_ids_are_banned_until_min_tokens(llm, qwen3_dir):
                                             min_tokens=3, stop_token_ids=[stop]))[0]
     hf = load_hf(qwen3_dir)
     with torch.no_grad():
-        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=10, min_new_tokens=3,
+        ids = torch.tensor([prompt])     # an explicit mask: a token 0 is not padding
+        ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, min_new_tokens=3,
                           do_sample=False, eos_token_id=[stop], pad_token_id=0)
     assert o.token_ids == ref[0, len(prompt):].tolist()
     assert stop not in o.token_ids[:3]
