@@ -748,6 +748,32 @@ def test_plot_value_sends_every_nan_as_null_whatever_the_array(rng):
     assert out["x"] == [0.0, None, 2.0]
 
 
+def test_plot_value_reads_the_same_with_orjson_and_with_json(rng, monkeypatch):
+    """The fast encoder (orjson, with the playground) and the fallback (json, on a machine
+    without it) give the same JSON: NaN/inf as null in arrays and plain floats, numpy scalars,
+    float32 values, int keys as text, non-ASCII text, nested tuples."""
+    import views.live_plot as LP
+    if LP.orjson is None:
+        pytest.skip("orjson is not installed here")
+    z = rng.standard_normal((3, 4)).astype(np.float32)
+    z[1, 2] = np.nan
+    fig = {"z": z, "ids": rng.integers(-5, 5, 7), "flags": np.array([True, False]),
+           "n": np.int64(7), "p": np.float32(0.25), "inf": float("inf"), "nan": float("nan"),
+           "text": "naïve → 漢字 \u2028", 3: "int key", "nested": ({"a": (1, 2.5)}, [None]),
+           "mixed": np.array(["a", float("nan"), 1.5], dtype=object)}
+    fast = strict_json(LP.plot_value(fig))
+    monkeypatch.setattr(LP, "orjson", None)
+    slow = strict_json(LP.plot_value(fig))
+    assert fast.keys() == slow.keys()
+    for k in fast:
+        if k == "z":        # float32: orjson writes the shortest float32 text, json the float64
+            as32 = lambda v: np.array(v, dtype=float).astype(np.float32)   # noqa: E731
+            np.testing.assert_array_equal(as32(fast[k]), as32(slow[k]))
+            np.testing.assert_array_equal(as32(fast[k]), z)
+        else:
+            assert fast[k] == slow[k], k
+
+
 def test_norms_colour_range_is_never_another_requests_under_the_same_id(rng):
     """A request id can come again (a client's X-Request-Id, a new engine): the range kept for
     the first must not colour the second."""
