@@ -15,7 +15,6 @@ import weakref
 from typing import Callable
 
 from .generation_lock import GenerationLock
-from .snapshot_buffers import SnapshotBuffers
 from .snapshot_handoff import SnapshotHandoff, without_gc
 from .block_manager import BlockManager
 from .config import EngineConfig
@@ -288,7 +287,6 @@ class LLM:
         # while the engine is busy, readers' snapshots are copied by the engine thread at its
         # step boundaries (engine/snapshot_handoff.py): no reader holds the lock it needs
         self.snapshots = SnapshotHandoff()
-        self.snapshot_buffers = SnapshotBuffers()
         self.core.on_idle = _weak_call(self, "_serve_while_waiting")
         from .interventions.plan import InterventionPlanner
         from .interventions.spec import ModelFacts

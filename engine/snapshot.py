@@ -47,9 +47,8 @@ def copy_state(llm) -> tuple:
     token_lens = list(map(len, map(_TOKENS, seqs)))
     pending = list(map(dict.copy, map(_PENDING, seqs)))     # positions still on the device
     steps = llm.core.steps.window()
-    bufs = llm.snapshot_buffers         # per-block arrays into buffers already paged in
     return (llm, seqs, tables, computed, table_lens, token_lens, pending, n_running,
-            bufs.copy(bm.ref_count), bufs.copy(bm.hashed), bm.num_free_blocks, bm.prefix_hits,
+            bm.ref_count.copy(), bm.hashed.copy(), bm.num_free_blocks, bm.prefix_hits,
             bm.prefix_queries, bm.evictions, sched.num_preemptions, steps, llm.core.steps.count)
 
 

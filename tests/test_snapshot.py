@@ -181,13 +181,10 @@ def test_abort_mid_stream_frees_every_block(llm):
     assert snap.num_free_blocks == NUM_BLOCKS
 
 
-def test_a_snapshot_handed_out_never_changes_while_later_copies_reuse_free_buffers(llm):
-    """Snapshot arrays are copied into pooled buffers (engine/snapshot_buffers.py): one still
-    held by a reader — itself or through a view — is never written again, while the buffers of
-    snapshots dropped are reused (no fresh allocation per copy)."""
+def test_a_snapshot_handed_out_never_changes_while_the_engine_runs_on(llm):
+    """A snapshot's per-block arrays, held by a reader (itself or through a view), are never
+    written again by later copies or steps while requests allocate and free blocks."""
     held, frozen, views = [], [], []
-    bufs = llm.snapshot_buffers
-    reused0 = bufs.reused
     stop = []
 
     def reader():
@@ -216,4 +213,5 @@ def test_a_snapshot_handed_out_never_changes_while_later_copies_reuse_free_buffe
         assert np.array_equal(s.block_ref, ref) and np.array_equal(s.block_hashed, hashed)
     for v, want in views:
         assert np.array_equal(v, want)
-    assert bufs.reused > reused0, "no copy reused a dropped snapshot's buffer"
+    assert any(not np.array_equal(ref, llm.inspect().block_ref) for ref, _ in frozen), \
+        "the engine's blocks never changed while the snapshots were held: nothing was tested"

@@ -24,9 +24,10 @@ import triton.language as tl
 MAX_SPLITS = 32
 # launch parameters (bench/attention_tune.py sweeps them on the GPU): the direct path (one
 # program per sequence and KV head walks the whole context) and the split path
-# (one H200, Qwen3-0.6B shapes, 2026-12-03: three stages instead of two were 3-7 % faster at
-# batch 64-256 and 512-1,024 tokens of context, 128-token tiles 2-3 % more past 1,024 programs;
-# the kernel then reads the KV at 3.6-4.1 TB/s: bench/results/2026-12-03-attention-tune-*.txt)
+# (one H200, Qwen3-0.6B shapes, 2026-12-03: three stages instead of two and 128-token tiles
+# past 1,024 programs made a call 4-10 % faster at batch 64-256 and 1,024 tokens of context, the
+# KV read at 3.3-4.1 TB/s; the throughput workload end to end +0.2 %, inside its noise:
+# bench/results/2026-12-03-attention-tune-*.txt, -throughput-ab.txt)
 DIRECT_LAUNCH = dict(BLOCK_N=64, num_warps=4, num_stages=3)
 DIRECT_WIDE_PROGRAMS = 1024     # batch x KV heads from which the direct path takes ...
 DIRECT_WIDE_BLOCK_N = 128       # ... tiles this wide
