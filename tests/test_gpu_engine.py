@@ -153,3 +153,32 @@ def test_overlap_scheduling_equals_serial_on_the_gpu(model_factory, dtype):
     np.testing.assert_array_equal(ta.norms(), tb.norms())
     for x, y in zip(ta.attention, tb.attention):
         np.testing.assert_array_equal(x.probs, y.probs)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen2", "qwen3_moe"])
+def test_batch1_fused_norm_gemvs_give_the_cpu_tokens_norms_and_logprobs(model_factory, arch):
+    """One request at a time, so every decode step runs the batch-1 path: input / post-attention
+    RMSNorm inside the QKV / gate_up GEMMs (norm_linear.py), under PDL, from CUDA graphs and
+    eagerly. fp32 against the CPU engine (the unfused torch ops): the same tokens,
+    logprobs within fp32 rounding, and the residual norms the fused kernels' sums give the probes."""
+    path = model_factory(arch)
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
+    spec = ProbeSpec(logit_lens=False, attention=False)
+
+    def run(**kw):
+        llm = LLM(path, num_kv_blocks=128, block_size=16, **kw)
+        got = []
+        for p in PROMPTS:
+            o = llm.generate([p], sp, watch=[spec])[0]
+            got.append((o.token_ids, [lp.logprob for lp in o.logprobs],
+                        llm.trace(o.request_id).norms()))
+        llm.shutdown()
+        return got
+
+    ref = run(device="cpu")
+    for eager in (False, True):
+        got = run(device="cuda", dtype="float32", max_num_seqs=4, enforce_eager=eager)
+        for (t, lp, nm), (rt, rlp, rnm) in zip(got, ref):
+            assert t == rt, f"eager={eager}"
+            np.testing.assert_allclose(lp, rlp, atol=1e-4)
+            np.testing.assert_allclose(nm, rnm, rtol=1e-4)

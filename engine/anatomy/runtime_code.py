@@ -196,7 +196,8 @@ def code_ref(key: str, stage: str, obj) -> CodeRef:
 
 def _layer_stages(layer) -> list[tuple[str, str, object]]:
     attn, mlp = layer.self_attn, layer.mlp
-    out = [("input_norm", "RMSNorm of the residual (fused with the residual add)",
+    out = [("input_norm", "RMSNorm of the residual (fused with the residual add; at batch 1 on the "
+            "GPU, inside the QKV GEMM)",
             layer.input_layernorm),
            ("qkv_proj", "q, k, v projections in one matmul", attn.qkv_proj)]
     if getattr(attn, "qk_norm", False):
@@ -204,7 +205,8 @@ def _layer_stages(layer) -> list[tuple[str, str, object]]:
     out += [("rotary", "rotary position embedding on q and k", attn.rotary_emb),
             ("attention", "store k, v in the paged cache; attend over it", attn.attn),
             ("o_proj", "heads concatenated, projected back to hidden", attn.o_proj),
-            ("post_norm", "RMSNorm of the residual (fused add)", layer.post_attention_layernorm)]
+            ("post_norm", "RMSNorm of the residual (fused add; at batch 1 on the GPU, inside "
+             "gate_up's GEMM when the MLP is dense)", layer.post_attention_layernorm)]
     if hasattr(mlp, "experts"):
         out += [("router", "router logits over the experts", mlp.gate),
                 ("experts", "top-k routing and the fused expert MLPs", mlp.experts)]

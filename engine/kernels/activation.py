@@ -4,9 +4,13 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from .pdl import use_pdl, wait_prior
+
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, inter, stride_x, stride_o, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, inter, stride_x, stride_o, BLOCK: tl.constexpr,
+                         USE_PDL: tl.constexpr):
+    wait_prior(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
@@ -27,8 +31,10 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [N, 2I] -> [N, I]
     if x.stride(-1) != 1:
         x = x.contiguous()
     block = min(1024, triton.next_power_of_2(inter))
+    pdl = use_pdl(x)
     _silu_and_mul_kernel[(num_rows, triton.cdiv(inter, block))](
-        x, out, inter, x.stride(0), out.stride(0), BLOCK=block, num_warps=4,
+        x, out, inter, x.stride(0), out.stride(0), BLOCK=block, USE_PDL=pdl, num_warps=4,
+        launch_pdl=pdl,
     )
     return out
 

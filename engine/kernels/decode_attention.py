@@ -21,6 +21,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from .pdl import use_pdl, wait_prior
+
 MAX_SPLITS = 32
 # launch parameters (bench/attention_tune.py sweeps them on the GPU): the direct path (one
 # program per sequence and KV head walks the whole context) and the split path
@@ -59,8 +61,9 @@ def _decode_split_kernel(
     stride_qb, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt, stride_ob, stride_oh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, MERGE_IN_KERNEL: tl.constexpr,
-    BLOCK_S: tl.constexpr, DOT_PREC: tl.constexpr,
+    BLOCK_S: tl.constexpr, DOT_PREC: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    wait_prior(USE_PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -140,8 +143,9 @@ def _decode_split_kernel(
 @triton.jit
 def _combine_splits_kernel(
     part_out_ptr, part_lse_ptr, out_ptr, num_splits, num_heads, stride_on, stride_oh,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    wait_prior(USE_PDL)
     row = tl.program_id(0).to(tl.int64)  # (token or sequence) * num_heads + head
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
@@ -162,10 +166,12 @@ def _combine_splits_kernel(
 def combine_splits(part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor) -> None:
     """Merge split partials [R, H, S, D] + lse [R, H, S] (log2 domain) into out [R, H, D]."""
     rows, heads, splits, head_dim = part_out.shape
+    pdl = use_pdl(out)
     _combine_splits_kernel[(rows * heads,)](
         part_out, part_lse, out, splits, heads, out.stride(0), out.stride(1),
         HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
-        BLOCK_S=triton.next_power_of_2(splits), num_warps=1 if head_dim <= 64 else 2,
+        BLOCK_S=triton.next_power_of_2(splits), USE_PDL=pdl, num_warps=1 if head_dim <= 64 else 2,
+        launch_pdl=pdl,
     )
 
 
@@ -216,6 +222,7 @@ def paged_decode_attention(
     else:
         part_out, part_lse, counters = _workspace(q.device, batch, num_q_heads, num_kv_heads, head_dim, num_splits)
     launch = DIRECT_LAUNCH if direct else SPLIT_LAUNCH
+    pdl = use_pdl(q)
     if direct and batch * num_kv_heads >= DIRECT_WIDE_PROGRAMS:
         launch = {**launch, "BLOCK_N": DIRECT_WIDE_BLOCK_N}
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
@@ -227,8 +234,8 @@ def paged_decode_attention(
         HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         PAGE_SIZE=page_size, BLOCK_N=launch["BLOCK_N"], DIRECT=direct,
         MERGE_IN_KERNEL=MERGE_IN_KERNEL, BLOCK_S=triton.next_power_of_2(num_splits),
-        DOT_PREC=dot_precision(q.dtype), num_warps=launch["num_warps"],
-        num_stages=launch["num_stages"],
+        DOT_PREC=dot_precision(q.dtype), USE_PDL=pdl, num_warps=launch["num_warps"],
+        num_stages=launch["num_stages"], launch_pdl=pdl,
     )
     if not direct and not MERGE_IN_KERNEL:
         combine_splits(part_out, part_lse, out)

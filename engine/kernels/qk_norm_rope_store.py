@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import use_pdl, wait_prior
+
 from .rmsnorm import rms_norm_ref
 from .rotary import apply_rotary_ref
 from .store_kvcache import store_kvcache_ref
@@ -51,8 +53,9 @@ def _qk_norm_rope_store_kernel(
     HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     HAS_NORM: tl.constexpr, NUM_PROBE_ROWS: tl.constexpr,
     BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_HALF: tl.constexpr,
+    BLOCK_HALF: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    wait_prior(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + token).to(tl.int64)
     d = tl.arange(0, BLOCK_HALF)[None, :]
@@ -161,6 +164,7 @@ def qk_norm_rope_store(
     has_norm = q_norm_weight is not None
     num_probe_rows = 0 if probe_rows is None else probe_rows.numel()
     half = head_dim // 2
+    pdl = use_pdl(qkv)
     _qk_norm_rope_store_kernel[(num_tokens,)](
         qkv, positions, cos_sin_cache, slot_mapping,
         q_norm_weight if has_norm else cos_sin_cache, k_norm_weight if has_norm else cos_sin_cache,
@@ -174,7 +178,7 @@ def qk_norm_rope_store(
         HAS_NORM=has_norm, NUM_PROBE_ROWS=num_probe_rows,
         BLOCK_HQ=triton.next_power_of_2(num_q_heads), BLOCK_HK=triton.next_power_of_2(num_kv_heads),
         BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_HALF=triton.next_power_of_2(half),
-        num_warps=4 if num_q_heads * head_dim >= 2048 else 2,
+        USE_PDL=pdl, num_warps=4 if num_q_heads * head_dim >= 2048 else 2, launch_pdl=pdl,
     )
     return q_out
 

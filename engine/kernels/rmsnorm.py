@@ -6,14 +6,17 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import use_pdl, wait_prior
+
 
 @triton.jit
 def _rms_norm_kernel(
     x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, sumsq_ptr,
     num_rows, hidden, inner, stride_xa, stride_xb, stride_r, stride_o, stride_ro, eps,
     HAS_RESIDUAL: tl.constexpr, WRITE_SUMSQ: tl.constexpr, BLOCK_ROWS: tl.constexpr,
-    BLOCK_H: tl.constexpr,
+    BLOCK_H: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    wait_prior(USE_PDL)
     row_ids = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     rows = row_ids[:, None]
     cols = tl.arange(0, BLOCK_H)[None, :]
@@ -60,6 +63,7 @@ def _launch(x, residual, weight, eps, sumsq=None):
     block_rows = max(1, min(16, 4096 // block_h))
     num_warps = 8 if block_h >= 4096 else 4 if block_h * block_rows >= 1024 else 2
     grid = (triton.cdiv(num_rows, block_rows),)
+    pdl = use_pdl(x)
     if sumsq is not None and (sumsq.dtype != torch.float32 or sumsq.stride(0) != 1
                               or sumsq.shape[0] < num_rows):
         raise ValueError(f"sumsq must be a contiguous fp32 buffer of >= {num_rows} rows")
@@ -67,7 +71,7 @@ def _launch(x, residual, weight, eps, sumsq=None):
         x3, r2, weight, out2, ro2, sumsq if sumsq is not None else out2, num_rows, hidden,
         x3.shape[1], x3.stride(0), x3.stride(1), r2.stride(0), out2.stride(0), ro2.stride(0), eps,
         HAS_RESIDUAL=residual is not None, WRITE_SUMSQ=sumsq is not None,
-        BLOCK_ROWS=block_rows, BLOCK_H=block_h, num_warps=num_warps,
+        BLOCK_ROWS=block_rows, BLOCK_H=block_h, USE_PDL=pdl, num_warps=num_warps, launch_pdl=pdl,
     )
     return out, residual_out
 

@@ -21,6 +21,11 @@ Split-K writes fp32 partials to a [SPLIT_K, M, N] workspace and a second kernel 
 fixed order (deterministic, unlike atomics). Both launches are CUDA-graph safe: no host syncs,
 and the workspace size depends only on shapes, so torch.empty per call is captured like any
 other allocation from the graph's private pool.
+
+Under PDL (pdl.py) each program requests its first chunk of W before waiting for the kernel that
+writes x, so part of the weight stream overlaps that kernel's tail. With X_MODE the kernel can
+also build x itself: an RMSNorm of x (+ the residual) folded in (skinny_prologue.py;
+`rms_norm_linear`), which the decoder layer uses at batch 1.
 """
 from __future__ import annotations
 
@@ -31,6 +36,9 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+
+from .pdl import PREFETCH_WEIGHTS, use_pdl, wait_prior
+from .skinny_prologue import X_PLAIN, X_RMSNORM, X_RMSNORM_FACTORED, row_rstd, x_chunk
 
 MAX_M = 16  # the DOT path pads x to 16 rows; beyond that an ordinary GEMM tiling is the right tool
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -112,11 +120,32 @@ def pick_config(M: int, N: int, K: int, elem_size: int = 2, num_sms: int = 132) 
 
 
 @triton.jit
+def _load_chunk(ptrs, k_ok, EVEN_K: tl.constexpr):
+    if EVEN_K:  # every chunk full: no mask at all (16-byte vector loads)
+        return tl.load(ptrs)
+    return tl.load(ptrs, mask=k_ok, other=0.0)
+
+
+@triton.jit
+def _accumulate(acc, w, x, USE_DOT: tl.constexpr, IEEE_DOT: tl.constexpr):
+    if USE_DOT:
+        if IEEE_DOT:  # fp32 weights: exact fp32 products, not tf32
+            acc = tl.dot(w, tl.trans(x), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(w, tl.trans(x), acc)
+    else:
+        acc += w.to(tl.float32) * x.to(tl.float32)
+    return acc
+
+
+@triton.jit
 def _skinny_kernel(
-    x_ptr, w_ptr, b_ptr, out_ptr, ws_ptr,
-    M, N, K, k_per_split, stride_xm, stride_wn, stride_om,
+    x_ptr, w_ptr, b_ptr, out_ptr, ws_ptr, res_ptr, norm_w_ptr, res_out_ptr, sumsq_ptr,
+    M, N, K, k_per_split, stride_xm, stride_wn, stride_om, stride_rm, stride_rom, eps,
     HAS_BIAS: tl.constexpr, IS_SPLIT: tl.constexpr, USE_DOT: tl.constexpr, IEEE_DOT: tl.constexpr,
     EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr, PREFETCH: tl.constexpr,
+    X_MODE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, WRITE_SUMSQ: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -131,8 +160,11 @@ def _skinny_kernel(
     k_hi = tl.minimum(K, k_lo + k_per_split)
     if USE_DOT:  # 2-D tiles: W [BLOCK_N, BLOCK_K], x [BLOCK_M, BLOCK_K]
         w_ptrs = w_ptr + rows_n[:, None] * stride_wn + (k_lo + offs_k)[None, :]
-        x_ptrs = x_ptr + rows_m[:, None] * stride_xm + (k_lo + offs_k)[None, :]
-        k_idx = offs_k[None, :]
+        x_rows = rows_m[:, None] * stride_xm
+        r_rows = rows_m[:, None] * stride_rm
+        ro_rows = rows_m[:, None] * stride_rom
+        m_ok = (offs_m < M)[:, None]
+        kk = k_lo + offs_k[None, :]
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     else:
         # 3-D tiles, W [BLOCK_N, 1, BLOCK_K] and x [1, BLOCK_M, BLOCK_K], loaded in that shape so
@@ -140,30 +172,58 @@ def _skinny_kernel(
         # through shared memory every iteration. The accumulator keeps every product apart
         # until after the loop, so the loop is loads and FMAs only, with one reduction at the end.
         w_ptrs = w_ptr + rows_n[:, None, None] * stride_wn + (k_lo + offs_k)[None, None, :]
-        x_ptrs = x_ptr + rows_m[None, :, None] * stride_xm + (k_lo + offs_k)[None, None, :]
-        k_idx = offs_k[None, None, :]
+        x_rows = rows_m[None, :, None] * stride_xm
+        r_rows = rows_m[None, :, None] * stride_rm
+        ro_rows = rows_m[None, :, None] * stride_rom
+        m_ok = (offs_m < M)[None, :, None]
+        kk = k_lo + offs_k[None, None, :]
         acc = tl.zeros([BLOCK_N, BLOCK_M, BLOCK_K], dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        if EVEN_K:  # every chunk full: no mask at all
-            w = tl.load(w_ptrs)
-            x = tl.load(x_ptrs)
-        else:
-            k_ok = k0 + k_idx < k_hi
-            w = tl.load(w_ptrs, mask=k_ok, other=0.0)
-            x = tl.load(x_ptrs, mask=k_ok, other=0.0)
-        if USE_DOT:
-            if IEEE_DOT:  # fp32 weights: exact fp32 products, not tf32
-                acc = tl.dot(w, tl.trans(x), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(w, tl.trans(x), acc)
-        else:
-            acc += w.to(tl.float32) * x.to(tl.float32)
+    # The first chunk is peeled off the loop so that, under PDL, its weights can be requested
+    # before the wait for the previous kernel (W is constant; x is that kernel's output). Every
+    # program has >= 1 chunk: the host never launches an empty K slice.
+    k_ok = kk < k_hi  # (unused when EVEN_K)
+    if PREFETCH:
+        w = _load_chunk(w_ptrs, k_ok, EVEN_K)
+    wait_prior(USE_PDL)
+    if not PREFETCH:
+        w = _load_chunk(w_ptrs, k_ok, EVEN_K)
+    rstd = 1.0
+    if X_MODE == 1:  # RMSNorm needs the whole row's sum of squares first
+        rstd_m, sq = row_rstd(x_ptr, res_ptr, rows_m, stride_xm, stride_rm, K, eps,
+                              HAS_RESIDUAL, BLOCK_M, BLOCK_K)
+        if WRITE_SUMSQ:  # probes: ||residual||^2 per row, from the sum the norm needs anyway
+            if (pid_n == 0) & (pid_k == 0):
+                tl.store(sumsq_ptr + offs_m, sq, mask=offs_m < M)
+        rstd = rstd_m[:, None] if USE_DOT else rstd_m[None, :, None]
+    first_col = pid_n == 0
+    x, s = x_chunk(x_ptr, x_rows, kk, k_ok, K, res_ptr, r_rows, res_out_ptr, ro_rows,
+                   m_ok & k_ok, first_col, norm_w_ptr, rstd, X_MODE, HAS_RESIDUAL, EVEN_K)
+    acc = _accumulate(acc, w, x, USE_DOT, IEEE_DOT)
+    if X_MODE == 3:  # the sum of squares, element by element until after the loop
+        sq_acc = s.to(tl.float32) * s.to(tl.float32)
+    for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
         w_ptrs += BLOCK_K
-        x_ptrs += BLOCK_K
+        kk += BLOCK_K
+        k_ok = kk < k_hi
+        w = _load_chunk(w_ptrs, k_ok, EVEN_K)
+        x, s = x_chunk(x_ptr, x_rows, kk, k_ok, K, res_ptr, r_rows, res_out_ptr, ro_rows,
+                       m_ok & k_ok, first_col, norm_w_ptr, rstd, X_MODE, HAS_RESIDUAL, EVEN_K)
+        acc = _accumulate(acc, w, x, USE_DOT, IEEE_DOT)
+        if X_MODE == 3:
+            sq_acc += s.to(tl.float32) * s.to(tl.float32)
     if USE_DOT:
         res = acc  # [BLOCK_N, BLOCK_M]: out transposed
     else:
         res = tl.sum(acc, axis=2)
+    if X_MODE == 3:
+        if USE_DOT:
+            sq = tl.sum(sq_acc, axis=1)  # [BLOCK_M]
+        else:
+            sq = tl.sum(tl.sum(sq_acc, axis=2), axis=0)
+        res = res * tl.rsqrt(sq / K + eps)[None, :]
+        if WRITE_SUMSQ:
+            if pid_n == 0:
+                tl.store(sumsq_ptr + offs_m, sq, mask=offs_m < M)
 
     store_mask = (offs_n < N)[:, None] & (offs_m < M)[None, :]
     if IS_SPLIT:
@@ -178,7 +238,9 @@ def _skinny_kernel(
 
 @triton.jit
 def _splitk_reduce_kernel(ws_ptr, b_ptr, out_ptr, M, N, stride_om,
-                          HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+                          HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr,
+                          USE_PDL: tl.constexpr):
+    wait_prior(USE_PDL)
     idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     total = M * N
     mask = idx < total
@@ -202,61 +264,141 @@ def _check_config(cfg: SkinnyConfig) -> None:
         raise ValueError(f"use_dot needs block_n >= 16 and block_k >= 16 (tl.dot), got {cfg}")
 
 
-def skinny_linear(
-    x: torch.Tensor,       # [..., K], M = prod(leading dims) <= 16
-    weight: torch.Tensor,  # [N, K], unit stride along K (row slices and column slices are fine)
-    bias: torch.Tensor | None = None,  # [N]
-    config: SkinnyConfig | None = None,  # None: pick_config(M, N, K)
-) -> torch.Tensor:         # [..., N], x.dtype
-    if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
+def _check_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, k_x: int) -> None:
+    if weight.dim() != 2 or x.shape[-1] != k_x:
         raise ValueError(f"shapes do not match: x {tuple(x.shape)}, weight {tuple(weight.shape)}")
     if weight.stride(1) != 1:
         raise ValueError(f"weight must have unit stride along K (row-major [N, K]); strides {weight.stride()}")
     if x.dtype not in _DTYPES or weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
         raise ValueError(f"x, weight and bias must share one of {_DTYPES}; got {x.dtype}, {weight.dtype}, "
                          f"{None if bias is None else bias.dtype}")
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        raise ValueError(f"bias must be [{weight.shape[0]}], got {tuple(bias.shape)}")
+    if x.shape[:-1].numel() > MAX_M:
+        raise ValueError(f"skinny_linear is for M <= {MAX_M} rows, got {x.shape[:-1].numel()}: use F.linear")
+
+
+def _rows(t: torch.Tensor, width: int) -> torch.Tensor:
+    """t as [M, width] with a unit last stride (a copy only when it has none)."""
+    t2 = t.reshape(t.shape[:-1].numel(), width)  # not -1: width may be 0
+    return t2 if t2.stride(1) == 1 else t2.contiguous()
+
+
+def _launch(x2, weight, bias, config, mode=X_PLAIN, residual=None, norm_weight=None, eps=0.0,
+            residual_out=None, sumsq=None) -> torch.Tensor:
+    """out [M, N] = prologue(x2) @ weight^T (+ bias); x2 is [M, K]."""
     N, K = weight.shape
-    if bias is not None and tuple(bias.shape) != (N,):
-        raise ValueError(f"bias must be [{N}], got {tuple(bias.shape)}")
-    lead = x.shape[:-1]
-    x2 = x.reshape(lead.numel(), K)  # not -1: K may be 0
     M = x2.shape[0]
-    if M > MAX_M:
-        raise ValueError(f"skinny_linear is for M <= {MAX_M} rows, got {M}: use F.linear")
-    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    if M == 0 or N == 0:
-        return out.reshape(*lead, N)
-    if K == 0:  # empty sum: the bias alone
-        return (out.zero_() if bias is None else out.copy_(bias.expand(M, N))).reshape(*lead, N)
-    if x2.stride(1) != 1:
-        x2 = x2.contiguous()
+    out = torch.empty((M, N), dtype=x2.dtype, device=x2.device)
+    if M == 0 or N == 0 or K == 0:
+        return out
     if bias is not None and bias.stride(0) != 1:
         bias = bias.contiguous()
-    cfg = config or pick_config(M, N, K, x.element_size(), _num_sms(x.device.index if x.is_cuda else None))
+    cfg = config or pick_config(M, N, K, x2.element_size(), _num_sms(x2.device.index if x2.is_cuda else None))
     _check_config(cfg)
 
     block_m = 16 if cfg.use_dot else triton.next_power_of_2(M)
     k_per_split = triton.cdiv(triton.cdiv(K, cfg.split_k), cfg.block_k) * cfg.block_k
     split = triton.cdiv(K, k_per_split)  # never launch an empty slice
+    if mode == X_RMSNORM_FACTORED and split > 1:
+        mode = X_RMSNORM  # a K slice does not see the whole row's sum of squares
     grid = (triton.cdiv(N, cfg.block_n), split)
-    ws = torch.empty((split, M, N), dtype=torch.float32, device=x.device) if split > 1 else out
-    b = bias if bias is not None else out  # placeholder pointer, never read
+    ws = torch.empty((split, M, N), dtype=torch.float32, device=x2.device) if split > 1 else out
+    b = bias if bias is not None else out  # placeholder pointers, never read
+    res = residual if residual is not None else x2
+    res_out = residual_out if residual_out is not None else x2
+    pdl = use_pdl(x2)
     _skinny_kernel[grid](
-        x2, weight, b, out, ws, M, N, K, k_per_split, x2.stride(0), weight.stride(0), out.stride(0),
+        x2, weight, b, out, ws, res, norm_weight if norm_weight is not None else x2, res_out,
+        sumsq if sumsq is not None else ws,
+        M, N, K, k_per_split, x2.stride(0), weight.stride(0), out.stride(0), res.stride(0),
+        res_out.stride(0), eps,
         HAS_BIAS=bias is not None, IS_SPLIT=split > 1, USE_DOT=cfg.use_dot,
-        IEEE_DOT=x.dtype == torch.float32, EVEN_K=K % cfg.block_k == 0,
+        IEEE_DOT=x2.dtype == torch.float32, EVEN_K=K % cfg.block_k == 0,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        USE_PDL=pdl, PREFETCH=pdl and PREFETCH_WEIGHTS,
+        X_MODE=mode, HAS_RESIDUAL=residual is not None, WRITE_SUMSQ=sumsq is not None,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
     )
     if split > 1:
         block = 256
         _splitk_reduce_kernel[(triton.cdiv(M * N, block),)](
             ws, b, out, M, N, out.stride(0),
-            HAS_BIAS=bias is not None, SPLIT_K=split, BLOCK=block, num_warps=2,
+            HAS_BIAS=bias is not None, SPLIT_K=split, BLOCK=block, USE_PDL=pdl, num_warps=2,
+            launch_pdl=pdl,
         )
-    return out.reshape(*lead, N)
+    return out
+
+
+def _empty_k(out: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return out.zero_() if bias is None else out.copy_(bias.expand_as(out))
+
+
+def skinny_linear(
+    x: torch.Tensor,       # [..., K], M = prod(leading dims) <= 16
+    weight: torch.Tensor,  # [N, K], unit stride along K (row slices and column slices are fine)
+    bias: torch.Tensor | None = None,  # [N]
+    config: SkinnyConfig | None = None,  # None: pick_config(M, N, K)
+) -> torch.Tensor:         # [..., N], x.dtype
+    _check_operands(x, weight, bias, weight.shape[1] if weight.dim() == 2 else -1)
+    N, K = weight.shape
+    out = _launch(_rows(x, K), weight, bias, config)
+    if K == 0:  # empty sum: the bias alone
+        _empty_k(out, bias)
+    return out.reshape(*x.shape[:-1], N)
+
+
+def rms_norm_linear(
+    x: torch.Tensor,            # [M, K] (the sublayer's output, or the embedding at layer 0)
+    weight: torch.Tensor,       # [N, K]
+    norm_weight: torch.Tensor,  # [K]
+    eps: float,
+    residual: torch.Tensor | None = None,  # [M, K]: added to x first (the fused residual add)
+    bias: torch.Tensor | None = None,
+    sumsq: torch.Tensor | None = None,     # [>= M] fp32: also store sum((x + residual)^2) per row
+    config: SkinnyConfig | None = None,
+    factored: bool = False,  # scale the product by 1/rms instead of x (skinny_prologue.py)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual) @ weight^T + bias, x + residual) in one launch (two with split-K):
+    fused_add_rms_norm followed by skinny_linear, without the normed rows ever in memory."""
+    K = weight.shape[1] if weight.dim() == 2 else -1
+    _check_operands(x, weight, bias, K)
+    if x.dim() != 2 or tuple(norm_weight.shape) != (K,) or norm_weight.dtype != x.dtype:
+        raise ValueError(f"rms_norm_linear takes x [M, {K}] and a [{K}] norm weight of x's dtype; got "
+                         f"x {tuple(x.shape)}, norm weight {tuple(norm_weight.shape)} {norm_weight.dtype}")
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+        raise ValueError(f"residual must match x: {tuple(residual.shape)} {residual.dtype}")
+    x2 = _rows(x, K)
+    if sumsq is not None and (sumsq.dtype != torch.float32 or sumsq.stride(0) != 1
+                              or sumsq.shape[0] < x2.shape[0]):
+        raise ValueError(f"sumsq must be a contiguous fp32 buffer of >= {x2.shape[0]} rows")
+    if residual is None:
+        residual_out = x
+        r2 = None
+    else:
+        r2 = _rows(residual, K)
+        residual_out = torch.empty_like(x2)
+    if K == 0:
+        if sumsq is not None:
+            sumsq[:x2.shape[0]] = 0.0
+        return _empty_k(torch.empty(x2.shape[0], weight.shape[0], dtype=x.dtype, device=x.device),
+                        bias), residual_out
+    out = _launch(x2, weight, bias, config, X_RMSNORM_FACTORED if factored else X_RMSNORM, r2, norm_weight.contiguous(), eps,
+                  residual_out if r2 is not None else None, sumsq)
+    return out, residual_out
 
 
 def skinny_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """Reference: the same product in fp32, rounded once to x.dtype."""
     return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
+
+
+def rms_norm_linear_ref(x, weight, norm_weight, eps, residual=None, bias=None, sumsq=None):
+    """Reference: the unfused torch ops (HF's norm, then the fp32 product)."""
+    from .rmsnorm import fused_add_rms_norm_ref, rms_norm_ref
+    if residual is None:
+        h, residual_out = rms_norm_ref(x, norm_weight, eps, sumsq), x
+    else:
+        h, residual_out = fused_add_rms_norm_ref(x, residual, norm_weight, eps, sumsq)
+    return skinny_linear_ref(h, weight, bias), residual_out
+

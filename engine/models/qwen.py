@@ -15,6 +15,7 @@ from ..layers.attention import Attention
 from ..layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from ..layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from ..layers.norm import RMSNorm
+from ..layers.norm_linear import norm_linear
 from ..layers.rotary import RotaryEmbedding, rope_theta
 
 
@@ -52,8 +53,12 @@ class QwenAttention(nn.Module):
         self.attn = Attention(layer_idx, self.num_heads, self.num_kv_heads, d, d ** -0.5)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        n, d = x.shape[0], self.head_dim
-        qkv = self.qkv_proj(x)                          # [N, (Hq + 2 Hkv) D]
+        return self.attend(positions, self.qkv_proj(x))
+
+    def attend(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
+        """Everything after the QKV projection (qkv [N, (Hq + 2 Hkv) D]): the decoder layer
+        calls this with a projection it fused with the input norm."""
+        n, d = qkv.shape[0], self.head_dim
         if fused_qkv_path(qkv):
             norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm \
                 else (None, None, 0.0)
@@ -85,6 +90,10 @@ class QwenMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
+    def down(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """The MLP after gate_up_proj (the decoder layer runs that one fused with its norm)."""
+        return self.down_proj(silu_and_mul(gate_up))
+
 
 class QwenDecoderLayer(nn.Module):
     def __init__(self, config, layer_idx: int, rotary_emb: RotaryEmbedding, mlp: nn.Module):
@@ -100,15 +109,19 @@ class QwenDecoderLayer(nn.Module):
         # its norm kernel also stores sum(residual^2) for the probes (no extra launch)
         probes = _probes()
         sumsq = probes.sumsq_out(self.layer_idx) if probes is not None else None
-        if residual is None:
-            residual, hidden = hidden, self.input_layernorm(hidden, sumsq=sumsq)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual, sumsq)
+        # the input norm is folded into the QKV projection at batch 1 on the GPU (norm_linear.py)
+        qkv, residual = norm_linear(self.input_layernorm, self.self_attn.qkv_proj, hidden,
+                                    residual, sumsq)
         if probes is not None:
             probes.on_resid(self.layer_idx, residual)
-        hidden = self.self_attn(positions, hidden)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        out = self.mlp(hidden)
+        hidden = self.self_attn.attend(positions, qkv)
+        if type(self.mlp) is QwenMLP:  # dense: the norm folds into gate_up as well
+            gate_up, residual = norm_linear(self.post_attention_layernorm, self.mlp.gate_up_proj,
+                                            hidden, residual)
+            out = self.mlp.down(gate_up)
+        else:
+            hidden, residual = self.post_attention_layernorm(hidden, residual)
+            out = self.mlp(hidden)
         iv = get_context().interventions    # steering: out + residual is hook_resid_post
         if iv is not None:
             out = iv.layer_out(self.layer_idx, out, residual)

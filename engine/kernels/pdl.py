@@ -1,0 +1,52 @@
+"""Programmatic dependent launch (PDL, Hopper and later) for the kernels of a decode step.
+
+A batch-1 decode step is ~265 small kernels in a row; most last 2-4 us and spend much of that
+ramping up (launch, the first DRAM round trips) and draining (the last wave's tail). With PDL a
+kernel may start while the one before it finishes: it is launched with the
+programmatic-stream-serialization attribute (`launch_pdl=True`), and inside it
+`griddepcontrol.wait` blocks until the previous kernel has finished and its writes are visible.
+So a kernel may do before the wait only what reads nothing an earlier kernel writes (the skinny
+GEMM loads its first chunk of weights there) and must store nothing before it.
+
+Every kernel here calls `griddepcontrol.launch_dependents` right after its wait, so the next
+kernel can start once all of this one's programs are past their wait: at most two kernels of
+the chain overlap, and ordering stays transitive (a kernel's wait returns only after the
+previous kernel finished, which itself waited for the one before). A kernel launched without
+the attribute (torch ops, cuBLAS, MoE kernels) waits for its predecessor in full, as ever.
+
+`GLASSBOX_PDL=0` turns it off (the bench's A/B); the interpreter and pre-Hopper GPUs never use it.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+ENABLED = os.environ.get("GLASSBOX_PDL", "1") != "0"
+# the skinny GEMM issues its first weight chunk's loads before the wait (weights are constant)
+PREFETCH_WEIGHTS = os.environ.get("GLASSBOX_PDL_PREFETCH", "1") != "0"
+
+
+@functools.lru_cache(maxsize=None)
+def _capable(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def use_pdl(t: torch.Tensor) -> bool:
+    """Launch this call's kernels with PDL? (a CUDA tensor on sm_90+, and not turned off)"""
+    if not (ENABLED and t.is_cuda):
+        return False
+    index = t.device.index if t.device.index is not None else torch.cuda.current_device()
+    return _capable(index)
+
+
+@triton.jit
+def wait_prior(USE_PDL: tl.constexpr):
+    """Block until the previous kernel in the stream has finished (a no-op without PDL), then let
+    the next one launch."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
