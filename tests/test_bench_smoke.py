@@ -10,6 +10,7 @@ import time
 import types
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -267,3 +268,34 @@ def test_attention_ab_runs_tiny_on_cpu_and_restores_the_launch_table():
     res = attention_ab.main(tiny=True, rounds=1)
     assert all(len(v) == 1 and v[0] > 0 for v in res.values()) and len(res) == 2
     assert (dict(DA.DIRECT_LAUNCH), DA.DIRECT_WIDE_PROGRAMS) == before
+
+
+def test_env_ab_alternates_variants_in_fresh_processes(tmp_path):
+    """bench/env_ab.py: each variant's environment reaches its own process (the engine reads its
+    switches at import), rounds alternate, and a failing variant becomes an error row with the
+    reason instead of stopping the others."""
+    from bench import env_ab
+    probe = tmp_path / "probe.py"  # a stand-in bench script: reports what it was given
+    probe.write_text(
+        "import json, os, sys\n"
+        "out = sys.argv[sys.argv.index('--json') + 1]\n"
+        "v = os.environ['AB_VALUE']\n"
+        "if v == 'boom':\n"
+        "    raise SystemExit('ValueError: boom is not a value')\n"
+        "rows = [{'system': 'glassbox', 'metric': 'decode_tok_s', 'value': float(v)},\n"
+        "        {'system': 'hf', 'metric': 'decode_tok_s', 'value': -1.0},\n"
+        "        {'system': 'glassbox', 'metric': 'unrelated', 'value': 3.0}]\n"
+        "open(out, 'w').write(json.dumps(rows))\n")
+    variants = [env_ab.parse_variant("AB_VALUE=1.5"), env_ab.parse_variant("AB_VALUE=boom"),
+                env_ab.parse_variant("AB_VALUE=7,AB_OTHER=x")]
+    rows = env_ab.main(variants, [str(probe)], rounds=2, timeout=60)
+    assert [(r["variant"], r["round"]) for r in rows] == [
+        ("AB_VALUE=1.5", 1), ("AB_VALUE=boom", 1), ("AB_VALUE=7,AB_OTHER=x", 1),
+        ("AB_VALUE=1.5", 2), ("AB_VALUE=boom", 2), ("AB_VALUE=7,AB_OTHER=x", 2)]
+    assert [r["value"] for r in rows if r["metric"] == "decode_tok_s"] == [1.5, 7.0, 1.5, 7.0]
+    errors = [r for r in rows if r["metric"] == "error"]
+    assert len(errors) == 2 and all("boom is not a value" in r["value"] for r in errors)
+    md = env_ab.table(rows)
+    assert "| AB_VALUE=7,AB_OTHER=x | 7 | 7 |" in md
+    with pytest.raises(ValueError, match="NAME=VALUE"):
+        env_ab.parse_variant("no-equals-sign")
