@@ -32,7 +32,8 @@ PREFETCH_WEIGHTS = os.environ.get("GLASSBOX_PDL_PREFETCH", "1") != "0"
 
 @functools.lru_cache(maxsize=None)
 def _capable(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index)[0] >= 9
+    # NVIDIA sm_90+ only: ROCm reports its own (gfx) numbers here and has no griddepcontrol
+    return torch.version.hip is None and torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
 def use_pdl(t: torch.Tensor) -> bool:
