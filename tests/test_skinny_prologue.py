@@ -5,16 +5,9 @@ over both inner products, split-K and ragged K."""
 import pytest
 import torch
 
-from engine.kernels.skinny_gemm import SkinnyConfig, rms_norm_linear, rms_norm_linear_ref
+from engine.kernels.skinny_gemm import rms_norm_linear, rms_norm_linear_ref
+from test_skinny_gemm import CONFIGS, DEVICE  # one config of each kernel path, small for the interpreter
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-C = SkinnyConfig
-CONFIGS = {
-    "fma": C(32, 64, 1, 2, 1),
-    "fma-split3": C(32, 32, 3, 1, 1),
-    "dot": C(16, 32, 1, 4, 1, True),
-    "dot-split2": C(32, 64, 2, 4, 1, True),
-}
 TOL = {torch.float32: dict(rtol=1e-4, atol=1e-4), torch.float16: dict(rtol=4e-3, atol=4e-3)}
 
 
