@@ -97,3 +97,50 @@ def test_fused_norm_gemv_matches_the_two_kernels_in_bf16(N, K, with_residual, fa
         assert (out == want).float().mean() > 0.9
     err = (out.float() - want.float()).abs().mean() / want.float().abs().mean()
     assert err < 4e-3  # on average within a bf16 ulp
+
+
+# Qwen3-30B-A3B's expert shapes (scaled down in E so the test stays small): the batch-1 MoE chain
+# norm -> fused router (GEMV + top-k in one launch) -> w13+SiLU GEMV -> w2 GEMV, each kernel
+# launched with PDL and each reading what the one before wrote.
+MOE_H, MOE_I, MOE_E, MOE_K, MOE_LAYERS = 2048, 768, 32, 8, 12
+
+
+def _moe_weights(seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return [(_bf16(g, MOE_H, scale=0.2, shift=1.0), _bf16(g, MOE_E, MOE_H, scale=MOE_H ** -0.5),
+             _bf16(g, MOE_E, 2 * MOE_I, MOE_H, scale=MOE_H ** -0.5),
+             _bf16(g, MOE_E, MOE_H, MOE_I, scale=MOE_I ** -0.5)) for _ in range(MOE_LAYERS)]
+
+
+def _moe_chain(x, residual, weights, counts):
+    from engine.kernels.moe_gemv import fused_moe_gemv
+    from engine.kernels.moe_routing import route_hidden
+    for norm_w, gate, w13, w2 in weights:
+        h, residual = fused_add_rms_norm(x, residual, norm_w, 1e-6)
+        _, topk_w, topk_ids = route_hidden(h, gate, MOE_K, True, counts)
+        x = fused_moe_gemv(h, w13, w2, topk_w, topk_ids)
+    return x, residual
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+def test_pdl_moe_chain_matches_the_chain_without_pdl(monkeypatch, graph):
+    from engine.kernels.moe_routing import route_counts
+    if not pdl.use_pdl(torch.empty(1, device="cuda")):
+        pytest.skip("PDL needs sm_90+ (and GLASSBOX_PDL not 0)")
+    weights, counts = _moe_weights(3), route_counts("cuda")
+    g = torch.Generator(device="cuda").manual_seed(7)
+    x, r = _bf16(g, 1, MOE_H), _bf16(g, 1, MOE_H)
+    got = _moe_chain(x, r, weights, counts)  # also compiles outside any capture
+    if graph:
+        cuda_graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(cuda_graph):
+            got = _moe_chain(x, r, weights, counts)
+    monkeypatch.setattr(pdl, "ENABLED", False)
+    for seed in range(3 if graph else 1):
+        if graph:  # new inputs each replay: different experts every layer
+            x.copy_(_bf16(g, 1, MOE_H))
+            r.copy_(_bf16(g, 1, MOE_H))
+            cuda_graph.replay()
+        want = _moe_chain(x, r, weights, counts)
+        torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
+        torch.testing.assert_close(got[1], want[1], rtol=0, atol=0)

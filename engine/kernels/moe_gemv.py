@@ -20,6 +20,9 @@ end). H and I are compile-time constants, so the K loops unroll and the loads of
 can be issued ahead of their FMAs; only a ragged last chunk is masked.
 
 Graph-safe: the grid depends only on (tokens, top_k, shapes); no host sync, no moe_align.
+Both launch with PDL on sm_90+ (pdl.py): they start while the kernel before finishes and wait
+before their first load, since everything they read but the weights depends on it (and which
+weights, on the routing).
 Torch references (shared with the grouped path): fused_moe.py's w13_silu_ref, w2_weighted_ref
 and fused_moe_ref.
 """
@@ -31,6 +34,7 @@ import triton.language as tl
 
 from engine.kernels.fused_moe import check_shapes
 from engine.kernels.moe_configs import KernelTile, MoEGemvConfig, default_gemv
+from engine.kernels.pdl import use_pdl, wait_prior
 
 
 @triton.jit
@@ -41,8 +45,10 @@ def _gemv_w13_silu_kernel(
     inter_ptr,  # [M * TOP_K, I] out
     num_pairs, stride_xm, stride_we, stride_wn, stride_im,
     H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
+    # the expert ids are the router's output (the kernel just before): nothing to fetch ahead
+    wait_prior(USE_PDL)
     pid = tl.program_id(0)
     pair = pid % num_pairs
     pid_n = pid // num_pairs
@@ -85,8 +91,9 @@ def _gemv_w2_sum_kernel(
     out_ptr,    # [M, H] out
     num_tokens, stride_im, stride_we, stride_wn, stride_om,
     H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
+    wait_prior(USE_PDL)
     pid = tl.program_id(0)
     token = pid % num_tokens
     pid_n = pid // num_tokens
@@ -134,10 +141,11 @@ def gemv_w13_silu(x: torch.Tensor, w13: torch.Tensor, topk_ids: torch.Tensor, ti
     if num_pairs == 0:
         return inter
     bn, bk = _block(tile.block_n, inter_size), _block(tile.block_k, hidden)
+    pdl = use_pdl(x)
     _gemv_w13_silu_kernel[(num_pairs * triton.cdiv(inter_size, bn),)](
         x, w13, ids, inter, num_pairs, x.stride(0), w13.stride(0), w13.stride(1), inter.stride(0),
-        H=hidden, I=inter_size, TOP_K=topk_ids.shape[1], BLOCK_N=bn, BLOCK_K=bk,
-        num_warps=tile.num_warps, num_stages=tile.num_stages,
+        H=hidden, I=inter_size, TOP_K=topk_ids.shape[1], BLOCK_N=bn, BLOCK_K=bk, USE_PDL=pdl,
+        num_warps=tile.num_warps, num_stages=tile.num_stages, launch_pdl=pdl,
     )
     return inter
 
@@ -151,11 +159,12 @@ def gemv_w2_sum(inter: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tenso
     if num_tokens == 0:
         return out
     bn, bk = _block(tile.block_n, hidden), _block(tile.block_k, inter_size)
+    pdl = use_pdl(inter)
     _gemv_w2_sum_kernel[(num_tokens * triton.cdiv(hidden, bn),)](
         inter, w2, topk_ids.reshape(-1), topk_weights.reshape(-1), out,
         num_tokens, inter.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
-        H=hidden, I=inter_size, TOP_K=top_k, BLOCK_N=bn, BLOCK_K=bk,
-        num_warps=tile.num_warps, num_stages=tile.num_stages,
+        H=hidden, I=inter_size, TOP_K=top_k, BLOCK_N=bn, BLOCK_K=bk, USE_PDL=pdl,
+        num_warps=tile.num_warps, num_stages=tile.num_stages, launch_pdl=pdl,
     )
     return out
 

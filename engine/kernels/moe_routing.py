@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import use_pdl, wait_prior
+
 
 def route_ref(
     router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool
@@ -220,7 +222,7 @@ def _router_route_kernel(
     num_tokens, num_experts, stride_xm, stride_wn,
     H: tl.constexpr, TOP_K: tl.constexpr, K_P2: tl.constexpr, E_P2: tl.constexpr,
     BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr,
-    HAS_BIAS: tl.constexpr = False,
+    HAS_BIAS: tl.constexpr = False, USE_PDL: tl.constexpr = False,
 ):
     # 1. logits of BLOCK_E experts for BLOCK_T tokens: a GEMV over H, FMA on [BLOCK_E, BLOCK_T, BLOCK_K]
     pid_e = tl.program_id(0)
@@ -231,13 +233,26 @@ def _router_route_kernel(
     w_ptrs = w_ptr + tl.minimum(offs_e, num_experts - 1)[:, None, None] * stride_wn + offs_k[None, None, :]
     x_ptrs = x_ptr + tl.minimum(rows, num_tokens - 1)[None, :, None] * stride_xm + offs_k[None, None, :]
     acc = tl.zeros([BLOCK_E, BLOCK_T, BLOCK_K], dtype=tl.float32)
+    # Under PDL the router's first chunk of weights (constant) is requested before the wait for
+    # the kernel that writes x; nothing is stored before it.
+    if BLOCK_K <= H:
+        w_first = tl.load(w_ptrs)
+    else:
+        w_first = tl.load(w_ptrs, mask=(offs_k < H)[None, None, :], other=0.0)
+    wait_prior(USE_PDL)
     for k0 in tl.static_range(0, H, BLOCK_K):
         if k0 + BLOCK_K <= H:
-            w = tl.load(w_ptrs + k0)
+            if k0 == 0:
+                w = w_first
+            else:
+                w = tl.load(w_ptrs + k0)
             x = tl.load(x_ptrs + k0)
         else:
             k_ok = (k0 + offs_k < H)[None, None, :]
-            w = tl.load(w_ptrs + k0, mask=k_ok, other=0.0)
+            if k0 == 0:
+                w = w_first
+            else:
+                w = tl.load(w_ptrs + k0, mask=k_ok, other=0.0)
             x = tl.load(x_ptrs + k0, mask=k_ok, other=0.0)
         acc += w.to(tl.float32) * x.to(tl.float32)
     # rounded to x's dtype, as the router's F.linear output is, then kept in fp32
@@ -289,6 +304,7 @@ def route_hidden(
         raise ValueError(f"bias must be contiguous fp32 [{num_tokens}, {num_experts}]")
     logits = torch.empty(num_tokens, num_experts, dtype=torch.float32, device=dev)
     e_p2 = triton.next_power_of_2(num_experts)
+    pdl = use_pdl(x)
     # the GEMV accumulator [BLOCK_E, BLOCK_T, BLOCK_K] stays within 8192 fp32 (64 a thread at 4 warps)
     block_k = min(512 if x.element_size() <= 2 else 256, 8192 // (block_e * block_t),
                   triton.next_power_of_2(hidden))
@@ -298,6 +314,6 @@ def route_hidden(
         num_tokens, num_experts, x.stride(0), gate_weight.stride(0),
         H=hidden, TOP_K=top_k, K_P2=triton.next_power_of_2(top_k), E_P2=e_p2, BLOCK_E=block_e,
         BLOCK_T=block_t, BLOCK_K=block_k, NORM=norm_topk_prob, HAS_BIAS=bias is not None,
-        num_warps=num_warps,
+        USE_PDL=pdl, num_warps=num_warps, launch_pdl=pdl,
     )
     return probs, weights, ids
