@@ -144,3 +144,67 @@ def test_pdl_moe_chain_matches_the_chain_without_pdl(monkeypatch, graph):
         want = _moe_chain(x, r, weights, counts)
         torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
         torch.testing.assert_close(got[1], want[1], rtol=0, atol=0)
+
+
+# Decode attention reads its first tile of K/V before its PDL wait, all but the newest token's,
+# which the kernel just before it (q/k norm + RoPE + K/V store) is writing at that moment and
+# which it re-reads after the wait. Each replay first fills the newest slots with garbage: an
+# attention that kept a pre-wait read of them would attend to it.
+ATT_HQ, ATT_HKV, ATT_D, ATT_LAYERS, ATT_PAGE = 16, 8, 128, 8, 16
+
+
+@pytest.mark.parametrize("batch,num_splits", [(1, None), (1, 1), (3, None), (3, 4)])
+def test_pdl_attention_sees_the_newest_token_written_just_before(monkeypatch, batch, num_splits):
+    from engine.kernels.decode_attention import paged_decode_attention
+    from engine.kernels.qk_norm_rope_store import qk_norm_rope_store
+    from engine.kernels.rotary import build_cos_sin_cache
+    if not pdl.use_pdl(torch.empty(1, device="cuda")):
+        pytest.skip("PDL needs sm_90+ (and GLASSBOX_PDL not 0)")
+    g = torch.Generator(device="cuda").manual_seed(11 + batch)
+    width, width_qkv = 64, (ATT_HQ + 2 * ATT_HKV) * ATT_D
+    num_blocks = batch * width + 3
+    caches = [(_bf16(g, num_blocks, ATT_PAGE, ATT_HKV, ATT_D), _bf16(g, num_blocks, ATT_PAGE, ATT_HKV, ATT_D))
+              for _ in range(ATT_LAYERS)]
+    proj = [_bf16(g, width_qkv, ATT_HQ * ATT_D, scale=(ATT_HQ * ATT_D) ** -0.5) for _ in range(ATT_LAYERS)]
+    norms = (_bf16(g, ATT_D, scale=0.1, shift=1.0), _bf16(g, ATT_D, scale=0.1, shift=1.0))
+    cos_sin = build_cos_sin_cache(ATT_D, width * ATT_PAGE, 1e6, "cuda")
+    tables = torch.randperm(num_blocks, generator=g, device="cuda")[:batch * width].view(batch, width).int()
+    lens = torch.empty(batch, dtype=torch.int32, device="cuda")
+    positions = torch.empty(batch, dtype=torch.int64, device="cuda")
+    slots = torch.empty(batch, dtype=torch.int64, device="cuda")
+    qkv0 = _bf16(g, batch, width_qkv)
+
+    def chain():
+        qkv = qkv0
+        for (kc, vc), w in zip(caches, proj):
+            q = qk_norm_rope_store(qkv, positions, cos_sin, kc, vc, slots, ATT_HQ, ATT_HKV, *norms, 1e-6)
+            o = paged_decode_attention(q, kc, vc, tables, lens, ATT_D ** -0.5, num_splits=num_splits)
+            qkv = skinny_linear(o.view(batch, -1), w)
+        return qkv
+
+    def set_step(ctx: torch.Tensor):  # the host's inputs for a step, garbage in the newest slots
+        lens.copy_(ctx)
+        positions.copy_(ctx - 1)
+        rows = torch.arange(batch, device="cuda")
+        slot = tables[rows, (ctx - 1) // ATT_PAGE].long() * ATT_PAGE + (ctx - 1) % ATT_PAGE
+        slots.copy_(slot)
+        for kc, vc in caches:
+            kc.view(-1, ATT_HKV, ATT_D)[slot] = _bf16(g, batch, ATT_HKV, ATT_D, scale=50.0)
+            vc.view(-1, ATT_HKV, ATT_D)[slot] = _bf16(g, batch, ATT_HKV, ATT_D, scale=50.0)
+
+    set_step(torch.randint(1, width * ATT_PAGE, (batch,), generator=g, device="cuda").int())
+    chain()  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = chain()
+    for step in range(4):  # contexts that start a block, end one, and fall inside one
+        ctx = torch.randint(1, width * ATT_PAGE, (batch,), generator=g, device="cuda").int()
+        ctx[0] = (1, ATT_PAGE, ATT_PAGE + 1, 3 * ATT_PAGE - 5)[step]
+        set_step(ctx)
+        graph.replay()
+        got = out.clone()
+        with monkeypatch.context() as m:
+            m.setattr(pdl, "ENABLED", False)
+            set_step(ctx)
+            want = chain()
+        torch.testing.assert_close(got, want, rtol=0, atol=0)

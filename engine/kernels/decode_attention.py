@@ -15,6 +15,7 @@ and step. Calls sharing a key must run on one stream, one after another (as laye
 """
 import functools
 import math
+import os
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +39,9 @@ WAVES = 2           # choose_num_splits: programs for about this many waves of t
 # True: the last split to finish merges (one launch; saves a graph node per layer at batch 1).
 # False: a second kernel merges (the plain flash-decoding shape).
 MERGE_IN_KERNEL = True
+# Splits past a short context exit at once (before the PDL wait) instead of running masked;
+# GLASSBOX_ATTN_SKIP_UNUSED=0 runs them (bench A/B).
+SKIP_UNUSED_SPLITS = os.environ.get("GLASSBOX_ATTN_SKIP_UNUSED", "1") != "0"
 _WORKSPACES: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
 
@@ -62,82 +66,123 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, MERGE_IN_KERNEL: tl.constexpr,
     BLOCK_S: tl.constexpr, DOT_PREC: tl.constexpr, USE_PDL: tl.constexpr,
+    SKIP_UNUSED: tl.constexpr = True,
 ):
-    wait_prior(USE_PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
+    # Before the PDL wait (pdl.py) this program reads only what was final before the kernel it
+    # waits on started (every earlier kernel has finished by then): the context length and block
+    # table (the step's inputs) and the K/V of its first tile, except the newest token's, which
+    # that kernel (the K/V store) is writing; that one is read after the wait. (Measured alone
+    # this moved batch-1 decode by nothing beyond noise: 1,216 / 1,240 -> 1,229 / 1,230 tok/s.)
     ctx = tl.load(context_lens_ptr + b)
     # this split's share of the runtime context, in whole tiles
-    tiles_per_split = tl.cdiv(tl.cdiv(ctx, BLOCK_N), num_splits)
+    tiles = tl.cdiv(ctx, BLOCK_N)
+    tiles_per_split = tl.cdiv(tiles, num_splits)
     start = split * tiles_per_split * BLOCK_N
     end = tl.minimum(start + tiles_per_split * BLOCK_N, ctx)
+    # The split count is fixed by shapes (graphs), but a short context fills only the first few
+    # splits: the rest store nothing and take no part in the merge, which waits for and reads
+    # only the splits that hold tokens (one when the context is empty: it writes the zeros).
+    # (One H200, Qwen3-0.6B batch-1 decode chain at 256 tokens: 32 splits of which 8 hold tokens;
+    # leaving the other 24 out of the merge took 780 -> 749 us a step, their exiting at once
+    # before the wait another 9 us: bench/decode_chain.py, bench/results/2026-12-03c-*.)
+    if MERGE_IN_KERNEL:
+        n_used = tl.maximum(tl.cdiv(tiles, tl.maximum(tiles_per_split, 1)), 1)
+    else:  # the combine kernel reads every split's partials
+        n_used = num_splits
+    used = split < n_used
+    used_rows = split + tl.zeros([BLOCK_G], tl.int32) < n_used  # (a vector: the interpreter's masks)
 
-    g = tl.arange(0, BLOCK_G)
-    d = tl.arange(0, BLOCK_D)
-    heads = kvh * GROUP + g
-    row_mask = g < GROUP
-    d_mask = d < HEAD_DIM
-    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
-                mask=row_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_G, BLOCK_D]
-
-    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
-    for tile_start in range(start, end, BLOCK_N):
-        t = tile_start + tl.arange(0, BLOCK_N)
-        valid = t < end
+    # the splits past the context exit here, before the wait: they hold no tokens
+    if SKIP_UNUSED:
+        go = used
+    else:
+        go = split >= 0
+    if go:
+        g = tl.arange(0, BLOCK_G)
+        d = tl.arange(0, BLOCK_D)
+        heads = kvh * GROUP + g
+        row_mask = g < GROUP
+        d_mask = d < HEAD_DIM
+        bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
+        t = start + tl.arange(0, BLOCK_N)
+        valid = t < end  # none: an empty split
         block = tl.load(bt_row + t // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
         kv_off = block * stride_cb + (t % PAGE_SIZE) * stride_cs + kvh * stride_ch  # [BLOCK_N]
-        kv_mask = valid[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        old = (valid & (t < ctx - 1))[:, None] & d_mask[None, :]
+        k = tl.load(k_cache_ptr + kv_off[:, None] + d[None, :], mask=old, other=0.0)
+        v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=old, other=0.0)
+        wait_prior(USE_PDL)
+        q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
+                    mask=row_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_G, BLOCK_D]
+        newest = (valid & (t == ctx - 1))[:, None] & d_mask[None, :]  # this step's token, if here
+        k = tl.load(k_cache_ptr + kv_off[:, None] + d[None, :], mask=newest, other=k)
+        v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=newest, other=v)
+
+        # the first tile, peeled off the loop for the loads above; an empty split leaves m at -inf
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2  # [BLOCK_G, BLOCK_N]
         s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: every tile has a valid token
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
-        m_i = m_new
+        m_i = tl.max(s, axis=1)
+        m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = tl.sum(p, axis=1)
+        acc = tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+        for tile_start in range(start + BLOCK_N, end, BLOCK_N):
+            t = tile_start + tl.arange(0, BLOCK_N)
+            valid = t < end
+            block = tl.load(bt_row + t // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
+            kv_off = block * stride_cb + (t % PAGE_SIZE) * stride_cs + kvh * stride_ch  # [BLOCK_N]
+            kv_mask = valid[:, None] & d_mask[None, :]
+            k = tl.load(k_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2  # [BLOCK_G, BLOCK_N]
+            s = tl.where(valid[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: every later tile has a valid token
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+            m_i = m_new
 
-    o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # empty split / context 0: zeros, not NaN
-    out_mask = row_mask[:, None] & d_mask[None, :]
-    if DIRECT:
-        tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=out_mask)
-    else:
-        # workspace [B, Hq, S, D] and [B, Hq, S], contiguous
-        row = (b * (tl.num_programs(1) * GROUP) + heads).to(tl.int64) * num_splits + split
-        tl.store(part_out_ptr + row[:, None] * HEAD_DIM + d[None, :], o, mask=out_mask)
-        tl.store(part_lse_ptr + row, m_i + tl.log2(l_i), mask=row_mask)  # -inf when empty
-        if MERGE_IN_KERNEL:
-            # Merge without a second launch: the split that finishes last for this (sequence,
-            # kv head) merges them all. The CTA barrier + acq_rel atomic publish every thread's
-            # partials before the count; .cg loads then read them from L2, past this SM's L1.
-            tl.debug_barrier()
-            counter = counters_ptr + b * tl.num_programs(1) + kvh
-            if tl.atomic_add(counter, 1, sem="acq_rel") == num_splits - 1:
-                tl.store(counter, 0)  # ready for the next launch or graph replay
-                # (fresh names only inside this runtime `if`: Triton would try to merge rebinds)
-                split_ids = tl.arange(0, BLOCK_S)
-                split_mask = split_ids < num_splits
-                for gi in tl.static_range(GROUP):
-                    head = kvh * GROUP + gi
-                    base = (b * (tl.num_programs(1) * GROUP) + head).to(tl.int64) * num_splits
-                    lse = tl.load(part_lse_ptr + base + split_ids, mask=split_mask, other=float("-inf"),
-                                  cache_modifier=".cg")
-                    m = tl.max(lse, axis=0)
-                    m = tl.where(m == float("-inf"), 0.0, m)
-                    w = tl.exp2(lse - m)  # [BLOCK_S]; 0 for empty splits
-                    denom = tl.sum(w, axis=0)
-                    denom = tl.where(denom == 0.0, 1.0, denom)
-                    parts = tl.load(part_out_ptr + (base + split_ids)[:, None] * HEAD_DIM + d[None, :],
-                                    mask=split_mask[:, None] & d_mask[None, :], other=0.0, cache_modifier=".cg")
-                    merged = tl.sum(parts * w[:, None], axis=0) / denom  # [BLOCK_D]
-                    tl.store(out_ptr + b * stride_ob + head * stride_oh + d,
-                             merged.to(out_ptr.dtype.element_ty), mask=d_mask)
+        o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # empty split / context 0: zeros, not NaN
+        out_mask = row_mask[:, None] & d_mask[None, :]
+        if DIRECT:
+            tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
+                     o.to(out_ptr.dtype.element_ty), mask=out_mask)
+        else:
+            # workspace [B, Hq, S, D] and [B, Hq, S], contiguous
+            row = (b * (tl.num_programs(1) * GROUP) + heads).to(tl.int64) * num_splits + split
+            tl.store(part_out_ptr + row[:, None] * HEAD_DIM + d[None, :], o, mask=out_mask & used_rows[:, None])
+            tl.store(part_lse_ptr + row, m_i + tl.log2(l_i), mask=row_mask & used_rows)  # -inf when empty
+            if MERGE_IN_KERNEL:
+                # Merge without a second launch: the split that finishes last for this (sequence,
+                # kv head) merges them all. The CTA barrier + acq_rel atomic publish every thread's
+                # partials before the count; .cg loads then read them from L2, past this SM's L1.
+                tl.debug_barrier()
+                counter = counters_ptr + b * tl.num_programs(1) + kvh
+                arrived = tl.atomic_add(counter, 1, mask=used, sem="acq_rel")
+                if used & (arrived == n_used - 1):
+                    tl.store(counter, 0)  # ready for the next launch or graph replay
+                    # (fresh names only inside this runtime `if`: Triton would try to merge rebinds)
+                    split_ids = tl.arange(0, BLOCK_S)
+                    split_mask = split_ids < n_used
+                    for gi in tl.static_range(GROUP):
+                        head = kvh * GROUP + gi
+                        base = (b * (tl.num_programs(1) * GROUP) + head).to(tl.int64) * num_splits
+                        lse = tl.load(part_lse_ptr + base + split_ids, mask=split_mask, other=float("-inf"),
+                                      cache_modifier=".cg")
+                        m = tl.max(lse, axis=0)
+                        m = tl.where(m == float("-inf"), 0.0, m)
+                        w = tl.exp2(lse - m)  # [BLOCK_S]; 0 for empty splits
+                        denom = tl.sum(w, axis=0)
+                        denom = tl.where(denom == 0.0, 1.0, denom)
+                        parts = tl.load(part_out_ptr + (base + split_ids)[:, None] * HEAD_DIM + d[None, :],
+                                        mask=split_mask[:, None] & d_mask[None, :], other=0.0, cache_modifier=".cg")
+                        merged = tl.sum(parts * w[:, None], axis=0) / denom  # [BLOCK_D]
+                        tl.store(out_ptr + b * stride_ob + head * stride_oh + d,
+                                 merged.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
 @triton.jit
@@ -234,7 +279,8 @@ def paged_decode_attention(
         HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         PAGE_SIZE=page_size, BLOCK_N=launch["BLOCK_N"], DIRECT=direct,
         MERGE_IN_KERNEL=MERGE_IN_KERNEL, BLOCK_S=triton.next_power_of_2(num_splits),
-        DOT_PREC=dot_precision(q.dtype), USE_PDL=pdl, num_warps=launch["num_warps"],
+        DOT_PREC=dot_precision(q.dtype), USE_PDL=pdl, SKIP_UNUSED=SKIP_UNUSED_SPLITS,
+        num_warps=launch["num_warps"],
         num_stages=launch["num_stages"], launch_pdl=pdl,
     )
     if not direct and not MERGE_IN_KERNEL:
