@@ -73,3 +73,52 @@ def test_bad_input_says_what_is_wrong():
         rms_norm_linear(torch.randn(1, 63, device=DEVICE), w, torch.ones(64, device=DEVICE), 1e-6)
     with pytest.raises(ValueError, match="M <= 16"):
         rms_norm_linear(torch.randn(17, 64, device=DEVICE), w, torch.ones(64, device=DEVICE), 1e-6)
+
+
+GATED_CONFIGS = {k: v for k, v in CONFIGS.items() if v.split_k == 1}  # the epilogue needs the whole sum
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("name", list(GATED_CONFIGS) + ["picked"])
+@pytest.mark.parametrize("M,K", [(1, 96), (3, 320)])
+@pytest.mark.parametrize("factored", [False, True], ids=["prepass", "factored"])
+def test_gated_rms_norm_linear_is_silu_and_mul_of_the_product(M, K, name, dtype, factored):
+    """gated=True: a merged [2N, K] gate_up weight, and the kernel's epilogue stores
+    silu(gate) * up (the dense MLP's activation) instead of the [M, 2N] product."""
+    g = torch.Generator().manual_seed(M * 31 + K + len(name) + 5 * factored)
+    N = 40  # ragged against every config's block_n
+    x = _t(g, M, K, dtype=dtype, scale=3.0)
+    res = _t(g, M, K, dtype=dtype, scale=2.0)
+    norm_w = _t(g, K, dtype=dtype, scale=0.3, shift=1.0)
+    w = _t(g, 2 * N, K, dtype=dtype, scale=2 * K ** -0.5)
+    sumsq = torch.full((M,), -1.0, device=DEVICE)
+    out, resid = rms_norm_linear(x, w, norm_w, 1e-6, res, sumsq=sumsq, factored=factored, gated=True,
+                                 config=GATED_CONFIGS.get(name))
+    assert out.shape == (M, N)
+    want_sumsq = torch.empty(M, device=DEVICE)
+    want, want_resid = rms_norm_linear_ref(x, w, norm_w, 1e-6, res, sumsq=want_sumsq, gated=True)
+    torch.testing.assert_close(out, want, **(TOL[dtype] if not factored or dtype == torch.float32
+                                             else dict(rtol=1.5e-2, atol=1.5e-2)))
+    torch.testing.assert_close(resid, want_resid, rtol=0, atol=0)
+    torch.testing.assert_close(sumsq, want_sumsq, rtol=1e-5, atol=1e-3)
+    # the reference against fp64 SwiGLU of the fp64 product
+    s = x.double() + res.double()
+    h = s / torch.sqrt(s.pow(2).mean(-1, keepdim=True) + 1e-6) * norm_w.double()
+    gu = h @ w.double().T
+    exact = torch.nn.functional.silu(gu[:, :N]) * gu[:, N:]
+    torch.testing.assert_close(want.double(), exact, rtol=3e-2, atol=3e-2)
+
+
+def test_gated_rejects_what_it_cannot_fuse():
+    g = torch.Generator().manual_seed(9)
+    x, norm_w = _t(g, 1, 64, dtype=torch.float32), _t(g, 64, dtype=torch.float32, shift=1.0)
+    with pytest.raises(ValueError, match="bias-free"):
+        rms_norm_linear(x, _t(g, 80, 64, dtype=torch.float32), norm_w, 1e-6,
+                        bias=_t(g, 80, dtype=torch.float32), gated=True)
+    with pytest.raises(ValueError, match="bias-free"):
+        rms_norm_linear(x, _t(g, 81, 64, dtype=torch.float32), norm_w, 1e-6, gated=True)
+    with pytest.raises(ValueError, match="cannot split K"):
+        rms_norm_linear(x, _t(g, 80, 64, dtype=torch.float32), norm_w, 1e-6, gated=True,
+                        config=CONFIGS["fma-split3"])
+    empty, _ = rms_norm_linear(x[:, :0], _t(g, 80, 0, dtype=torch.float32), norm_w[:0], 1e-6, gated=True)
+    assert empty.shape == (1, 40) and (empty == 0).all()

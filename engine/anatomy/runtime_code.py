@@ -216,7 +216,8 @@ def _layer_stages(layer) -> list[tuple[str, str, object]]:
         out.append(("moe_block", "weighted sum of the experts (+ shared expert)", mlp))
     else:
         out += [("gate_up_proj", "gate and up projections in one matmul", mlp.gate_up_proj),
-                ("act", "SiLU(gate) × up", mlp),
+                ("act", "SiLU(gate) × up (at batch 1 on the GPU, in gate_up's GEMM as it "
+                 "stores)", mlp),
                 ("down_proj", "projection back to hidden", mlp.down_proj)]
     return out
 

@@ -25,7 +25,9 @@ other allocation from the graph's private pool.
 Under PDL (pdl.py) each program requests its first chunk of W before waiting for the kernel that
 writes x, so part of the weight stream overlaps that kernel's tail. With X_MODE the kernel can
 also build x itself: an RMSNorm of x (+ the residual) folded in (skinny_prologue.py;
-`rms_norm_linear`), which the decoder layer uses at batch 1.
+`rms_norm_linear`), which the decoder layer uses at batch 1. With GATED it reads a merged
+gate_up weight [2N, K], each program its rows of both halves, and stores silu(gate) * up:
+the dense MLP's activation with no launch of its own (`rms_norm_linear(..., gated=True)`).
 """
 from __future__ import annotations
 
@@ -146,6 +148,7 @@ def _skinny_kernel(
     EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     USE_PDL: tl.constexpr, PREFETCH: tl.constexpr,
     X_MODE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, WRITE_SUMSQ: tl.constexpr,
+    GATED: tl.constexpr = False,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -166,6 +169,7 @@ def _skinny_kernel(
         m_ok = (offs_m < M)[:, None]
         kk = k_lo + offs_k[None, :]
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     else:
         # 3-D tiles, W [BLOCK_N, 1, BLOCK_K] and x [1, BLOCK_M, BLOCK_K], loaded in that shape so
         # both share the accumulator's layout: a 2-D load expanded afterwards gets re-laid out
@@ -178,15 +182,24 @@ def _skinny_kernel(
         m_ok = (offs_m < M)[None, :, None]
         kk = k_lo + offs_k[None, None, :]
         acc = tl.zeros([BLOCK_N, BLOCK_M, BLOCK_K], dtype=tl.float32)
+        acc_up = tl.zeros([BLOCK_N, BLOCK_M, BLOCK_K], dtype=tl.float32)
+    # GATED (a merged gate_up weight, [2N, K]): each program also streams the N-th row after each
+    # of its rows (the up projection's) and the epilogue stores silu(gate) * up, so the
+    # activation needs no launch of its own.
+    up_off = N * stride_wn
     # The first chunk is peeled off the loop so that, under PDL, its weights can be requested
     # before the wait for the previous kernel (W is constant; x is that kernel's output). Every
     # program has >= 1 chunk: the host never launches an empty K slice.
     k_ok = kk < k_hi  # (unused when EVEN_K)
     if PREFETCH:
         w = _load_chunk(w_ptrs, k_ok, EVEN_K)
+        if GATED:
+            w_up = _load_chunk(w_ptrs + up_off, k_ok, EVEN_K)
     wait_prior(USE_PDL)
     if not PREFETCH:
         w = _load_chunk(w_ptrs, k_ok, EVEN_K)
+        if GATED:
+            w_up = _load_chunk(w_ptrs + up_off, k_ok, EVEN_K)
     rstd = 1.0
     if X_MODE == 1:  # RMSNorm needs the whole row's sum of squares first
         rstd_m, sq = row_rstd(x_ptr, res_ptr, rows_m, stride_xm, stride_rm, K, eps,
@@ -199,6 +212,8 @@ def _skinny_kernel(
     x, s = x_chunk(x_ptr, x_rows, kk, k_ok, K, res_ptr, r_rows, res_out_ptr, ro_rows,
                    m_ok & k_ok, first_col, norm_w_ptr, rstd, X_MODE, HAS_RESIDUAL, EVEN_K)
     acc = _accumulate(acc, w, x, USE_DOT, IEEE_DOT)
+    if GATED:
+        acc_up = _accumulate(acc_up, w_up, x, USE_DOT, IEEE_DOT)
     if X_MODE == 3:  # the sum of squares, element by element until after the loop
         sq_acc = s.to(tl.float32) * s.to(tl.float32)
     for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
@@ -206,25 +221,38 @@ def _skinny_kernel(
         kk += BLOCK_K
         k_ok = kk < k_hi
         w = _load_chunk(w_ptrs, k_ok, EVEN_K)
+        if GATED:
+            w_up = _load_chunk(w_ptrs + up_off, k_ok, EVEN_K)
         x, s = x_chunk(x_ptr, x_rows, kk, k_ok, K, res_ptr, r_rows, res_out_ptr, ro_rows,
                        m_ok & k_ok, first_col, norm_w_ptr, rstd, X_MODE, HAS_RESIDUAL, EVEN_K)
         acc = _accumulate(acc, w, x, USE_DOT, IEEE_DOT)
+        if GATED:
+            acc_up = _accumulate(acc_up, w_up, x, USE_DOT, IEEE_DOT)
         if X_MODE == 3:
             sq_acc += s.to(tl.float32) * s.to(tl.float32)
     if USE_DOT:
         res = acc  # [BLOCK_N, BLOCK_M]: out transposed
+        res_up = acc_up
     else:
         res = tl.sum(acc, axis=2)
+        res_up = tl.sum(acc_up, axis=2)
     if X_MODE == 3:
         if USE_DOT:
             sq = tl.sum(sq_acc, axis=1)  # [BLOCK_M]
         else:
             sq = tl.sum(tl.sum(sq_acc, axis=2), axis=0)
-        res = res * tl.rsqrt(sq / K + eps)[None, :]
+        rstd_f = tl.rsqrt(sq / K + eps)[None, :]
+        res = res * rstd_f
+        res_up = res_up * rstd_f
         if WRITE_SUMSQ:
             if pid_n == 0:
                 tl.store(sumsq_ptr + offs_m, sq, mask=offs_m < M)
 
+    if GATED:  # the unfused path's rounding points: gate and up, silu(gate), the product
+        dt = out_ptr.dtype.element_ty
+        gate = res.to(dt).to(tl.float32)
+        act = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32)
+        res = act * res_up.to(dt).to(tl.float32)
     store_mask = (offs_n < N)[:, None] & (offs_m < M)[None, :]
     if IS_SPLIT:
         part_ptrs = ws_ptr + (pid_k * M + offs_m[None, :]).to(tl.int64) * N + offs_n[:, None]
@@ -284,18 +312,37 @@ def _rows(t: torch.Tensor, width: int) -> torch.Tensor:
     return t2 if t2.stride(1) == 1 else t2.contiguous()
 
 
+def gated_config(cfg: SkinnyConfig) -> SkinnyConfig:
+    """A config picked for the merged [2N, K] weight, for the gated kernel: half the rows of each
+    half a program (the same weight bytes a program), and no split-K (the epilogue needs the
+    whole sum)."""
+    return SkinnyConfig(max(16 if cfg.use_dot else 1, cfg.block_n // 2), cfg.block_k, 1,
+                        cfg.num_warps, cfg.num_stages, cfg.use_dot)
+
+
 def _launch(x2, weight, bias, config, mode=X_PLAIN, residual=None, norm_weight=None, eps=0.0,
-            residual_out=None, sumsq=None) -> torch.Tensor:
-    """out [M, N] = prologue(x2) @ weight^T (+ bias); x2 is [M, K]."""
+            residual_out=None, sumsq=None, gated=False) -> torch.Tensor:
+    """out [M, N] = prologue(x2) @ weight^T (+ bias); x2 is [M, K]. gated: weight is [2N, K]
+    and out = silu(prologue(x2) @ weight[:N]^T) * (prologue(x2) @ weight[N:]^T)."""
     N, K = weight.shape
     M = x2.shape[0]
+    if gated:
+        if bias is not None or N % 2:
+            raise ValueError(f"the gated GEMV takes a bias-free [2N, K] weight; got {tuple(weight.shape)}"
+                             f"{' with a bias' if bias is not None else ''}")
+        N //= 2
     out = torch.empty((M, N), dtype=x2.dtype, device=x2.device)
     if M == 0 or N == 0 or K == 0:
         return out
     if bias is not None and bias.stride(0) != 1:
         bias = bias.contiguous()
-    cfg = config or pick_config(M, N, K, x2.element_size(), _num_sms(x2.device.index if x2.is_cuda else None))
+    cfg = config or pick_config(M, 2 * N if gated else N, K, x2.element_size(),
+                                _num_sms(x2.device.index if x2.is_cuda else None))
     _check_config(cfg)
+    if gated and config is None:
+        cfg = gated_config(cfg)
+    elif gated and cfg.split_k > 1:
+        raise ValueError(f"the gated GEMV cannot split K (its epilogue needs the whole sum): {cfg}")
 
     block_m = 16 if cfg.use_dot else triton.next_power_of_2(M)
     k_per_split = triton.cdiv(triton.cdiv(K, cfg.split_k), cfg.block_k) * cfg.block_k
@@ -318,7 +365,7 @@ def _launch(x2, weight, bias, config, mode=X_PLAIN, residual=None, norm_weight=N
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         USE_PDL=pdl, PREFETCH=pdl and PREFETCH_WEIGHTS,
         X_MODE=mode, HAS_RESIDUAL=residual is not None, WRITE_SUMSQ=sumsq is not None,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
+        GATED=gated, num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
     )
     if split > 1:
         block = 256
@@ -358,9 +405,11 @@ def rms_norm_linear(
     sumsq: torch.Tensor | None = None,     # [>= M] fp32: also store sum((x + residual)^2) per row
     config: SkinnyConfig | None = None,
     factored: bool = False,  # scale the product by 1/rms instead of x (skinny_prologue.py)
+    gated: bool = False,     # weight is a merged [2N, K] gate_up: return silu(gate) * up [M, N]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual) @ weight^T + bias, x + residual) in one launch (two with split-K):
-    fused_add_rms_norm followed by skinny_linear, without the normed rows ever in memory."""
+    fused_add_rms_norm followed by skinny_linear, without the normed rows ever in memory. With
+    `gated`, silu_and_mul of that product too (the dense MLP's gate_up at batch 1; no split-K)."""
     K = weight.shape[1] if weight.dim() == 2 else -1
     _check_operands(x, weight, bias, K)
     if x.dim() != 2 or tuple(norm_weight.shape) != (K,) or norm_weight.dtype != x.dtype:
@@ -381,10 +430,12 @@ def rms_norm_linear(
     if K == 0:
         if sumsq is not None:
             sumsq[:x2.shape[0]] = 0.0
+        if gated:  # silu(0) * 0
+            return torch.zeros(x2.shape[0], weight.shape[0] // 2, dtype=x.dtype, device=x.device), residual_out
         return _empty_k(torch.empty(x2.shape[0], weight.shape[0], dtype=x.dtype, device=x.device),
                         bias), residual_out
     out = _launch(x2, weight, bias, config, X_RMSNORM_FACTORED if factored else X_RMSNORM, r2, norm_weight.contiguous(), eps,
-                  residual_out if r2 is not None else None, sumsq)
+                  residual_out if r2 is not None else None, sumsq, gated)
     return out, residual_out
 
 
@@ -393,12 +444,15 @@ def skinny_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
 
 
-def rms_norm_linear_ref(x, weight, norm_weight, eps, residual=None, bias=None, sumsq=None):
-    """Reference: the unfused torch ops (HF's norm, then the fp32 product)."""
+def rms_norm_linear_ref(x, weight, norm_weight, eps, residual=None, bias=None, sumsq=None,
+                        gated=False):
+    """Reference: the unfused torch ops (HF's norm, then the fp32 product, then HF's SwiGLU)."""
+    from .activation import silu_and_mul_ref
     from .rmsnorm import fused_add_rms_norm_ref, rms_norm_ref
     if residual is None:
         h, residual_out = rms_norm_ref(x, norm_weight, eps, sumsq), x
     else:
         h, residual_out = fused_add_rms_norm_ref(x, residual, norm_weight, eps, sumsq)
-    return skinny_linear_ref(h, weight, bias), residual_out
+    out = skinny_linear_ref(h, weight, bias)
+    return (silu_and_mul_ref(out) if gated else out), residual_out
 

@@ -10,7 +10,10 @@ product, one pass over x), `prepass` (HF's rounding points: a pass for the sum o
 first), or `0` (off). One H200, Qwen3-0.6B batch-1 decode under PDL, two alternating rounds
 (bench/results/2026-12-03b-fusion-ab.txt): off 1,223 / 1,221 tok/s, factored 1,238 / 1,239,
 prepass 1,196 / 1,196. SiLU * up folded into down_proj the same way measured slower
-(1,209 / 1,206) and was not kept.
+(1,209 / 1,206) and was not kept; folded into gate_up's epilogue instead (`gated`: each program
+streams its gate rows and the matching up rows and stores the activation), it saves the
+activation's launch without a prologue after the wait: 1,258 -> 1,310 tok/s, the rebuilt decode
+chain 749 -> 730 us a step (bench/results/2026-12-03c-*; `GLASSBOX_FUSE_SWIGLU=0` turns it off).
 """
 from __future__ import annotations
 
@@ -18,12 +21,15 @@ import os
 
 import torch
 
+from .activation import silu_and_mul
 from .linear import LinearBase
 from .norm import RMSNorm
 
 FUSE_NORM = os.environ.get("GLASSBOX_FUSE_NORM", "factored")
 if FUSE_NORM not in ("0", "prepass", "factored"):
     raise ValueError(f"GLASSBOX_FUSE_NORM must be 0, prepass or factored, not {FUSE_NORM!r}")
+# the dense MLP's SiLU * up in gate_up's epilogue when its norm is folded in (`gated` below)
+FUSE_SWIGLU = os.environ.get("GLASSBOX_FUSE_SWIGLU", "1") != "0"
 
 
 def fuses(x: torch.Tensor, layer: LinearBase, enabled: bool = True) -> bool:
@@ -34,16 +40,21 @@ def fuses(x: torch.Tensor, layer: LinearBase, enabled: bool = True) -> bool:
 
 def norm_linear(norm: RMSNorm, layer: LinearBase, x: torch.Tensor,
                 residual: torch.Tensor | None, sumsq: torch.Tensor | None = None,
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+                gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(layer(norm(x + residual)), x + residual); residual None means x is the residual (the
     embedding entering layer 0). `layer` must need no communication on its input side
-    (replicated or column-parallel), as qkv_proj and gate_up_proj are."""
+    (replicated or column-parallel), as qkv_proj and gate_up_proj are. gated: `layer` is the
+    merged gate_up projection and the first value is silu_and_mul of its output."""
     if fuses(x, layer, FUSE_NORM != "0"):
         from ..kernels.skinny_gemm import rms_norm_linear
-        return rms_norm_linear(x, layer.weight, norm.weight, norm.eps, residual, layer.bias, sumsq,
-                               factored=FUSE_NORM == "factored")
+        swiglu = gated and FUSE_SWIGLU and layer.bias is None
+        out, residual = rms_norm_linear(x, layer.weight, norm.weight, norm.eps, residual, layer.bias,
+                                        sumsq, factored=FUSE_NORM == "factored", gated=swiglu)
+        return (silu_and_mul(out) if gated and not swiglu else out), residual
     if residual is None:
-        return layer(norm(x, sumsq=sumsq)), x
-    h, residual = norm(x, residual, sumsq)
-    return layer(h), residual
+        out, residual = layer(norm(x, sumsq=sumsq)), x
+    else:
+        h, residual = norm(x, residual, sumsq)
+        out = layer(h)
+    return (silu_and_mul(out) if gated else out), residual
 

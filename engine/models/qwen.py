@@ -90,10 +90,6 @@ class QwenMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
-    def down(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """The MLP after gate_up_proj (the decoder layer runs that one fused with its norm)."""
-        return self.down_proj(silu_and_mul(gate_up))
-
 
 class QwenDecoderLayer(nn.Module):
     def __init__(self, config, layer_idx: int, rotary_emb: RotaryEmbedding, mlp: nn.Module):
@@ -116,9 +112,9 @@ class QwenDecoderLayer(nn.Module):
             probes.on_resid(self.layer_idx, residual)
         hidden = self.self_attn.attend(positions, qkv)
         if type(self.mlp) is QwenMLP:  # dense: the norm folds into gate_up as well
-            gate_up, residual = norm_linear(self.post_attention_layernorm, self.mlp.gate_up_proj,
-                                            hidden, residual)
-            out = self.mlp.down(gate_up)
+            act, residual = norm_linear(self.post_attention_layernorm, self.mlp.gate_up_proj,
+                                        hidden, residual, gated=True)
+            out = self.mlp.down_proj(act)
         else:
             hidden, residual = self.post_attention_layernorm(hidden, residual)
             out = self.mlp(hidden)
