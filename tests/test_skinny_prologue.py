@@ -122,3 +122,21 @@ def test_gated_rejects_what_it_cannot_fuse():
                         config=CONFIGS["fma-split3"])
     empty, _ = rms_norm_linear(x[:, :0], _t(g, 80, 0, dtype=torch.float32), norm_w[:0], 1e-6, gated=True)
     assert empty.shape == (1, 40) and (empty == 0).all()
+
+
+def test_one_row_fused_norm_takes_the_wide_programs_and_matches():
+    """At M = 1 the ungated fused-norm GEMV (the decoder's QKV) picks pick_config's wide
+    programs by default (skinny_gemm.WIDE_M1); against the unfused ops at K that makes the
+    wide chunk shrink (K < 1024) and at K with two chunks."""
+    from engine.kernels import skinny_gemm as SG
+    assert SG.WIDE_M1 == "norm"
+    assert SG.pick_config(1, 4096, 1024, wide=True) == SG.SkinnyConfig(8, 1024, 1, 4, 3)
+    assert SG.pick_config(1, 4096, 1024) != SG.pick_config(1, 4096, 1024, wide=True)
+    for K in (96, 2048):
+        g = torch.Generator().manual_seed(K)
+        x, res = _t(g, 1, K, dtype=torch.float32, scale=2.0), _t(g, 1, K, dtype=torch.float32)
+        norm_w, w = _t(g, K, dtype=torch.float32, shift=1.0), _t(g, 48, K, dtype=torch.float32, scale=K ** -0.5)
+        out, resid = rms_norm_linear(x, w, norm_w, 1e-6, res, factored=True)
+        want, want_resid = rms_norm_linear_ref(x, w, norm_w, 1e-6, res)
+        torch.testing.assert_close(out, want, **TOL[torch.float32])
+        torch.testing.assert_close(resid, want_resid, rtol=0, atol=0)

@@ -32,6 +32,7 @@ the dense MLP's activation with no launch of its own (`rms_norm_linear(..., gate
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 
 import torch
@@ -42,6 +43,15 @@ import triton.language as tl
 from .pdl import PREFETCH_WEIGHTS, use_pdl, wait_prior
 from .skinny_prologue import X_PLAIN, X_RMSNORM, X_RMSNORM_FACTORED, row_rstd, x_chunk
 
+# Wider one-row programs (pick_config's `wide`): `norm` (the default) for the fused-norm GEMV
+# without the SwiGLU epilogue (the decoder's QKV projection at batch 1), `1` for every one-row
+# GEMV, `0` for none. One H200, Qwen3-0.6B, batch-1 decode chain rebuilt in one graph
+# (bench/decode_chain.py, 2026-12-03): the wider QKV programs -35.6 us a step of 723; for
+# gate_up (gated), down_proj and o_proj they were slower or even, and all together -11
+# (engine: 1,317 -> 1,308 tok/s with all).
+WIDE_M1 = os.environ.get("GLASSBOX_SKINNY_WIDE", "norm")
+if WIDE_M1 not in ("0", "1", "norm"):
+    raise ValueError(f"GLASSBOX_SKINNY_WIDE must be 0, 1 or norm, not {WIDE_M1!r}")
 MAX_M = 16  # the DOT path pads x to 16 rows; beyond that an ordinary GEMM tiling is the right tool
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -75,7 +85,8 @@ def fma_acc_regs(cfg: SkinnyConfig, M: int) -> int:
     return cfg.block_n * triton.next_power_of_2(M) * cfg.block_k // (32 * cfg.num_warps)
 
 
-def pick_config(M: int, N: int, K: int, elem_size: int = 2, num_sms: int = 132) -> SkinnyConfig:
+def pick_config(M: int, N: int, K: int, elem_size: int = 2, num_sms: int = 132,
+                wide: bool = False) -> SkinnyConfig:
     """Heuristic for an H200 (132 SMs, ~4.1 TB/s copy), read off `bench/skinny_gemm.py --wide` at
     the Qwen3 decode shapes (N 1024..151936, K 1024..4096) for M = 1, 2, 4, 8 in bf16.
 
@@ -84,12 +95,18 @@ def pick_config(M: int, N: int, K: int, elem_size: int = 2, num_sms: int = 132) 
     SM); its accumulator holds BLOCK_N x BLOCK_M x (BLOCK_K / threads) fp32 registers, so the
     bytes it can keep in flight per SM shrink as 1/M, and past M = 2..4 it falls behind the
     tensor-core path, whose cp.async pipeline keeps 2-3 stages of 16-32 KB in flight per program.
+
+    `wide` (M = 1): 4-warp programs of 4-8 rows, a half to a quarter as many, for the GEMVs
+    measured faster so (WIDE_M1 above).
     """
     bm = triton.next_power_of_2(M)
     scale = max(1, elem_size // 2)  # sizes below are for 2-byte types; fp32 halves BLOCK_K (same bytes)
     fma = bm == 1 or (bm == 2 and N <= 5120) or (bm == 4 and N <= 1024)
     if fma:
-        if N >= 4096 and bm <= 2:
+        if bm == 1 and (wide or WIDE_M1 == "1") and WIDE_M1 != "0":
+            # fewer, wider programs: 128 threads and 4-8 rows each
+            block_n, block_k, warps = (8, 1024, 4) if N >= 4096 else (4, 1024, 4)
+        elif N >= 4096 and bm <= 2:
             # enough rows for ~8 programs per SM even at 4 rows each: narrow 2-warp programs,
             # one 16-byte vector per thread per row per iteration
             block_n, block_k, warps = 4, 512, 2
@@ -321,7 +338,7 @@ def gated_config(cfg: SkinnyConfig) -> SkinnyConfig:
 
 
 def _launch(x2, weight, bias, config, mode=X_PLAIN, residual=None, norm_weight=None, eps=0.0,
-            residual_out=None, sumsq=None, gated=False) -> torch.Tensor:
+            residual_out=None, sumsq=None, gated=False, wide=False) -> torch.Tensor:
     """out [M, N] = prologue(x2) @ weight^T (+ bias); x2 is [M, K]. gated: weight is [2N, K]
     and out = silu(prologue(x2) @ weight[:N]^T) * (prologue(x2) @ weight[N:]^T)."""
     N, K = weight.shape
@@ -337,7 +354,7 @@ def _launch(x2, weight, bias, config, mode=X_PLAIN, residual=None, norm_weight=N
     if bias is not None and bias.stride(0) != 1:
         bias = bias.contiguous()
     cfg = config or pick_config(M, 2 * N if gated else N, K, x2.element_size(),
-                                _num_sms(x2.device.index if x2.is_cuda else None))
+                                _num_sms(x2.device.index if x2.is_cuda else None), wide)
     _check_config(cfg)
     if gated and config is None:
         cfg = gated_config(cfg)
@@ -435,7 +452,8 @@ def rms_norm_linear(
         return _empty_k(torch.empty(x2.shape[0], weight.shape[0], dtype=x.dtype, device=x.device),
                         bias), residual_out
     out = _launch(x2, weight, bias, config, X_RMSNORM_FACTORED if factored else X_RMSNORM, r2, norm_weight.contiguous(), eps,
-                  residual_out if r2 is not None else None, sumsq, gated)
+                  residual_out if r2 is not None else None, sumsq, gated,
+                  wide=not gated and WIDE_M1 == "norm")
     return out, residual_out
 
 
