@@ -1,7 +1,7 @@
 """A/B of the engine's switches: one bench script run under each environment setting in turn,
 alternating for several rounds, each run in a fresh process (the switches are read at import:
-GLASSBOX_PDL, GLASSBOX_PDL_PREFETCH, GLASSBOX_FUSE_NORM, GLASSBOX_PREFILL_GRAPHS), and the
-glassbox rows of every run in one table. Alternating keeps a slow first run or a drifting host
+GLASSBOX_PDL, GLASSBOX_PDL_PREFETCH, GLASSBOX_FUSE_NORM, GLASSBOX_FUSE_SWIGLU,
+GLASSBOX_SKINNY_WIDE, GLASSBOX_ATTN_SKIP_UNUSED, GLASSBOX_PREFILL_GRAPHS), and the glassbox rows of every run in one table. Alternating keeps a slow first run or a drifting host
 from landing on one variant (BENCH.md: before and after in one call).
 
     python bench/env_ab.py --variant GLASSBOX_PDL=0 --variant GLASSBOX_PDL=1 --rounds 2 \\
