@@ -1,6 +1,7 @@
 """Where a batch-1 decode step's GPU time goes, now that its kernels overlap (PDL).
 
     python bench/decode_chain.py [--context 256] [--replays 20]
+    TRITON_INTERPRET=1 python bench/decode_chain.py --smoke   # CPU, tiny shapes: does it still run
 
 The engine's batch-1 decode graph is ~200 kernels in a row, each launched with programmatic
 dependent launch, so a profiler's per-kernel durations overlap and no longer add up to the
@@ -45,6 +46,7 @@ KINDS = ("qkv", "rope", "attn", "o", "gate_up", "silu", "down", "head")
 class Chain:
     def __init__(self, context: int, dev: str = "cuda", dtype=torch.bfloat16, seed: int = 0):
         g = torch.Generator(device="cpu").manual_seed(seed)
+        self.context = context
 
         def rnd(*shape, scale=0.02):
             return (torch.randn(*shape, generator=g) * scale).to(dev, dtype)
@@ -152,24 +154,48 @@ def whole_tile(M: int, N: int, K: int) -> SG.SkinnyConfig:
     return SG.SkinnyConfig(c.block_n, triton.next_power_of_2(K), 1, c.num_warps, 1, c.use_dot)
 
 
+# --smoke: the CPU through Triton's interpreter, tiny shapes, one variant of each family, so the
+# suite notices when a kernel's API moves under this script (timings there mean nothing)
+SMOKE_SHAPES = dict(LAYERS=1, HIDDEN=64, HQ=2, HKV=1, D=32, INTER=64, VOCAB=64, TABLE_WIDTH=4)
+
+
+def time_eager(fn, replays: int) -> float:
+    import time
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e6
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--context", type=int, default=256, help="KV length of the one sequence")
     p.add_argument("--replays", type=int, default=20)
+    p.add_argument("--smoke", action="store_true", help="CPU (interpreter), tiny shapes, few variants")
     a = p.parse_args(argv)
+    if not a.smoke:
+        return _run(a, Chain(a.context), time_graph, smoke=False)
+    saved = {k: globals()[k] for k in SMOKE_SHAPES}
+    globals().update(SMOKE_SHAPES)
+    try:
+        _run(a, Chain(min(a.context, TABLE_WIDTH * PAGE), dev="cpu", dtype=torch.float32),
+             time_eager, smoke=True)
+    finally:
+        globals().update(saved)
+
+
+def _run(a, c: Chain, timer, smoke: bool) -> None:
     torch.manual_seed(0)
-    c = Chain(a.context)
-    base = time_graph(c.step, a.replays)
-    print(f"# decode chain, Qwen3-0.6B shapes, batch 1, context {a.context}, PDL "
+    base = timer(c.step, a.replays)
+    print(f"# decode chain, Qwen3-0.6B shapes, batch 1, context {c.context}, PDL "
           f"{'on' if SG.use_pdl(c.x) else 'off'}, fused norms (factored), unused attention splits "
-          f"exit at once: {DA.SKIP_UNUSED_SPLITS}")
+          f"exit at once: {DA.SKIP_UNUSED_SPLITS}" + (" (--smoke: tiny shapes, CPU)" if smoke else ""))
     print(f"whole chain: {base:.1f} us/step  ({1e6 / base:,.0f} steps/s); SiLU*up in gate_up's "
           f"epilogue: {c.swiglu}")
     print("\n| kind | left out: step us | marginal us (per layer) | alone x28 us (per call) |")
     print("| --- | --- | --- | --- |")
-    for k in KINDS:
-        t = time_graph(lambda: c.step(skip=frozenset([k])), a.replays)
-        alone = time_graph(lambda: c.step(only=k), a.replays)
+    for k in (("attn",) if smoke else KINDS):
+        t = timer(lambda: c.step(skip=frozenset([k])), a.replays)
+        alone = timer(lambda: c.step(only=k), a.replays)
         per = 1 if k == "head" else LAYERS
         print(f"| {k} | {t:.1f} | {base - t:.1f} ({(base - t) / per:.2f}) | {alone:.1f} ({alone / per:.2f}) |")
 
@@ -177,56 +203,70 @@ def main(argv=None) -> None:
     print("| --- | --- | --- |")
     shapes = dict(qkv=((HQ + 2 * HKV) * D, HIDDEN), o=(HIDDEN, HQ * D), gate_up=(2 * INTER, HIDDEN),
                   down=(HIDDEN, INTER), head=(VOCAB, HIDDEN))
+
     def tile(k, n, kk):
         cfg = whole_tile(1, n, kk)
         return SG.gated_config(cfg) if k == "gate_up" and c.swiglu else cfg
 
     for k, (n, kk) in shapes.items():
+        if smoke and k != "o":
+            continue
         c.configs[k] = tile(k, n, kk)
-        t = time_graph(c.step, a.replays)
+        t = timer(c.step, a.replays)
         print(f"| {k}: whole weight tile before the wait ({c.configs[k].short()}; engine "
               f"{SG.pick_config(1, n, kk).short()}) | {t:.1f} | {t - base:+.1f} |")
         c.configs[k] = None
-    for k, (n, kk) in shapes.items():
-        c.configs[k] = tile(k, n, kk)
-    t = time_graph(c.step, a.replays)
-    print(f"| all GEMVs whole tile | {t:.1f} | {t - base:+.1f} |")
-    for k in shapes:
-        c.configs[k] = None
+    if not smoke:
+        for k, (n, kk) in shapes.items():
+            c.configs[k] = tile(k, n, kk)
+        t = timer(c.step, a.replays)
+        print(f"| all GEMVs whole tile | {t:.1f} | {t - base:+.1f} |")
+        for k in shapes:
+            c.configs[k] = None
     # fewer, wider programs for every GEMV (skinny_gemm.WIDE_M1; the engine takes them for QKV only)
     wide = {k: SG.SkinnyConfig(8, 1024, 1, 4, 3) if n >= 4096 else SG.SkinnyConfig(4, 1024, 1, 4, 3)
             for k, (n, kk) in shapes.items()}
     if c.swiglu:
         wide["gate_up"] = SG.gated_config(wide["gate_up"])
-    for k in shapes:
+    for k in (("gate_up",) if smoke else shapes):
         c.configs[k] = wide[k]
-        t = time_graph(c.step, a.replays)
+        t = timer(c.step, a.replays)
         print(f"| {k}: wider programs ({wide[k].short()}) | {t:.1f} | {t - base:+.1f} |")
         c.configs[k] = None
-    c.configs.update(wide)
-    t = time_graph(c.step, a.replays)
-    print(f"| all GEMVs wider programs | {t:.1f} | {t - base:+.1f} |")
-    for k in shapes:
-        c.configs[k] = None
+    if not smoke:
+        c.configs.update(wide)
+        t = timer(c.step, a.replays)
+        print(f"| all GEMVs wider programs | {t:.1f} | {t - base:+.1f} |")
+        for k in shapes:
+            c.configs[k] = None
     engine_splits = DA.choose_num_splits(1, HKV, TABLE_WIDTH * PAGE, c.x.device)
-    for s in (4, 8, 16, 32):
+    for s in ((2,) if smoke else (4, 8, 16, 32)):
         c.num_splits = s
-        t = time_graph(c.step, a.replays)
+        t = timer(c.step, a.replays)
         print(f"| attention {s} splits (engine: {engine_splits}) | {t:.1f} | {t - base:+.1f} |")
     c.num_splits = None
     split0 = dict(DA.SPLIT_LAUNCH)
-    for bn, w in ((16, 2), (32, 2)):
-        DA.SPLIT_LAUNCH.update(BLOCK_N=bn, num_warps=w)
-        t = time_graph(c.step, a.replays)
-        print(f"| attention split tiles BLOCK_N={bn} num_warps={w} (engine: {split0}) | {t:.1f} | {t - base:+.1f} |")
-    DA.SPLIT_LAUNCH.clear()
-    DA.SPLIT_LAUNCH.update(split0)
-    DA.SKIP_UNUSED_SPLITS = not DA.SKIP_UNUSED_SPLITS
-    t = time_graph(c.step, a.replays)
-    print(f"| attention: splits past the context exit at once: {DA.SKIP_UNUSED_SPLITS} | {t:.1f} | {t - base:+.1f} |")
-    DA.SKIP_UNUSED_SPLITS = not DA.SKIP_UNUSED_SPLITS
+    try:
+        for bn, w in (((16, 2),) if smoke else ((16, 2), (32, 2))):
+            DA.SPLIT_LAUNCH.update(BLOCK_N=bn, num_warps=w)
+            c.num_splits = 2 if smoke else None  # (the smoke shapes' engine choice is 1 split)
+            t = timer(c.step, a.replays)
+            print(f"| attention split tiles BLOCK_N={bn} num_warps={w} (engine: {split0}) | {t:.1f} | "
+                  f"{t - base:+.1f} |")
+    finally:
+        c.num_splits = None
+        DA.SPLIT_LAUNCH.clear()
+        DA.SPLIT_LAUNCH.update(split0)
+    skip0 = DA.SKIP_UNUSED_SPLITS
+    try:
+        DA.SKIP_UNUSED_SPLITS = not skip0
+        t = timer(c.step, a.replays)
+        print(f"| attention: splits past the context exit at once: {DA.SKIP_UNUSED_SPLITS} | {t:.1f} | "
+              f"{t - base:+.1f} |")
+    finally:
+        DA.SKIP_UNUSED_SPLITS = skip0
     c.swiglu = not c.swiglu
-    t = time_graph(c.step, a.replays)
+    t = timer(c.step, a.replays)
     print(f"| SiLU*up in gate_up's epilogue: {c.swiglu} | {t:.1f} | {t - base:+.1f} |")
     c.swiglu = not c.swiglu
 

@@ -261,6 +261,18 @@ def test_attention_tune_checks_each_variant_against_the_reference(capsys, triton
     assert (dict(DA.DIRECT_LAUNCH), dict(DA.SPLIT_LAUNCH), DA.DIRECT_WIDE_PROGRAMS) == before
 
 
+def test_decode_chain_runs_every_family_of_variants_tiny_and_restores_what_it_touched(capsys, triton_interpreter):
+    from bench import decode_chain
+    from engine.kernels import decode_attention as DA
+    before = (dict(DA.SPLIT_LAUNCH), DA.SKIP_UNUSED_SPLITS, decode_chain.LAYERS, decode_chain.HIDDEN)
+    decode_chain.main(["--smoke"])
+    out = capsys.readouterr().out
+    for row in ("whole chain:", "| attn |", "whole weight tile", "wider programs", "attention 2 splits",
+                "split tiles", "exit at once: False", "epilogue: False"):
+        assert row in out, row
+    assert (dict(DA.SPLIT_LAUNCH), DA.SKIP_UNUSED_SPLITS, decode_chain.LAYERS, decode_chain.HIDDEN) == before
+
+
 def test_attention_ab_runs_tiny_on_cpu_and_restores_the_launch_table():
     from bench import attention_ab
     from engine.kernels import decode_attention as DA
