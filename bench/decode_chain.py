@@ -13,8 +13,9 @@ split counts are the engine's) and captures it in one CUDA graph, then times:
   * the chain with one kind of kernel left out (its *marginal* cost in the chain: what the
     step would gain if that kernel were free);
   * each kind of kernel alone, 28 in a row (its cost when it only overlaps itself);
-  * launch variants the engine could pick (GEMV weight prefetch of the whole tile, attention
-    split counts).
+  * launch variants the engine could pick (each GEMV's whole weight tile requested before the
+    PDL wait, wider GEMV programs, attention split counts and split tiles, the idle splits run
+    instead of exiting, SiLU*up in gate_up's epilogue or not).
 
 A diagnostic, like attention_tune.py: it prints tables and changes nothing. The outputs are
 not checked (the kernels' tests do that); left-out kernels' consumers read stale buffers.
@@ -29,6 +30,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
+import triton
 
 from engine.kernels import decode_attention as DA
 from engine.kernels import skinny_gemm as SG
@@ -150,7 +152,6 @@ def whole_tile(M: int, N: int, K: int) -> SG.SkinnyConfig:
     """The engine's config with BLOCK_K = all of K (rounded up to a power of two), so each
     program's whole weight tile is requested before the PDL wait."""
     c = SG.pick_config(M, N, K)
-    import triton
     return SG.SkinnyConfig(c.block_n, triton.next_power_of_2(K), 1, c.num_warps, 1, c.use_dot)
 
 
