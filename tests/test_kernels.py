@@ -490,6 +490,27 @@ def test_decode_kernel_with_wide_tiles_at_large_batch_matches_ref(monkeypatch, d
     torch.testing.assert_close(out, ref, **TOL[dtype])
 
 
+@pytest.mark.parametrize("hq,hkv", [(16, 2), (6, 2), (7, 1), (2, 2)])  # GQA 8, 3, 7 (Qwen2.5), MHA
+@pytest.mark.parametrize("merge_heads", [True, False])
+@pytest.mark.parametrize("num_splits,chunk_elems", [(3, 8192), (6, 8192), (6, 64), (32, 2048)])
+def test_decode_merge_of_a_query_head_group_matches_ref(monkeypatch, hq, hkv, merge_heads,
+                                                        num_splits, chunk_elems):
+    """The last split to arrive merges every query head of its KV head: all heads at once in
+    chunks of splits (chunk_elems 64: one split a chunk, so several chunks), or one head after
+    another; group sizes that are not powers of two leave rows of the merge tile masked."""
+    monkeypatch.setattr(decode, "MERGE_HEADS_TOGETHER", merge_heads)
+    monkeypatch.setattr(decode, "MERGE_CHUNK_ELEMS", chunk_elems)
+    torch.manual_seed(hq * 100 + num_splits)
+    q, k_cache, v_cache, tables, ctx, _, _ = _decode_inputs(5, hq, hkv, 32, torch.float32)
+    for _ in range(2):   # twice: the arrival counters are back at zero after a merge
+        q = torch.randn_like(q)
+        out = decode.paged_decode_attention(q, k_cache, v_cache, tables, ctx, 0.17,
+                                            out=torch.full_like(q, NAN), num_splits=num_splits)
+        ref = decode.paged_decode_attention_ref(q, k_cache, v_cache, tables, ctx, 0.17)
+        assert (out[ctx == 0] == 0).all()
+        torch.testing.assert_close(out, ref, **TOL[torch.float32])
+
+
 def test_decode_kernel_with_splits_chosen_from_shapes_matches_ref():
     q, k_cache, v_cache, tables, ctx, _, _ = _decode_inputs(5, 4, 2, 32, torch.float32)
     out = decode.paged_decode_attention(q, k_cache, v_cache, tables, ctx, 0.17, out=torch.full_like(q, NAN))

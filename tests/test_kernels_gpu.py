@@ -254,6 +254,30 @@ def test_decode_attention_matches_ref(block_size, num_q_heads, num_kv_heads, num
     assert_rows_close(out[live], ref[live], ATTN_REL_TOL)
 
 
+@pytest.mark.parametrize("num_q_heads,num_kv_heads", HEADS + [(28, 4)])  # + Qwen2.5-7B: GQA 7
+@pytest.mark.parametrize("merge_heads", [True, False])
+@pytest.mark.parametrize("num_splits,bound", [(32, None), (17, None), (None, 512), (None, 256)])
+def test_decode_attention_merge_and_context_bound_match_ref(num_q_heads, num_kv_heads, merge_heads,
+                                                            num_splits, bound, monkeypatch):
+    """The in-kernel merge of a query-head group (all heads at once, in chunks of splits, or one
+    head after another) with many splits, and the split count a graph's context bound picks,
+    in bf16 against the reference; contexts up to the bound (bound None: up to 4,096)."""
+    monkeypatch.setattr(decode_attention, "MERGE_HEADS_TOGETHER", merge_heads)
+    ctxs = [c for c in DECODE_CTXS if bound is None or c <= bound]
+    k_cache, v_cache, tables = paged_cache(ctxs, 16, num_kv_heads)
+    tables = torch.nn.functional.pad(tables, (0, 257 - tables.shape[1]), value=0)  # the graph width
+    ctx = torch.tensor(ctxs, dtype=torch.int32)
+    for _ in range(2):          # twice: the arrival counters are reset by each merge
+        q = torch.randn(len(ctxs), num_q_heads, HEAD_DIM, dtype=BF16)
+        out = paged_decode_attention(q, k_cache, v_cache, tables, ctx, HEAD_DIM**-0.5,
+                                     out=torch.full_like(q, NAN), num_splits=num_splits,
+                                     max_context=bound)
+        ref = paged_decode_attention_ref(q, k_cache, v_cache, tables, ctx, HEAD_DIM**-0.5)
+        live = ctx > 0
+        assert (out[~live] == 0).all()
+        assert_rows_close(out[live], ref[live], ATTN_REL_TOL)
+
+
 @pytest.mark.parametrize("context_len", [1, 17, 400, 2049, 4096])
 def test_batch1_decode_attention_matches_ref(context_len):
     k_cache, v_cache, tables = paged_cache([context_len], 16, 8)

@@ -36,12 +36,19 @@ DIRECT_WIDE_PROGRAMS = 1024     # batch x KV heads from which the direct path ta
 DIRECT_WIDE_BLOCK_N = 128       # ... tiles this wide
 SPLIT_LAUNCH = dict(BLOCK_N=32, num_warps=4, num_stages=2)
 WAVES = 2           # choose_num_splits: programs for about this many waves of the GPU's SMs
+MIN_SPLIT_TOKENS = int(os.environ.get("GLASSBOX_ATTN_MIN_SPLIT_TOKENS", "32"))  # one split tile
+# context bounds decode graphs are captured at (context_caps); GLASSBOX_ATTN_CONTEXT_CAPS="" none
+CONTEXT_CAPS = tuple(int(c) for c in os.environ.get("GLASSBOX_ATTN_CONTEXT_CAPS", "256,512,1024,2048").split(",") if c)
 # True: the last split to finish merges (one launch; saves a graph node per layer at batch 1).
 # False: a second kernel merges (the plain flash-decoding shape).
 MERGE_IN_KERNEL = True
 # Splits past a short context exit at once (before the PDL wait) instead of running masked;
 # GLASSBOX_ATTN_SKIP_UNUSED=0 runs them (bench A/B).
 SKIP_UNUSED_SPLITS = os.environ.get("GLASSBOX_ATTN_SKIP_UNUSED", "1") != "0"
+# The merging program combines all of a KV head's query heads at once (one chunked pass over
+# the splits) instead of one head after another; GLASSBOX_ATTN_MERGE_HEADS=0 merges per head.
+MERGE_HEADS_TOGETHER = os.environ.get("GLASSBOX_ATTN_MERGE_HEADS", "1") != "0"
+MERGE_CHUNK_ELEMS = 8192    # fp32 partials a merge chunk holds (64 a thread at 4 warps)
 _WORKSPACES: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
 
@@ -66,7 +73,8 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, MERGE_IN_KERNEL: tl.constexpr,
     BLOCK_S: tl.constexpr, DOT_PREC: tl.constexpr, USE_PDL: tl.constexpr,
-    SKIP_UNUSED: tl.constexpr = True,
+    SKIP_UNUSED: tl.constexpr = True, MERGE_HEADS_TOGETHER: tl.constexpr = True,
+    MERGE_G: tl.constexpr = 2, CHUNK_S: tl.constexpr = 1,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -166,23 +174,56 @@ def _decode_split_kernel(
                 if used & (arrived == n_used - 1):
                     tl.store(counter, 0)  # ready for the next launch or graph replay
                     # (fresh names only inside this runtime `if`: Triton would try to merge rebinds)
-                    split_ids = tl.arange(0, BLOCK_S)
-                    split_mask = split_ids < n_used
-                    for gi in tl.static_range(GROUP):
-                        head = kvh * GROUP + gi
-                        base = (b * (tl.num_programs(1) * GROUP) + head).to(tl.int64) * num_splits
-                        lse = tl.load(part_lse_ptr + base + split_ids, mask=split_mask, other=float("-inf"),
-                                      cache_modifier=".cg")
-                        m = tl.max(lse, axis=0)
-                        m = tl.where(m == float("-inf"), 0.0, m)
-                        w = tl.exp2(lse - m)  # [BLOCK_S]; 0 for empty splits
-                        denom = tl.sum(w, axis=0)
-                        denom = tl.where(denom == 0.0, 1.0, denom)
-                        parts = tl.load(part_out_ptr + (base + split_ids)[:, None] * HEAD_DIM + d[None, :],
-                                        mask=split_mask[:, None] & d_mask[None, :], other=0.0, cache_modifier=".cg")
-                        merged = tl.sum(parts * w[:, None], axis=0) / denom  # [BLOCK_D]
-                        tl.store(out_ptr + b * stride_ob + head * stride_oh + d,
-                                 merged.to(out_ptr.dtype.element_ty), mask=d_mask)
+                    if MERGE_HEADS_TOGETHER:
+                        # Every query head of the group at once: one load of their lse rows, then
+                        # the used splits' partials in chunks of [heads, CHUNK_S, D], so the merge
+                        # costs a round trip per chunk, not one per head (GQA-8 had 8 in a row).
+                        mg = tl.arange(0, MERGE_G)
+                        mg_ok = mg < GROUP
+                        mg_heads = kvh * GROUP + mg
+                        mbase = (b * (tl.num_programs(1) * GROUP) + mg_heads).to(tl.int64) * num_splits
+                        all_s = tl.arange(0, BLOCK_S)
+                        lse_all = tl.load(part_lse_ptr + mbase[:, None] + all_s[None, :],
+                                          mask=mg_ok[:, None] & (all_s < n_used)[None, :],
+                                          other=float("-inf"), cache_modifier=".cg")  # [MERGE_G, BLOCK_S]
+                        m_all = tl.max(lse_all, axis=1)
+                        m_all = tl.where(m_all == float("-inf"), 0.0, m_all)
+                        den = tl.sum(tl.exp2(lse_all - m_all[:, None]), axis=1)  # 0 for empty rows
+                        den = tl.where(den == 0.0, 1.0, den)
+                        acc_m = tl.zeros([MERGE_G, BLOCK_D], dtype=tl.float32)
+                        for c0 in range(0, n_used, CHUNK_S):
+                            sc = c0 + tl.arange(0, CHUNK_S)
+                            c_ok = mg_ok[:, None] & (sc < n_used)[None, :]  # [MERGE_G, CHUNK_S]
+                            c_rows = mbase[:, None] + sc[None, :]
+                            lse_c = tl.load(part_lse_ptr + c_rows, mask=c_ok, other=float("-inf"),
+                                            cache_modifier=".cg")
+                            w_c = tl.exp2(lse_c - m_all[:, None])  # 0 where masked or empty
+                            parts = tl.load(part_out_ptr + c_rows[:, :, None] * HEAD_DIM + d[None, None, :],
+                                            mask=c_ok[:, :, None] & d_mask[None, None, :], other=0.0,
+                                            cache_modifier=".cg")  # [MERGE_G, CHUNK_S, BLOCK_D]
+                            acc_m += tl.sum(parts * w_c[:, :, None], axis=1)
+                        tl.store(out_ptr + b * stride_ob + mg_heads[:, None] * stride_oh + d[None, :],
+                                 (acc_m / den[:, None]).to(out_ptr.dtype.element_ty),
+                                 mask=mg_ok[:, None] & d_mask[None, :])
+                    else:  # one head after another (the form before; GLASSBOX_ATTN_MERGE_HEADS=0)
+                        split_ids = tl.arange(0, BLOCK_S)
+                        split_mask = split_ids < n_used
+                        for gi in tl.static_range(GROUP):
+                            head = kvh * GROUP + gi
+                            base = (b * (tl.num_programs(1) * GROUP) + head).to(tl.int64) * num_splits
+                            lse = tl.load(part_lse_ptr + base + split_ids, mask=split_mask,
+                                          other=float("-inf"), cache_modifier=".cg")
+                            m = tl.max(lse, axis=0)
+                            m = tl.where(m == float("-inf"), 0.0, m)
+                            w = tl.exp2(lse - m)  # [BLOCK_S]; 0 for empty splits
+                            denom = tl.sum(w, axis=0)
+                            denom = tl.where(denom == 0.0, 1.0, denom)
+                            parts = tl.load(part_out_ptr + (base + split_ids)[:, None] * HEAD_DIM + d[None, :],
+                                            mask=split_mask[:, None] & d_mask[None, :], other=0.0,
+                                            cache_modifier=".cg")
+                            merged = tl.sum(parts * w[:, None], axis=0) / denom  # [BLOCK_D]
+                            tl.store(out_ptr + b * stride_ob + head * stride_oh + d,
+                                     merged.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
 @triton.jit
@@ -221,9 +262,26 @@ def combine_splits(part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Te
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
-    """Enough programs for ~2 waves on the GPU, but no split shorter than one tile's worth."""
+    """Enough programs for ~2 waves on the GPU, but no split shorter than MIN_SPLIT_TOKENS.
+    max_context bounds every row's context: the block table's width, or a graph's CONTEXT_CAPS."""
     want = triton.cdiv(WAVES * num_sms(device), max(1, batch * num_kv_heads))
-    return max(1, min(want, MAX_SPLITS, triton.cdiv(max_context, 64)))
+    return max(1, min(want, MAX_SPLITS, triton.cdiv(max_context, MIN_SPLIT_TOKENS)))
+
+
+def context_caps(batch: int, num_kv_heads: int, max_context: int, device: torch.device) -> list[int]:
+    """The context bounds below max_context that would launch fewer splits at this batch, the
+    largest one per split count, ascending. A decode graph is captured once per bound (plus the
+    unbounded one) and a step replays the smallest that holds its longest context: the grid is
+    fixed inside a graph, and at a short context most of a long context's splits hold nothing
+    yet still cost their launch (one H200, batch 1, 256 tokens: 32 splits 5.1 us a layer at
+    Qwen3-0.6B shapes and 13.3 at Qwen3-30B-A3B's, 8 splits 4.0 and 8.1)."""
+    full = choose_num_splits(batch, num_kv_heads, max_context, device)
+    by_splits: dict[int, int] = {}
+    for cap in CONTEXT_CAPS:
+        n = choose_num_splits(batch, num_kv_heads, cap, device)
+        if cap < max_context and n < full:
+            by_splits[n] = cap
+    return sorted(by_splits.values())
 
 
 def _workspace(device, batch, num_heads, num_kv_heads, head_dim, num_splits):
@@ -247,6 +305,7 @@ def paged_decode_attention(
     scale: float,
     out: torch.Tensor | None = None,  # [B, Hq, D]
     num_splits: int | None = None,    # None: chosen from shapes (tests force a value)
+    max_context: int | None = None,   # a bound on every context_lens value (graphs: the capture's cap)
 ) -> torch.Tensor:
     batch, num_q_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
@@ -260,7 +319,8 @@ def paged_decode_attention(
         return out
     group = num_q_heads // num_kv_heads
     if num_splits is None:
-        num_splits = choose_num_splits(batch, num_kv_heads, block_tables.shape[1] * page_size, q.device)
+        bound = block_tables.shape[1] * page_size
+        num_splits = choose_num_splits(batch, num_kv_heads, min(bound, max_context or bound), q.device)
     direct = num_splits == 1
     if direct:
         part_out = part_lse = counters = out  # unused
@@ -268,6 +328,9 @@ def paged_decode_attention(
         part_out, part_lse, counters = _workspace(q.device, batch, num_q_heads, num_kv_heads, head_dim, num_splits)
     launch = DIRECT_LAUNCH if direct else SPLIT_LAUNCH
     pdl = use_pdl(q)
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    merge_g = max(2, triton.next_power_of_2(group))
+    chunk_s = max(1, min(triton.next_power_of_2(num_splits), MERGE_CHUNK_ELEMS // (merge_g * block_d)))
     if direct and batch * num_kv_heads >= DIRECT_WIDE_PROGRAMS:
         launch = {**launch, "BLOCK_N": DIRECT_WIDE_BLOCK_N}
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
@@ -280,6 +343,7 @@ def paged_decode_attention(
         PAGE_SIZE=page_size, BLOCK_N=launch["BLOCK_N"], DIRECT=direct,
         MERGE_IN_KERNEL=MERGE_IN_KERNEL, BLOCK_S=triton.next_power_of_2(num_splits),
         DOT_PREC=dot_precision(q.dtype), USE_PDL=pdl, SKIP_UNUSED=SKIP_UNUSED_SPLITS,
+        MERGE_HEADS_TOGETHER=MERGE_HEADS_TOGETHER, MERGE_G=merge_g, CHUNK_S=chunk_s,
         num_warps=launch["num_warps"],
         num_stages=launch["num_stages"], launch_pdl=pdl,
     )
