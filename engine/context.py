@@ -20,6 +20,8 @@ class ForwardContext:
     is_decode: bool                     # every sequence has exactly one new token
     probes: object | None = None        # ProbeBuffers of this step, or None (probes off)
     interventions: object | None = None  # InterventionBuffers of this step, or None (none)
+    max_context_len: int | None = None  # decode graphs: a bound on every context_lens value, which
+    #                                    sizes decode attention's splits (None: the table's width)
 
 
 # per thread: each engine runs its forward on its own loop thread, and two engines may live in

@@ -12,7 +12,8 @@ buffers (int64: ids, positions, slots; int32: context lens, block tables), each 
 non-blocking copy from pinned memory allocated for that step: with overlap scheduling the host
 prepares step N+1 before step N's copies have run, so a reused staging buffer would race.
 Pending input ids (sampled by the step before, still on the device) are written after the
-copy. Steps with interventions replay a variant per plan key (interventions/buffers.py), its
+copy. Small buckets also get graphs bounded to a shorter context (decode_attention.context_caps):
+a graph's attention grid is fixed, and a short context replays one with fewer splits. Steps with interventions replay a variant per plan key (interventions/buffers.py), its
 tables refilled before the replay; steps without any replay the graphs they always did. With
 tensor parallelism every rank captures the same graphs in the same order, NCCL all-reduces
 inside, and replays them in lockstep. One decode step in TIMED_EVERY replays a
@@ -72,12 +73,16 @@ class DecodeGraphs:
         self.context_lens = self.i32[:n]
         self.block_tables = self.i32[n:].view(n, self.max_blocks)
         self.slot_mapping.fill_(-1)
-        # key: (bucket, variant); variant None = probes off, else probes.buffers.graph_variant(plan)
+        # key: (bucket, variant, cap); variant None = probes off, else
+        # probes.buffers.graph_variant(plan); cap None = any context, else every context <= cap
+        from .kernels.decode_attention import context_caps
+        self.caps = {b: context_caps(b, runner.num_kv_heads, self.max_blocks * bs, dev)
+                     for b in self.buckets} if dev.type == "cuda" else {b: [] for b in self.buckets}
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.logits: dict[tuple, torch.Tensor] = {}
         self.probe_bufs: dict[tuple, object] = {}
         self.iv_bufs: dict[tuple, object] = {}     # plan key -> GraphInterventionBuffers
-        self.timers: dict[tuple, CollectiveTimer] = {}     # (bucket, "timed") -> its events
+        self.timers: dict[tuple, CollectiveTimer] = {}     # (bucket, "timed", cap) -> its events
         self.collectives: dict[tuple, int] = {}     # collectives each graph issues per replay
         self.timing = runner.tp.size > 1                    # off for good if capture refuses
         self.replays = 0
@@ -85,23 +90,24 @@ class DecodeGraphs:
         self._capture_all()
 
     # ---- capture -----------------------------------------------------------------------------
-    def _ctx(self, bs: int, probes, interventions=None) -> ForwardContext:
+    def _ctx(self, bs: int, probes, interventions=None, cap: int | None = None) -> ForwardContext:
         return ForwardContext(slot_mapping=self.slot_mapping[:bs],
                               context_lens=self.context_lens[:bs],
                               block_tables=self.block_tables[:bs], cu_seqlens_q=None,
                               max_seqlen_q=1, is_decode=True, probes=probes,
-                              interventions=interventions)
+                              interventions=interventions, max_context_len=cap)
 
-    def _run(self, bs: int, probes, interventions=None) -> torch.Tensor:
-        set_context(self._ctx(bs, probes, interventions))
+    def _run(self, bs: int, probes, interventions=None, cap: int | None = None) -> torch.Tensor:
+        set_context(self._ctx(bs, probes, interventions, cap))
         try:
             hidden = self.runner.model(self.input_ids[:bs], self.positions[:bs])
             return self.runner.model.compute_logits(hidden)
         finally:
             set_context(None)
 
-    def _capture(self, bs: int, variant) -> None:
+    def _capture(self, bs: int, variant, cap: int | None = None) -> None:
         from .probes.buffers import graph_probe_buffers
+        key = (bs, variant, cap)
         timed = variant == "timed"
         ivs, probe_variant = None, variant
         if isinstance(variant, Intervened):
@@ -111,7 +117,7 @@ class DecodeGraphs:
         tp = self.runner.tp
         tp.timer = None                     # the warm-up runs eagerly: no timing there
         with torch.inference_mode():
-            self._run(bs, probes, ivs)              # warm-up: compile, allocate scratch
+            self._run(bs, probes, ivs, cap)         # warm-up: compile, allocate scratch
             torch.cuda.synchronize()
             g = torch.cuda.CUDAGraph()
             # a timed copy records external events (graph event-record nodes) around each
@@ -120,15 +126,15 @@ class DecodeGraphs:
             tp.take_collective_count()
             try:
                 with torch.cuda.graph(g, pool=self.pool):
-                    self.logits[(bs, variant)] = self._run(bs, probes, ivs)
+                    self.logits[key] = self._run(bs, probes, ivs, cap)
             finally:
                 tp.timer = None
-            self.collectives[(bs, variant)] = tp.take_collective_count()
-        self.graphs[(bs, variant)] = g
+            self.collectives[key] = tp.take_collective_count()
+        self.graphs[key] = g
         if probes is not None:
-            self.probe_bufs[(bs, variant)] = probes
+            self.probe_bufs[key] = probes
         if timer is not None:
-            self.timers[(bs, variant)] = timer
+            self.timers[key] = timer
 
     def _iv_buffers(self, key: tuple):
         """The static intervention tables of one plan key, shared by every bucket."""
@@ -144,22 +150,31 @@ class DecodeGraphs:
     def _capture_all(self) -> None:
         self.context_lens.fill_(1)          # a valid context for warm-up and capture
         for bs in reversed(self.buckets):
-            self._capture(bs, None)
+            for cap in [None] + self.caps[bs]:
+                self._capture(bs, None, cap)
         self.context_lens.zero_()
         torch.cuda.synchronize()
 
-    def _capture_late(self, bs: int, variant) -> None:
+    def _capture_late(self, bs: int, variant, cap: int | None) -> None:
         """Capture a probe variant between steps. Warm-up and capture run the forward on the
         static inputs, so first make them harmless: no KV write (slot -1), context 1."""
         torch.cuda.synchronize()
         self.slot_mapping.fill_(-1)
         self.context_lens.fill_(1)
-        self._capture(bs, variant)
+        self._capture(bs, variant, cap)
         torch.cuda.synchronize()
 
     # ---- replay ------------------------------------------------------------------------------
     def bucket(self, batch: int) -> int | None:
         return smallest_bucket(self.buckets, batch)
+
+    def cap(self, bs: int, context_lens: np.ndarray) -> int | None:
+        """The smallest context bound of this bucket that holds the step's longest context."""
+        caps = self.caps[bs]
+        if not caps or not len(context_lens):
+            return None
+        longest = int(context_lens.max())
+        return next((c for c in caps if longest <= c), None)
 
     def can_run(self, inp, plan) -> bool:
         if self.bucket(inp.num_seqs) is None:
@@ -199,22 +214,23 @@ class DecodeGraphs:
         self.replays += 1
         if variant is None and self.timing and self.replays % TIMED_EVERY == 1:
             variant = "timed"
-        if (bs, variant) not in self.graphs:
+        cap = self.cap(bs, inp.context_lens)
+        if (bs, variant, cap) not in self.graphs:
             try:
-                self._capture_late(bs, variant)
+                self._capture_late(bs, variant, cap)
             except RuntimeError:
                 if variant != "timed":
                     raise
                 self.timing, variant = False, None      # timed capture refused: stay untimed
                 torch.cuda.synchronize()
+        key = (bs, variant, cap)
         self._stage(inp)
-        bufs = self.probe_bufs.get((bs, variant))
+        bufs = self.probe_bufs.get(key)
         if bufs is not None:
             bufs.load_plan(plan)
         if inp.interventions is not None:
             self.iv_bufs[inp.interventions.key].load_plan(inp.interventions)
-        self.graphs[(bs, variant)].replay()
-        key = (bs, variant)
+        self.graphs[key].replay()
         return (self.logits[key][:B], bufs, bs, self.timers.get(key),
                 self.collectives.get(key, 0))
 

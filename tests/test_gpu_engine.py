@@ -33,6 +33,36 @@ def test_fp32_gpu_greedy_equals_cpu_for_64_tokens(model_factory, arch):
             assert buckets - {None}, "decode steps should replay CUDA graphs"
 
 
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
+def test_context_bounded_decode_graphs_give_the_eager_tokens(model_factory, arch):
+    """Small buckets replay graphs captured for a bounded context (fewer attention splits) while
+    the longest context fits, then the unbounded one: a 200-token prompt decoded for 400 tokens
+    crosses the 256 and 512 bounds, at batch 1 and 2 (rows of different lengths), and gives the
+    eager engine's tokens and logprobs."""
+    path = model_factory(arch, max_position_embeddings=2048)
+    g = np.random.default_rng(7)
+    prompts = [[int(t) for t in g.integers(3, 200, 200)], [int(t) for t in g.integers(3, 200, 90)]]
+    sp = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True, logprobs=1)
+    results = {}
+    for eager in (True, False):
+        llm = LLM(path, device="cuda", dtype="float32", num_kv_blocks=256, block_size=16,
+                  max_num_seqs=4, max_model_len=1024, enforce_eager=eager)
+        seen = []
+        if not eager:
+            graphs = llm.runner.graphs
+            assert graphs.caps[1] == [256, 512] and graphs.caps[2], graphs.caps
+            pick = graphs.cap
+            graphs.cap = lambda bs, lens: seen.append((bs, pick(bs, lens))) or seen[-1][1]
+        outs = [llm.generate([p], sp)[0] for p in prompts[:1]] + [llm.generate(prompts, sp)]
+        llm.shutdown()
+        results[eager] = ([outs[0].token_ids] + [o.token_ids for o in outs[1]],
+                          [x.logprob for x in outs[0].logprobs])
+        if not eager:
+            assert {(1, 256), (1, 512), (1, None), (2, 256), (2, 512)} <= set(seen), sorted(set(seen))
+    assert results[False][0] == results[True][0]
+    np.testing.assert_allclose(results[False][1], results[True][1], atol=1e-4)
+
+
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_bf16_logprobs_close_to_hf(model_factory, block_size):
     from tiny_models import load_hf

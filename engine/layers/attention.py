@@ -49,9 +49,13 @@ class Attention(nn.Module):
         if ctx.probes is not None:
             ctx.probes.on_attention(self.layer_idx, q, self.k_cache, ctx, q_written)
         if ctx.is_decode:
-            fn = (decode_attention.paged_decode_attention if cuda
-                  else decode_attention.paged_decode_attention_cpu)
-            o = fn(q, self.k_cache, self.v_cache, ctx.block_tables, ctx.context_lens, self.scale)
+            if cuda:
+                o = decode_attention.paged_decode_attention(
+                    q, self.k_cache, self.v_cache, ctx.block_tables, ctx.context_lens, self.scale,
+                    max_context=ctx.max_context_len)
+            else:
+                o = decode_attention.paged_decode_attention_cpu(
+                    q, self.k_cache, self.v_cache, ctx.block_tables, ctx.context_lens, self.scale)
         else:
             fn = (prefill_attention.paged_prefill_attention if cuda
                   else prefill_attention.paged_prefill_attention_ref)
