@@ -84,9 +84,17 @@ class Chain:
         self.qkv_buf = rnd(1, (HQ + 2 * HKV) * D, scale=1.0)
         self.gu_buf = rnd(1, 2 * INTER, scale=1.0)
         self.h_buf = rnd(1, HIDDEN, scale=1.0)
-        self.configs: dict[str, SG.SkinnyConfig | None] = {k: None for k in KINDS}
+        self.configs: dict[str, SG.SkinnyConfig | None] = self.engine_configs()
         self.num_splits: int | None = None
         self.swiglu = NL.FUSE_SWIGLU  # SiLU * up in gate_up's epilogue, as the engine runs it
+
+    @staticmethod
+    def engine_configs() -> dict[str, SG.SkinnyConfig | None]:
+        """None: the kernel's own pick_config; o_proj's whole tile as gemm.linear asks for it."""
+        cfg: dict[str, SG.SkinnyConfig | None] = {k: None for k in KINDS}
+        if SG.WHOLE_TILE_AFTER_ATTENTION:
+            cfg["o"] = SG.whole_tile_config(HIDDEN, HQ * D)
+        return cfg
 
     def step(self, skip: frozenset = frozenset(), only: str | None = None) -> None:
         run = (lambda k: k == only) if only else (lambda k: k not in skip)
@@ -216,14 +224,14 @@ def _run(a, c: Chain, timer, smoke: bool) -> None:
         t = timer(c.step, a.replays)
         print(f"| {k}: whole weight tile before the wait ({c.configs[k].short()}; engine "
               f"{SG.pick_config(1, n, kk).short()}) | {t:.1f} | {t - base:+.1f} |")
-        c.configs[k] = None
+        c.configs[k] = c.engine_configs()[k]
     if not smoke:
         for k, (n, kk) in shapes.items():
             c.configs[k] = tile(k, n, kk)
         t = timer(c.step, a.replays)
         print(f"| all GEMVs whole tile | {t:.1f} | {t - base:+.1f} |")
         for k in shapes:
-            c.configs[k] = None
+            c.configs[k] = c.engine_configs()[k]
     # fewer, wider programs for every GEMV (skinny_gemm.WIDE_M1; the engine takes them for QKV only)
     wide = {k: SG.SkinnyConfig(8, 1024, 1, 4, 3) if n >= 4096 else SG.SkinnyConfig(4, 1024, 1, 4, 3)
             for k, (n, kk) in shapes.items()}
@@ -233,13 +241,13 @@ def _run(a, c: Chain, timer, smoke: bool) -> None:
         c.configs[k] = wide[k]
         t = timer(c.step, a.replays)
         print(f"| {k}: wider programs ({wide[k].short()}) | {t:.1f} | {t - base:+.1f} |")
-        c.configs[k] = None
+        c.configs[k] = c.engine_configs()[k]
     if not smoke:
         c.configs.update(wide)
         t = timer(c.step, a.replays)
         print(f"| all GEMVs wider programs | {t:.1f} | {t - base:+.1f} |")
         for k in shapes:
-            c.configs[k] = None
+            c.configs[k] = c.engine_configs()[k]
     engine_splits = DA.choose_num_splits(1, HKV, TABLE_WIDTH * PAGE, c.x.device)
     for s in ((2,) if smoke else (4, 8, 16, 32)):
         c.num_splits = s

@@ -5,6 +5,7 @@ import torch
 
 from engine.kernels.skinny_gemm import (
     MAX_M, SkinnyConfig, fma_acc_regs, pick_config, skinny_linear, skinny_linear_ref,
+    whole_tile_config,
 )
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"   # the CPU: conftest's interpreter
@@ -97,6 +98,18 @@ def test_rejects_what_it_cannot_do():
         skinny_linear(x, w, config=C(8, 64, 1, 4, 1, True))
     with pytest.raises(ValueError, match="power of two"):
         skinny_linear(x, w, config=C(24, 64))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("K", [96, 320])
+def test_whole_tile_config_reads_all_of_k_in_one_chunk(dtype, K):
+    """o_proj's config at batch 1 (gemm.linear's after_attention): one chunk a power of two at
+    least K, the tail masked (K = 96, 320 are not powers of two), no split."""
+    cfg = whole_tile_config(64, K, torch.empty(0, dtype=dtype).element_size())
+    assert cfg.block_k == 1 << (K - 1).bit_length() and cfg.split_k == 1 and not cfg.use_dot
+    x, w, _ = _inputs(1, 64, K, dtype, False, seed=K)
+    assert_matches(skinny_linear(x, w, config=cfg), x, w, None)
+    assert whole_tile_config(64, 8192) is None   # past WHOLE_TILE_MAX_K: the plain config
 
 
 QWEN_SHAPES = [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (151936, 1024), (5120, 2048), (2048, 4096)]

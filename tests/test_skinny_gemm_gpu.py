@@ -3,7 +3,8 @@ a CUDA graph after its input changes in place."""
 import pytest
 import torch
 
-from engine.kernels.skinny_gemm import SkinnyConfig, fma_acc_regs, skinny_linear, skinny_linear_ref
+from engine.kernels.skinny_gemm import (SkinnyConfig, fma_acc_regs, skinny_linear, skinny_linear_ref,
+                                        whole_tile_config)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -50,6 +51,16 @@ def assert_bf16_close(out, x, w, b):
 def test_heuristic_config_at_qwen_shapes(N, K, M):
     x, w, b = _inputs(M, N, K, bias=M == 3)
     assert_bf16_close(skinny_linear(x, w, b), x, w, b)
+
+
+@pytest.mark.parametrize("N,K", [(1024, 2048), (2048, 4096), (1024, 1024), (896, 1792)])
+def test_whole_tile_config_at_o_proj_shapes(N, K):
+    """o_proj's one-row GEMV with its whole weight tile in one chunk (Qwen3-0.6B, Qwen3-30B-A3B,
+    TP 2 of 0.6B, and Qwen2.5-0.5B's 896 x 1792 whose K is not a power of two: a masked tail)."""
+    cfg = whole_tile_config(N, K)
+    assert cfg is not None and cfg.block_k >= K and cfg.split_k == 1
+    x, w, _ = _inputs(1, N, K, bias=False)
+    assert_bf16_close(skinny_linear(x, w, config=cfg), x, w, None)
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: c.short().replace(" ", "-"))

@@ -138,6 +138,24 @@ def pick_config(M: int, N: int, K: int, elem_size: int = 2, num_sms: int = 132,
     return SkinnyConfig(cfg.block_n, block_k, split, cfg.num_warps, cfg.num_stages, True)
 
 
+# The GEMV after decode attention (o_proj) requests its whole weight tile before the PDL wait:
+# attention's tail (its merge) is long enough to hide it. One H200, Qwen3-0.6B batch-1 decode
+# chain (bench/decode_chain.py, 2026-12-03): -14.1 / -13.8 us a step at 256 / 1,024 tokens; the
+# same for the other GEMVs was slower or even. GLASSBOX_SKINNY_WHOLE_TILE=0 turns it off.
+WHOLE_TILE_AFTER_ATTENTION = os.environ.get("GLASSBOX_SKINNY_WHOLE_TILE", "1") != "0"
+WHOLE_TILE_MAX_K = 4096  # a program's whole tile of one-row FMA programs stays in registers
+
+
+def whole_tile_config(N: int, K: int, elem_size: int = 2) -> SkinnyConfig | None:
+    """pick_config(1, N, K) with one chunk of all of K (a power of two, the tail masked), so a
+    program's whole weight tile is requested before the PDL wait; None where that does not
+    apply (K past WHOLE_TILE_MAX_K, or a config that is not the one-row FMA path)."""
+    c = pick_config(1, N, K, elem_size)
+    if c.use_dot or c.split_k != 1 or K > WHOLE_TILE_MAX_K or K == 0:
+        return None
+    return SkinnyConfig(c.block_n, triton.next_power_of_2(K), 1, c.num_warps, 1, False)
+
+
 @triton.jit
 def _load_chunk(ptrs, k_ok, EVEN_K: tl.constexpr):
     if EVEN_K:  # every chunk full: no mask at all (16-byte vector loads)
@@ -186,7 +204,8 @@ def _skinny_kernel(
         m_ok = (offs_m < M)[:, None]
         kk = k_lo + offs_k[None, :]
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-        acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        if GATED:
+            acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     else:
         # 3-D tiles, W [BLOCK_N, 1, BLOCK_K] and x [1, BLOCK_M, BLOCK_K], loaded in that shape so
         # both share the accumulator's layout: a 2-D load expanded afterwards gets re-laid out
@@ -199,7 +218,8 @@ def _skinny_kernel(
         m_ok = (offs_m < M)[None, :, None]
         kk = k_lo + offs_k[None, None, :]
         acc = tl.zeros([BLOCK_N, BLOCK_M, BLOCK_K], dtype=tl.float32)
-        acc_up = tl.zeros([BLOCK_N, BLOCK_M, BLOCK_K], dtype=tl.float32)
+        if GATED:
+            acc_up = tl.zeros([BLOCK_N, BLOCK_M, BLOCK_K], dtype=tl.float32)
     # GATED (a merged gate_up weight, [2N, K]): each program also streams the N-th row after each
     # of its rows (the up projection's) and the epilogue stores silu(gate) * up, so the
     # activation needs no launch of its own.
@@ -249,10 +269,12 @@ def _skinny_kernel(
             sq_acc += s.to(tl.float32) * s.to(tl.float32)
     if USE_DOT:
         res = acc  # [BLOCK_N, BLOCK_M]: out transposed
-        res_up = acc_up
+        if GATED:
+            res_up = acc_up
     else:
         res = tl.sum(acc, axis=2)
-        res_up = tl.sum(acc_up, axis=2)
+        if GATED:
+            res_up = tl.sum(acc_up, axis=2)
     if X_MODE == 3:
         if USE_DOT:
             sq = tl.sum(sq_acc, axis=1)  # [BLOCK_M]
@@ -260,7 +282,8 @@ def _skinny_kernel(
             sq = tl.sum(tl.sum(sq_acc, axis=2), axis=0)
         rstd_f = tl.rsqrt(sq / K + eps)[None, :]
         res = res * rstd_f
-        res_up = res_up * rstd_f
+        if GATED:
+            res_up = res_up * rstd_f
         if WRITE_SUMSQ:
             if pid_n == 0:
                 tl.store(sumsq_ptr + offs_m, sq, mask=offs_m < M)

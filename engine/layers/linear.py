@@ -142,9 +142,11 @@ class RowParallelLinear(LinearBase):
     """Input features split across ranks; partial outputs joined by an all-reduce.
     The bias is added once, after the reduction."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 after_attention: bool = False):
         super().__init__(divide(in_features, get_tp_size(), "in_features"), out_features,
                          bias, 1)
+        self.after_attention = after_attention  # o_proj: see gemm.linear
 
     def weight_loader(self, param, loaded, shard_id=None) -> None:
         if param.dim() == 1:                      # bias: replicated
@@ -153,6 +155,6 @@ class RowParallelLinear(LinearBase):
         super().weight_loader(param, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.weight)
+        y = linear(x, self.weight, after_attention=self.after_attention)
         y = self.tp.all_reduce(y)
         return y + self.bias if self.bias is not None else y

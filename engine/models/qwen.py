@@ -44,7 +44,7 @@ class QwenAttention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = (
             self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, d)
         self.o_proj = RowParallelLinear(config.num_attention_heads * d, config.hidden_size,
-                                        bias=False)
+                                        bias=False, after_attention=True)
         self.qk_norm = qwen3
         if qwen3:
             self.q_norm = RMSNorm(d, config.rms_norm_eps)
