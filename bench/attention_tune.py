@@ -1,8 +1,8 @@
 """Sweep the paged decode-attention kernel's launch parameters at serving batch sizes.
 
-    python bench/attention_tune.py [--batches 64 128 256] [--contexts 512 1024]
+    python bench/attention_tune.py [--batches 64 128 256] [--contexts 512 1024] [--heads 32 4]
 
-At Qwen3-0.6B shapes (16 query / 8 KV heads, head_dim 128, 16-token blocks scattered over a
+At Qwen3-0.6B shapes (16 query / 8 KV heads, head_dim 128; --heads 32 4 for Qwen3-30B-A3B's, 16-token blocks scattered over a
 large cache, as a busy engine's are), per (batch, context): µs per call and the KV bytes read
 per second for the split count the engine picks and for the others, and for each launch
 config; each variant checked against the torch reference first. A diagnostic: it prints a
@@ -24,14 +24,15 @@ from engine.kernels import decode_attention as DA
 HQ, HKV, D, BS = 16, 8, 128, 16
 
 
-def make_case(batch: int, context: int, gen: torch.Generator, dtype=torch.bfloat16, dev="cuda"):
+def make_case(batch: int, context: int, gen: torch.Generator, dtype=torch.bfloat16, dev="cuda",
+              hq: int = HQ, hkv: int = HKV):
     lens = torch.randint(context // 2, context * 3 // 2 + 1, (batch,), generator=gen)
     width = int(-(-int(lens.max()) // BS))
     num_blocks = batch * width + 1
-    k = torch.randn(num_blocks, BS, HKV, D, generator=gen).to(dev, dtype)
-    v = torch.randn(num_blocks, BS, HKV, D, generator=gen).to(dev, dtype)
+    k = torch.randn(num_blocks, BS, hkv, D, generator=gen).to(dev, dtype)
+    v = torch.randn(num_blocks, BS, hkv, D, generator=gen).to(dev, dtype)
     tables = torch.randperm(num_blocks - 1, generator=gen)[:batch * width].view(batch, width)
-    q = torch.randn(batch, HQ, D, generator=gen).to(dev, dtype)
+    q = torch.randn(batch, hq, D, generator=gen).to(dev, dtype)
     return q, k, v, tables.to(dev, torch.int32), lens.to(dev, torch.int32)
 
 
@@ -65,8 +66,10 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--batches", type=int, nargs="+", default=[64, 128, 256])
     p.add_argument("--contexts", type=int, nargs="+", default=[512, 1024])
+    p.add_argument("--heads", type=int, nargs=2, default=[HQ, HKV], metavar=("Q", "KV"))
     p.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, two variants")
     a = p.parse_args(argv)
+    hq, hkv = a.heads
     dev, dtype = ("cpu", torch.float32) if a.smoke else ("cuda", torch.bfloat16)
     gen = torch.Generator().manual_seed(0)
     direct0, split0 = dict(DA.DIRECT_LAUNCH), dict(DA.SPLIT_LAUNCH)
@@ -78,13 +81,14 @@ def main(argv=None) -> None:
         variants.append((sp, dict(BLOCK_N=bn, num_warps=4, num_stages=st)))
     if a.smoke:
         variants = [variants[0], variants[-1]]
+    print(f"# heads {hq} / {hkv}, head_dim {D}")
     print(f"{'batch':>5} {'ctx':>5} {'splits':>6} {'config':<28} {'us':>8} {'TB/s':>6} {'err':>8}")
     for batch, context in itertools.product(a.batches, a.contexts):
-        q, k, v, tables, lens = make_case(batch, context, gen, dtype, dev)
+        q, k, v, tables, lens = make_case(batch, context, gen, dtype, dev, hq, hkv)
         scale = D ** -0.5
         ref = DA.paged_decode_attention_ref(q, k, v, tables, lens, scale).float()
-        nbytes = int(lens.sum()) * HKV * D * 2 * k.element_size()
-        picked = DA.choose_num_splits(batch, HKV, tables.shape[1] * BS, q.device)
+        nbytes = int(lens.sum()) * hkv * D * 2 * k.element_size()
+        picked = DA.choose_num_splits(batch, hkv, tables.shape[1] * BS, q.device)
         rows = []
         for splits, cfg in variants:
             DA.DIRECT_WIDE_PROGRAMS = 1 << 62      # each variant exactly as listed
@@ -114,7 +118,7 @@ def main(argv=None) -> None:
             short = f"n{cfg['BLOCK_N']} w{cfg['num_warps']} st{cfg['num_stages']}"
             print(f"{batch:>5} {context:>5} {splits:>6} {short:<28} {us:8.1f} {nbytes / us / 1e6:6.2f} {err:8.1e}")
         today = direct0 if picked == 1 else split0
-        if picked == 1 and batch * HKV >= wide0:
+        if picked == 1 and batch * hkv >= wide0:
             today = {**today, "BLOCK_N": DA.DIRECT_WIDE_BLOCK_N}
         print(f"{batch:>5} {context:>5} {picked:>6} {'engine today ' + str(today):<28} "
               f"{cur:8.1f} {nbytes / cur / 1e6:6.2f}")
