@@ -261,6 +261,16 @@ def test_attention_tune_checks_each_variant_against_the_reference(capsys, triton
     assert (dict(DA.DIRECT_LAUNCH), dict(DA.SPLIT_LAUNCH), DA.DIRECT_WIDE_PROGRAMS) == before
 
 
+def test_attention_splits_checks_each_split_count_and_merge_and_restores_the_merge(capsys, triton_interpreter):
+    from bench import attention_splits
+    from engine.kernels import decode_attention as DA
+    before = DA.MERGE_HEADS_TOGETHER
+    attention_splits.main(["--smoke"])
+    out = capsys.readouterr().out
+    assert "| per head |" in out and "| heads together |" in out and "off by" not in out
+    assert DA.MERGE_HEADS_TOGETHER == before
+
+
 def test_decode_chain_runs_every_family_of_variants_tiny_and_restores_what_it_touched(capsys, triton_interpreter):
     from bench import decode_chain
     from engine.kernels import decode_attention as DA
