@@ -12,9 +12,10 @@ buffers (int64: ids, positions, slots; int32: context lens, block tables), each 
 non-blocking copy from pinned memory allocated for that step: with overlap scheduling the host
 prepares step N+1 before step N's copies have run, so a reused staging buffer would race.
 Pending input ids (sampled by the step before, still on the device) are written after the
-copy. Small buckets also get graphs bounded to a shorter context (decode_attention.context_caps):
-a graph's attention grid is fixed, and a short context replays one with fewer splits. Steps with interventions replay a variant per plan key (interventions/buffers.py), its
-tables refilled before the replay; steps without any replay the graphs they always did. With
+copy. Small buckets also get probe-free graphs bounded to a shorter context
+(decode_attention.context_caps): a graph's attention grid is fixed, and a short context
+replays one with fewer splits. Steps with interventions replay a variant per plan key
+(interventions/buffers.py), its tables refilled before the replay; steps without any replay the graphs they always did. With
 tensor parallelism every rank captures the same graphs in the same order, NCCL all-reduces
 inside, and replays them in lockstep. One decode step in TIMED_EVERY replays a
 "timed" copy of its graph whose collectives are bracketed by CUDA events captured with it: the
@@ -214,7 +215,9 @@ class DecodeGraphs:
         self.replays += 1
         if variant is None and self.timing and self.replays % TIMED_EVERY == 1:
             variant = "timed"
-        cap = self.cap(bs, inp.context_lens)
+        # only the probe-free graphs are bounded: a probe or intervention variant is captured
+        # late, and a watched reply crossing 256 and 512 tokens would stall for a capture at each
+        cap = self.cap(bs, inp.context_lens) if variant is None else None
         if (bs, variant, cap) not in self.graphs:
             try:
                 self._capture_late(bs, variant, cap)

@@ -36,3 +36,16 @@ def test_pack_graph_inputs_lays_out_rows_padding_tables_and_pending_ids():
     tables = a32[n:].reshape(3, w)
     for i, s in enumerate(seqs):
         assert tables[i, :len(s.block_table)].tolist() == s.block_table
+
+
+def test_decode_graph_cap_is_the_smallest_bound_holding_the_longest_context():
+    """DecodeGraphs.cap without a GPU: the bound a step replays, None past the largest or where a
+    bucket has no bounds (its unbounded graph)."""
+    from types import SimpleNamespace
+    from engine.cuda_graphs import DecodeGraphs
+    g = SimpleNamespace(caps={1: [256, 512], 2: [256], 8: []})
+    cap = lambda bs, lens: DecodeGraphs.cap(g, bs, np.array(lens, dtype=np.int32))  # noqa: E731
+    assert cap(1, [1]) == 256 and cap(1, [256]) == 256 and cap(1, [257]) == 512
+    assert cap(1, [512]) == 512 and cap(1, [513]) is None
+    assert cap(2, [10, 300]) is None and cap(2, [300, 10][1:]) == 256   # the longest row decides
+    assert cap(8, [5]) is None and cap(1, []) is None
