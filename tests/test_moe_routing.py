@@ -195,3 +195,48 @@ def test_route_hidden_selects_exactly_what_the_kernel_it_replaced_did():
     old = route_hidden_old(x, gate, 8, True, route_counts("cpu"))
     assert torch.equal(new[2], old[2]), f"seed {seed}"
     torch.testing.assert_close(new[1], old[1], rtol=1e-6, atol=1e-7, msg=f"seed {seed}")
+
+
+@pytest.mark.parametrize("tile", [None, (2, 2, 1), (4, 4, 4)])
+@pytest.mark.parametrize("n,hidden,dtype", [(1, 48, torch.float32), (5, 600, torch.float32),
+                                            (3, 1100, torch.float16), (2, 64, torch.float16)])
+def test_norm_route_hidden_is_the_post_attention_norm_then_route_hidden(n, hidden, dtype, tile):
+    """The post-attention RMSNorm folded into the fused router (MoE decode steps): its normed rows
+    and residual stream are fused_add_rms_norm's (hidden 600 / 1,100: several K chunks and a
+    masked tail), every program's routing is route_hidden's of those very rows (the same products
+    in the same order: equal experts, not near-equal), and the semaphores reset. No bf16 here:
+    the interpreter truncates fp32 -> bf16 (tests/test_moe_kernels_gpu.py has bf16)."""
+    from engine.kernels.moe_routing import norm_route_hidden
+    from engine.kernels.rmsnorm import fused_add_rms_norm_ref
+    seed = _seed()
+    g = torch.Generator().manual_seed(seed)
+    experts, top_k, eps = 60, 4, 1e-6
+    h = (torch.randn(n, hidden, generator=g) * 3).to(dtype)
+    r = (torch.randn(n, hidden, generator=g) * 5).to(dtype)
+    nw = (1 + 0.5 * torch.randn(hidden, generator=g)).to(dtype)
+    gate = (torch.randn(experts, hidden, generator=g) / hidden**0.5).to(dtype)
+    counts = route_counts("cpu")
+    probs, w, ids, normed, res = norm_route_hidden(h, r, nw, eps, gate, top_k, True, counts,
+                                                   tile=tile)
+    msg = f"seed {seed}"
+    normed_ref, res_ref = fused_add_rms_norm_ref(h, r, nw, eps)
+    assert torch.equal(res, res_ref), msg
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(normed, normed_ref, msg=msg, **tol)
+    if dtype != torch.float32:  # the sum of squares in another order: a rare last-bit rounding
+        assert (normed != normed_ref).float().mean() < 0.02, msg
+    probs2, w2, ids2 = route_hidden(normed, gate, top_k, True, route_counts("cpu"), tile=tile)
+    assert torch.equal(ids, ids2), msg
+    torch.testing.assert_close(probs, probs2, rtol=0, atol=0, msg=msg)
+    torch.testing.assert_close(w, w2, rtol=0, atol=0, msg=msg)
+    assert bool((counts == 0).all()), "the semaphores must reset for the next launch"
+
+
+def test_norm_route_hidden_rejects_mismatched_inputs():
+    from engine.kernels.moe_routing import norm_route_hidden
+    h = torch.randn(2, 32)
+    gate = torch.randn(8, 32)
+    with pytest.raises(ValueError, match="residual"):
+        norm_route_hidden(h, torch.randn(3, 32), torch.ones(32), 1e-6, gate, 2, True, route_counts("cpu"))
+    with pytest.raises(ValueError, match="norm_weight"):
+        norm_route_hidden(h, torch.randn(2, 32), torch.ones(16), 1e-6, gate, 2, True, route_counts("cpu"))

@@ -206,7 +206,9 @@ def _layer_stages(layer) -> list[tuple[str, str, object]]:
             ("attention", "store k, v in the paged cache; attend over it", attn.attn),
             ("o_proj", "heads concatenated, projected back to hidden", attn.o_proj),
             ("post_norm", "RMSNorm of the residual (fused add; at batch 1 on the GPU, inside "
-             "gate_up's GEMM when the MLP is dense)", layer.post_attention_layernorm)]
+             "gate_up's GEMM when the MLP is dense; at decode batches on the GPU, inside the "
+             "router's launch when it is MoE without a shared expert)",
+             layer.post_attention_layernorm)]
     if hasattr(mlp, "experts"):
         out += [("router", "router logits over the experts", mlp.gate),
                 ("experts", "top-k routing and the fused expert MLPs", mlp.experts)]

@@ -219,10 +219,13 @@ def _router_route_kernel(
     counts_ptr,  # [token tiles] int32, zero between launches
     probs_ptr, weights_ptr, ids_ptr,
     bias_ptr,  # [N, E] fp32 added to the logits (interventions: 0 or -inf), if HAS_BIAS
-    num_tokens, num_experts, stride_xm, stride_wn,
+    res_ptr,  # [N, H] the residual stream, if FUSE_NORM (x is then the attention block's output)
+    norm_w_ptr,  # [H] the post-attention RMSNorm's weight, if FUSE_NORM
+    normed_ptr, res_out_ptr,  # [N, H] out, if FUSE_NORM: rms_norm(x + residual), x + residual
+    num_tokens, num_experts, stride_xm, stride_wn, stride_rm, eps,
     H: tl.constexpr, TOP_K: tl.constexpr, K_P2: tl.constexpr, E_P2: tl.constexpr,
     BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr,
-    HAS_BIAS: tl.constexpr = False, USE_PDL: tl.constexpr = False,
+    HAS_BIAS: tl.constexpr = False, USE_PDL: tl.constexpr = False, FUSE_NORM: tl.constexpr = False,
 ):
     # 1. logits of BLOCK_E experts for BLOCK_T tokens: a GEMV over H, FMA on [BLOCK_E, BLOCK_T, BLOCK_K]
     pid_e = tl.program_id(0)
@@ -240,20 +243,50 @@ def _router_route_kernel(
     else:
         w_first = tl.load(w_ptrs, mask=(offs_k < H)[None, None, :], other=0.0)
     wait_prior(USE_PDL)
+    if FUSE_NORM:
+        # the post-attention RMSNorm (fused_add_rms_norm's rounding points), folded in: every
+        # program needs the row's sum of squares before its first product, so a first pass
+        # sums (x + residual)^2 over the whole row (L2 reads; the second pass finds them in L1)
+        src = tl.minimum(rows, num_tokens - 1)[None, :, None]
+        r_ptrs = res_ptr + src * stride_rm + offs_k[None, None, :]
+        sq = tl.zeros([1, BLOCK_T], dtype=tl.float32)
+        for k0 in tl.static_range(0, H, BLOCK_K):
+            k_ok = (k0 + offs_k < H)[None, None, :]
+            s = (tl.load(x_ptrs + k0, mask=k_ok, other=0.0).to(tl.float32)
+                 + tl.load(r_ptrs + k0, mask=k_ok, other=0.0).to(tl.float32))
+            s = s.to(x_ptr.dtype.element_ty).to(tl.float32)   # HF adds in the model dtype
+            sq += tl.sum(s * s, axis=2)
+        rstd = tl.rsqrt(sq / H + eps)[:, :, None]             # [1, BLOCK_T, 1]
+        # the programs of the first expert block store the normed rows and the residual stream
+        out_rows = ((rows < num_tokens) & (rows * 0 + pid_e == 0))[None, :, None]
+        out_off = rows[None, :, None] * H + offs_k[None, None, :]
     for k0 in tl.static_range(0, H, BLOCK_K):
         if k0 + BLOCK_K <= H:
             if k0 == 0:
                 w = w_first
             else:
                 w = tl.load(w_ptrs + k0)
-            x = tl.load(x_ptrs + k0)
+            if FUSE_NORM:
+                k_ok = (k0 + offs_k < H)[None, None, :]
+            else:
+                x = tl.load(x_ptrs + k0)
         else:
             k_ok = (k0 + offs_k < H)[None, None, :]
             if k0 == 0:
                 w = w_first
             else:
                 w = tl.load(w_ptrs + k0, mask=k_ok, other=0.0)
-            x = tl.load(x_ptrs + k0, mask=k_ok, other=0.0)
+            if not FUSE_NORM:
+                x = tl.load(x_ptrs + k0, mask=k_ok, other=0.0)
+        if FUSE_NORM:
+            s = (tl.load(x_ptrs + k0, mask=k_ok, other=0.0).to(tl.float32)
+                 + tl.load(r_ptrs + k0, mask=k_ok, other=0.0).to(tl.float32)).to(x_ptr.dtype.element_ty)
+            g = tl.load(norm_w_ptr + k0 + offs_k, mask=k0 + offs_k < H, other=0.0).to(tl.float32)
+            # HF: weight * (x * rstd).to(dtype), rounded to the dtype again
+            x = ((s.to(tl.float32) * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
+                 * g[None, None, :]).to(x_ptr.dtype.element_ty)
+            tl.store(normed_ptr + out_off + k0, x, mask=out_rows & k_ok)
+            tl.store(res_out_ptr + out_off + k0, s, mask=out_rows & k_ok)
         acc += w.to(tl.float32) * x.to(tl.float32)
     # rounded to x's dtype, as the router's F.linear output is, then kept in fp32
     logits = tl.sum(acc, axis=2).to(x_ptr.dtype.element_ty).to(tl.float32)  # [BLOCK_E, BLOCK_T]
@@ -284,6 +317,31 @@ def route_hidden(
     Graph-safe: fixed grid, no host sync; the counts reset themselves. `bias` [N, E] fp32
     (contiguous) is added to the logits before the softmax (interventions mask experts).
     `tile` = (tokens, experts, warps) a program overrides router_tile (bench/router.py only)."""
+    return _route_hidden(x, gate_weight, top_k, norm_topk_prob, counts, out, bias, tile)[:3]
+
+
+def norm_route_hidden(
+    hidden: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+    gate_weight: torch.Tensor, top_k: int, norm_topk_prob: bool, counts: torch.Tensor,
+    out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    bias: torch.Tensor | None = None, tile: tuple[int, int, int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The post-attention norm and the router in one launch: (probs, topk weights, topk ids,
+    normed, residual_out) with normed, residual_out = fused_add_rms_norm(hidden, residual,
+    norm_weight, eps) (the same rounding points: the same experts and the same expert input)
+    and the routing of route_hidden(normed, ...). A MoE layer's decode step saves the norm's
+    launch (48 a step at Qwen3-30B-A3B). hidden, residual [N, H] with unit stride along H."""
+    if residual.shape != hidden.shape or residual.stride(1) != 1 or residual.dtype != hidden.dtype:
+        raise ValueError(f"residual {tuple(residual.shape)} must match hidden {tuple(hidden.shape)} "
+                         f"(dtype and unit stride along H)")
+    if norm_weight.shape != (hidden.shape[1],) or not norm_weight.is_contiguous():
+        raise ValueError(f"norm_weight must be contiguous [{hidden.shape[1]}]")
+    return _route_hidden(hidden, gate_weight, top_k, norm_topk_prob, counts, out, bias, tile,
+                         (residual, norm_weight, float(eps)))
+
+
+def _route_hidden(x, gate_weight, top_k, norm_topk_prob, counts, out, bias, tile, norm=None):
+    """route_hidden, with the post-attention norm folded in when `norm` = (residual, weight, eps)."""
     num_tokens, hidden = x.shape
     num_experts = gate_weight.shape[0]
     if not 0 < num_tokens <= FUSED_MAX_TOKENS:
@@ -308,12 +366,19 @@ def route_hidden(
     # the GEMV accumulator [BLOCK_E, BLOCK_T, BLOCK_K] stays within 8192 fp32 (64 a thread at 4 warps)
     block_k = min(512 if x.element_size() <= 2 else 256, 8192 // (block_e * block_t),
                   triton.next_power_of_2(hidden))
+    if norm is not None:
+        residual, norm_weight, eps = norm
+        normed = torch.empty(x.shape, dtype=x.dtype, device=x.device)   # rows of H: the kernel's layout
+        res_out = torch.empty_like(normed)
+    else:   # placeholders, never read or written
+        residual, norm_weight, eps, normed, res_out = x, x, 0.0, x, x
     _router_route_kernel[(triton.cdiv(num_experts, block_e), triton.cdiv(num_tokens, block_t))](
         x, gate_weight, logits, counts, probs, weights, ids,
         bias if bias is not None else logits,
-        num_tokens, num_experts, x.stride(0), gate_weight.stride(0),
+        residual, norm_weight, normed, res_out,
+        num_tokens, num_experts, x.stride(0), gate_weight.stride(0), residual.stride(0), eps,
         H=hidden, TOP_K=top_k, K_P2=triton.next_power_of_2(top_k), E_P2=e_p2, BLOCK_E=block_e,
         BLOCK_T=block_t, BLOCK_K=block_k, NORM=norm_topk_prob, HAS_BIAS=bias is not None,
-        USE_PDL=pdl, num_warps=num_warps, launch_pdl=pdl,
+        USE_PDL=pdl, FUSE_NORM=norm is not None, num_warps=num_warps, launch_pdl=pdl,
     )
-    return probs, weights, ids
+    return probs, weights, ids, normed, res_out

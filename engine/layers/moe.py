@@ -11,6 +11,8 @@ engine/kernels/configs/ (bench/tune_moe.py), with defaults where none was tuned.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 
@@ -21,6 +23,10 @@ from ..kernels.moe_gemv import fused_moe_gemv
 from ..parallel_state import divide, get_tp_rank, get_tp_size
 from .gemm import linear
 from .linear import copy_checked, expect_size, materialize, narrow
+
+# the post-attention RMSNorm inside the router's launch at decode batches (forward_norm);
+# 0 keeps it its own launch (the A/B of bench/moe.py)
+FOLD_NORM = os.environ.get("GLASSBOX_MOE_FOLD_NORM", "1") != "0"
 
 
 class FusedMoE(nn.Module):
@@ -65,35 +71,69 @@ class FusedMoE(nn.Module):
     def forward(self, x: torch.Tensor, gate_weight: torch.Tensor, layer_idx: int,
                 shared_gate: torch.Tensor | None = None) -> torch.Tensor:
         """x [N, H], gate_weight [E, H] (the replicated router) -> partial (un-reduced) output [N, H]."""
+        out, bias = self._route_args(layer_idx, x.shape[0])
+        return _experts(self, x, *self.route(x, gate_weight, out, bias), layer_idx, shared_gate)
+
+    def can_fold_norm(self, hidden: torch.Tensor) -> bool:
+        """May the post-attention norm run inside the router's launch (forward_norm)? Decode
+        batches on the GPU, where the fused router runs (`GLASSBOX_MOE_FOLD_NORM=0`: never)."""
+        return FOLD_NORM and self._fused_router(hidden)
+
+    def forward_norm(self, hidden: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
+                     eps: float, gate_weight: torch.Tensor, layer_idx: int):
+        """fused_add_rms_norm(hidden, residual) then forward, with the norm inside the router's
+        launch: -> (partial output [N, H], residual stream). Only where can_fold_norm."""
+        out, bias = self._route_args(layer_idx, hidden.shape[0])
+        probs, topk_w, topk_ids, x, residual = moe_routing.norm_route_hidden(
+            hidden, residual, norm_weight, eps, gate_weight, self.top_k, self.norm_topk_prob,
+            self.route_counts, out, bias=bias)
+        return _experts(self, x, probs, topk_w, topk_ids, layer_idx, None), residual
+
+    def _route_args(self, layer_idx: int, n: int):
         ctx = get_context()
         probes = ctx.probes
-        out = probes.route_out(layer_idx, x.shape[0]) if probes is not None else None
+        out = probes.route_out(layer_idx, n) if probes is not None else None
         # interventions: masked experts' logits -inf (bias [N, E] of 0 / -inf), else None
         bias = ctx.interventions.router_bias(layer_idx) if ctx.interventions is not None else None
-        probs, topk_w, topk_ids = self.route(x, gate_weight, out, bias)
-        if probes is not None:
-            probes.on_router(layer_idx, probs, topk_ids, topk_w, shared_gate)
-        if x.is_cuda:   # the kernels round the fp32 weights to x.dtype themselves: no cast launch
-            return fused_experts(x, self.w13, self.w2, topk_w, topk_ids)
-        # each token's output independent of the step's other tokens (moe_cpu.py says why)
-        return moe_cpu.fused_moe_cpu(x, self.w13, self.w2, topk_w, topk_ids)
+        return out, bias
 
+    def _fused_router(self, x: torch.Tensor) -> bool:
+        """Does x's batch take the one-launch router (route_hidden)? Its semaphores are
+        allocated on the first call outside a CUDA-graph capture."""
+        if not _fused_router_fits(x):
+            return False
+        if self.route_counts is None and not torch.cuda.is_current_stream_capturing():
+            self.route_counts = moe_routing.route_counts(x.device)  # before any capture
+        return self.route_counts is not None
 
     def route(self, x: torch.Tensor, gate_weight: torch.Tensor, out=None, bias=None):
         """Router logits -> (probs [N, E] fp32, topk weights [N, k] fp32, topk ids [N, k] int32).
         Decode batches on the GPU: one launch for the router GEMV and the routing; else the router
         linear (skinny GEMM or cuBLAS), then the routing kernel (route_ref on the CPU: HF's ops)."""
-        n = x.shape[0]
-        if x.is_cuda and 0 < n <= moe_routing.FUSED_MAX_TOKENS and x.dim() == 2 and x.stride(1) == 1:
-            if self.route_counts is None and not torch.cuda.is_current_stream_capturing():
-                self.route_counts = moe_routing.route_counts(x.device)  # before any capture
-            if self.route_counts is not None:
-                return moe_routing.route_hidden(x, gate_weight, self.top_k, self.norm_topk_prob,
-                                                self.route_counts, out, bias=bias)
+        if self._fused_router(x):
+            return moe_routing.route_hidden(x, gate_weight, self.top_k, self.norm_topk_prob,
+                                            self.route_counts, out, bias=bias)
         logits = linear(x, gate_weight)
         if bias is not None:        # + 0 leaves a logit as it is; + -inf masks the expert
             logits = logits + bias
         return moe_routing.route(logits, self.top_k, self.norm_topk_prob, out)
+
+
+def _experts(moe: FusedMoE, x, probs, topk_w, topk_ids, layer_idx, shared_gate):
+    """Report the routing to the probes, then run the experts (a function, not a method: the
+    Anatomy page follows a forward's calls by name to find the kernels it reaches)."""
+    probes = get_context().probes
+    if probes is not None:
+        probes.on_router(layer_idx, probs, topk_ids, topk_w, shared_gate)
+    if x.is_cuda:   # the kernels round the fp32 weights to x.dtype themselves: no cast launch
+        return fused_experts(x, moe.w13, moe.w2, topk_w, topk_ids)
+    # each token's output independent of the step's other tokens (moe_cpu.py says why)
+    return moe_cpu.fused_moe_cpu(x, moe.w13, moe.w2, topk_w, topk_ids)
+
+
+def _fused_router_fits(x: torch.Tensor) -> bool:
+    return (x.is_cuda and 0 < x.shape[0] <= moe_routing.FUSED_MAX_TOKENS and x.dim() == 2
+            and x.stride(1) == 1)
 
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,

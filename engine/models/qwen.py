@@ -115,6 +115,8 @@ class QwenDecoderLayer(nn.Module):
             act, residual = norm_linear(self.post_attention_layernorm, self.mlp.gate_up_proj,
                                         hidden, residual, gated=True)
             out = self.mlp.down_proj(act)
+        elif hasattr(self.mlp, "forward_norm"):  # MoE: the norm may fold into the router
+            out, residual = self.mlp.forward_norm(hidden, residual, self.post_attention_layernorm)
         else:
             hidden, residual = self.post_attention_layernorm(hidden, residual)
             out = self.mlp(hidden)

@@ -44,6 +44,18 @@ class QwenSparseMoeBlock(nn.Module):
             out = out + gate * self.shared_expert(x)                   # partial sums per rank
         return self.tp.all_reduce(out)
 
+    def forward_norm(self, hidden: torch.Tensor, residual: torch.Tensor, norm) -> tuple:
+        """The post-attention norm (`norm`, an RMSNorm) then the block: -> (output, residual
+        stream). Decode batches on the GPU without a shared expert run the norm inside the
+        router's launch (one launch a layer fewer); the rest norm first."""
+        if (self.shared_expert is None and residual is not None and residual.stride(-1) == 1
+                and residual.shape == hidden.shape and self.experts.can_fold_norm(hidden)):
+            out, residual = self.experts.forward_norm(hidden, residual, norm.weight, norm.eps,
+                                                      self.gate.weight, self.layer_idx)
+            return self.tp.all_reduce(out), residual
+        x, residual = norm(hidden, residual)
+        return self.forward(x), residual
+
 
 class QwenSharedExpert(QwenMLP):
     """The shared expert's down projection is summed in the MoE block's one all-reduce."""
