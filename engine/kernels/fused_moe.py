@@ -6,6 +6,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from engine.kernels.jit_keys import varying
 from engine.kernels.moe_align import max_used_blocks, moe_align
 from engine.kernels.moe_configs import KernelTile, MoEKernelConfig, default_grouped
 
@@ -27,7 +28,8 @@ def _block_coords(num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
     return pid_m, pid_n
 
 
-@triton.jit
+@triton.jit(do_not_specialize=varying(
+    "sorted_ptr", "expert_ids_ptr", "ntpp_ptr", "num_pairs", "num_pid_m"))
 def _w13_silu_mul_kernel(
     x_ptr,  # [N, H]
     w13_ptr,  # [E, 2I, H]
@@ -75,7 +77,8 @@ def _w13_silu_mul_kernel(
     tl.store(out_ptrs, h.to(inter_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=varying(
+    "topk_weights_ptr", "sorted_ptr", "expert_ids_ptr", "ntpp_ptr", "num_pairs", "num_pid_m"))
 def _w2_weighted_kernel(
     inter_ptr,  # [N*k, I]
     w2_ptr,  # [E, H, I]

@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels.jit_keys import varying
+
 
 def align_sizes(num_pairs: int, num_experts: int, block_m: int) -> tuple[int, int]:
     """Static sizes: (len(sorted_token_ids), len(expert_ids)) — worst case, every expert padded."""
@@ -78,7 +80,8 @@ def _fill_sentinel(sorted_ptr, start, end, sentinel, FILL: tl.constexpr):
         tl.store(sorted_ptr + f + offs, tl.full([FILL], 0, tl.int32) + sentinel, mask=f + offs < end)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=varying(
+    "topk_ids_ptr", "num_pairs", "max_padded", "used_blocks", "num_blocks"))
 def _align_single_kernel(
     topk_ids_ptr, sorted_ptr, expert_ids_ptr, ntpp_ptr,
     num_pairs, max_padded, used_blocks, num_blocks,
@@ -94,7 +97,7 @@ def _align_single_kernel(
     _write_expert_ids(expert_ids_ptr, padded_end, total, used_blocks, num_blocks, BLOCK_M, BCH)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=varying("topk_ids_ptr", "num_pairs", "max_padded", "fill_len"))
 def _align_count_kernel(topk_ids_ptr, sorted_ptr, chunk_ptr, num_pairs, max_padded, fill_len,
                         CHUNK: tl.constexpr, SUB: tl.constexpr, E_P2: tl.constexpr, FILL: tl.constexpr):
     # Larger batches, stage 1 of 3: per-chunk expert counts; the sentinel fill rides along.
@@ -104,7 +107,7 @@ def _align_count_kernel(topk_ids_ptr, sorted_ptr, chunk_ptr, num_pairs, max_padd
     _fill_sentinel(sorted_ptr, pid * fill_len, tl.minimum(pid * fill_len + fill_len, max_padded), num_pairs, FILL)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=varying("num_chunks", "used_blocks", "num_blocks"))
 def _align_scan_kernel(chunk_ptr, expert_ids_ptr, ntpp_ptr, num_chunks, used_blocks, num_blocks,
                        BLOCK_M: tl.constexpr, E_P2: tl.constexpr, NC_P2: tl.constexpr, BCH: tl.constexpr):
     # Stage 2: one program turns chunk counts into each chunk's first slot per expert (in place).
@@ -118,7 +121,7 @@ def _align_scan_kernel(chunk_ptr, expert_ids_ptr, ntpp_ptr, num_chunks, used_blo
     _write_expert_ids(expert_ids_ptr, padded_end, total, used_blocks, num_blocks, BLOCK_M, BCH)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=varying("topk_ids_ptr", "num_pairs"))
 def _align_place_kernel(topk_ids_ptr, sorted_ptr, chunk_ptr, num_pairs,
                         CHUNK: tl.constexpr, SUB: tl.constexpr, E_P2: tl.constexpr):
     # Stage 3: every chunk scatters its pairs from its own first slots.

@@ -17,12 +17,14 @@ import triton
 import triton.language as tl
 
 from engine.kernels.decode_attention import combine_splits, dot_precision, num_sms
+from engine.kernels.jit_keys import varying
 
 MAX_SPLITS = 16
 SPLIT_MAX_TOKENS = 512  # above this many query tokens the grid fills the GPU anyway
 
 
-@triton.jit
+@triton.jit(do_not_specialize=varying(
+    "block_tables_ptr", "cu_seqlens_ptr", "context_lens_ptr", "num_splits", "stride_bt"))
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_ptr, context_lens_ptr,
     out_ptr, part_out_ptr, part_lse_ptr,

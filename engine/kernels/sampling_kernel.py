@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from engine.kernels.jit_keys import varying
 from engine.sampling_noise import uniform_noise
 
 # splitmix64 constants (golden-ratio increment and the two finaliser multipliers), as unsigned;
@@ -42,7 +43,7 @@ def _uniform(seed, position, ids):
     return (top.to(tl.float32) + 0.5) * (1.0 / 8388608.0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=varying("temp_ptr", "seed_ptr", "pos_ptr"))
 def _partial_kernel(logits_ptr, stride_row, temp_ptr, seed_ptr, pos_ptr, val_ptr, idx_ptr,
                     vocab, num_chunks, BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr):
     row = tl.program_id(0)
