@@ -321,3 +321,15 @@ def test_env_ab_alternates_variants_in_fresh_processes(tmp_path):
     assert "| AB_VALUE=7,AB_OTHER=x | 7 | 7 |" in md
     with pytest.raises(ValueError, match="NAME=VALUE"):
         env_ab.parse_variant("no-equals-sign")
+
+
+def test_first_run_reports_each_repeat_with_its_compiles_on_cpu():
+    from bench import first_run
+    rows = first_run.main("qwen3-0.6b", "cpu", num_requests=4, repeats=2, tiny=True)
+    _assert_no_errors(rows)
+    for r in ("repeat 0", "repeat 1"):
+        got = {x["metric"]: x["value"] for x in rows if x["note"].startswith(r)}
+        assert got["output_tok_s"] > 0 and got["decode_step_ms"] > 0, got
+        assert got["triton_compiles"] == 0      # the CPU runs no Triton kernel
+    import gc
+    assert gc.isenabled()
