@@ -333,3 +333,13 @@ def test_first_run_reports_each_repeat_with_its_compiles_on_cpu():
         assert got["triton_compiles"] == 0      # the CPU runs no Triton kernel
     import gc
     assert gc.isenabled()
+
+
+def test_moe_chain_runs_every_family_of_variants_tiny_and_restores_its_shapes(capsys, triton_interpreter):
+    from bench import moe_chain
+    before = (moe_chain.LAYERS, moe_chain.HIDDEN, moe_chain.EXPERTS)
+    moe_chain.main(["--smoke"])
+    out = capsys.readouterr().out
+    for row in ("whole chain:", "| router |", "its own launch", "router tile", "attention 2 splits"):
+        assert row in out, row
+    assert (moe_chain.LAYERS, moe_chain.HIDDEN, moe_chain.EXPERTS) == before
