@@ -45,6 +45,22 @@ PAGE, TABLE_WIDTH = 16, 256  # max_model_len 4096 / 16-token blocks: the engine'
 KINDS = ("qkv", "rope", "attn", "o", "gate_up", "silu", "down", "head")
 
 
+def one_sequence(context: int, head_dim: int, num_blocks: int, table_width: int, page: int,
+                 dev, g: torch.Generator):
+    """The one decoding sequence of a chain: (RoPE cos/sin table [4096, D], block table
+    [1, table_width] of distinct random blocks, context lengths, positions, the new token's slot)."""
+    pos = torch.arange(4096, dtype=torch.float32)[:, None]
+    inv = 1e6 ** (-torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    ang = pos * inv[None, :]
+    cos_sin = torch.cat([ang.cos(), ang.sin()], dim=1).to(dev)
+    table = torch.randperm(num_blocks, generator=g)[:table_width].view(1, -1).to(dev, torch.int32)
+    lens = torch.tensor([context], dtype=torch.int32, device=dev)
+    positions = torch.tensor([context - 1], dtype=torch.int64, device=dev)
+    blk = int(table[0, (context - 1) // page])
+    slots = torch.tensor([blk * page + (context - 1) % page], dtype=torch.int64, device=dev)
+    return cos_sin, table, lens, positions, slots
+
+
 class Chain:
     def __init__(self, context: int, dev: str = "cuda", dtype=torch.bfloat16, seed: int = 0):
         g = torch.Generator(device="cpu").manual_seed(seed)
@@ -67,16 +83,8 @@ class Chain:
         self.head = rnd(VOCAB, HIDDEN)
         self.x = rnd(1, HIDDEN, scale=1.0)
         self.residual = rnd(1, HIDDEN, scale=1.0)
-        pos = torch.arange(4096, dtype=torch.float32)[:, None]
-        inv = 1e6 ** (-torch.arange(0, D, 2, dtype=torch.float32) / D)
-        ang = pos * inv[None, :]
-        self.cos_sin = torch.cat([ang.cos(), ang.sin()], dim=1).to(dev)
-        self.block_table = torch.randperm(num_blocks, generator=g)[:TABLE_WIDTH].view(1, -1).to(
-            dev, torch.int32)
-        self.context_lens = torch.tensor([context], dtype=torch.int32, device=dev)
-        self.positions = torch.tensor([context - 1], dtype=torch.int64, device=dev)
-        blk = int(self.block_table[0, (context - 1) // PAGE])
-        self.slots = torch.tensor([blk * PAGE + (context - 1) % PAGE], dtype=torch.int64, device=dev)
+        (self.cos_sin, self.block_table, self.context_lens, self.positions,
+         self.slots) = one_sequence(context, D, num_blocks, TABLE_WIDTH, PAGE, dev, g)
         # stand-ins a left-out kernel's consumer reads instead
         self.q_buf = rnd(1, HQ, D, scale=1.0)
         self.attn_buf = rnd(1, HQ, D, scale=1.0)
@@ -175,21 +183,29 @@ def time_eager(fn, replays: int) -> float:
     return (time.perf_counter() - t0) * 1e6
 
 
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def chain_cli(argv, description: str, shapes: dict, smoke_shapes: dict, build, run) -> None:
+    """The command line of both chain benches (this one, bench/moe_chain.py): on the GPU, `build`
+    (context, device, dtype) then `run`(args, chain, time_graph, smoke=False); with --smoke, the
+    module's shape constants (`shapes`: its globals()) swapped for `smoke_shapes` for the run and
+    restored after, on the CPU in fp32 and timed eagerly."""
+    p = argparse.ArgumentParser(description=description)
     p.add_argument("--context", type=int, default=256, help="KV length of the one sequence")
     p.add_argument("--replays", type=int, default=20)
     p.add_argument("--smoke", action="store_true", help="CPU (interpreter), tiny shapes, few variants")
     a = p.parse_args(argv)
     if not a.smoke:
-        return _run(a, Chain(a.context), time_graph, smoke=False)
-    saved = {k: globals()[k] for k in SMOKE_SHAPES}
-    globals().update(SMOKE_SHAPES)
+        return run(a, build(a.context, "cuda", torch.bfloat16), time_graph, False)
+    saved = {k: shapes[k] for k in smoke_shapes}
+    shapes.update(smoke_shapes)
     try:
-        _run(a, Chain(min(a.context, TABLE_WIDTH * PAGE), dev="cpu", dtype=torch.float32),
-             time_eager, smoke=True)
+        context = min(a.context, shapes["TABLE_WIDTH"] * shapes["PAGE"])
+        run(a, build(context, "cpu", torch.float32), time_eager, True)
     finally:
-        globals().update(saved)
+        shapes.update(saved)
+
+
+def main(argv=None) -> None:
+    chain_cli(argv, __doc__.split("\n")[0], globals(), SMOKE_SHAPES, Chain, _run)
 
 
 def _run(a, c: Chain, timer, smoke: bool) -> None:

@@ -16,7 +16,6 @@ buffers, and the outputs are not checked (the kernels' tests do that).
 """
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -25,7 +24,7 @@ if __package__ in (None, ""):
 
 import torch
 
-from bench.decode_chain import time_eager, time_graph
+from bench.decode_chain import chain_cli, one_sequence
 from engine.kernels import decode_attention as DA
 from engine.kernels import moe_routing as MR
 from engine.kernels import skinny_gemm as SG
@@ -62,17 +61,9 @@ class MoEChain:
         self.head = rnd(VOCAB, HIDDEN)
         self.x = rnd(1, HIDDEN, scale=1.0)
         self.residual = rnd(1, HIDDEN, scale=1.0)
-        pos = torch.arange(4096, dtype=torch.float32)[:, None]
-        inv = 1e6 ** (-torch.arange(0, D, 2, dtype=torch.float32) / D)
-        ang = pos * inv[None, :]
-        self.cos_sin = torch.cat([ang.cos(), ang.sin()], dim=1).to(dev)
         cpu = torch.Generator().manual_seed(seed)
-        self.block_table = torch.randperm(num_blocks, generator=cpu)[:TABLE_WIDTH].view(1, -1).to(
-            dev, torch.int32)
-        self.context_lens = torch.tensor([context], dtype=torch.int32, device=dev)
-        self.positions = torch.tensor([context - 1], dtype=torch.int64, device=dev)
-        blk = int(self.block_table[0, (context - 1) // PAGE])
-        self.slots = torch.tensor([blk * PAGE + (context - 1) % PAGE], dtype=torch.int64, device=dev)
+        (self.cos_sin, self.block_table, self.context_lens, self.positions,
+         self.slots) = one_sequence(context, D, num_blocks, TABLE_WIDTH, PAGE, dev, cpu)
         # stand-ins a left-out kernel's consumer reads instead
         self.qkv_buf = rnd(1, (HQ + 2 * HKV) * D, scale=1.0)
         self.q_buf = rnd(1, HQ, D, scale=1.0)
@@ -123,20 +114,7 @@ class MoEChain:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--context", type=int, default=256, help="KV length of the one sequence")
-    p.add_argument("--replays", type=int, default=20)
-    p.add_argument("--smoke", action="store_true", help="CPU (interpreter), tiny shapes, few variants")
-    a = p.parse_args(argv)
-    if not a.smoke:
-        return _run(a, MoEChain(a.context), time_graph, smoke=False)
-    saved = {k: globals()[k] for k in SMOKE_SHAPES}
-    globals().update(SMOKE_SHAPES)
-    try:
-        _run(a, MoEChain(min(a.context, TABLE_WIDTH * PAGE), dev="cpu", dtype=torch.float32),
-             time_eager, smoke=True)
-    finally:
-        globals().update(saved)
+    chain_cli(argv, __doc__.split("\n")[0], globals(), SMOKE_SHAPES, MoEChain, _run)
 
 
 def _run(a, c: MoEChain, timer, smoke: bool) -> None:
