@@ -25,6 +25,14 @@ torch.set_num_threads(max(1, os.cpu_count() or 1))
 _BUILT: dict = {}
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _openai_models_built():
+    """The OpenAI client's lazily built response models, built once here on one thread: its
+    first use from several threads at once races (tests/client_models.py says how)."""
+    from client_models import build_response_models
+    build_response_models()
+
+
 @pytest.fixture(scope="session")
 def model_factory(tmp_path_factory):
     """model_factory(arch, **config_overrides) -> checkpoint dir (cached per arguments)."""

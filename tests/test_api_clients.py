@@ -106,3 +106,27 @@ def test_litellm_structured_output(served):
                                "json_schema": {"name": "x", "schema": schema}})
     obj = json.loads(r.choices[0].message.content)
     assert set(obj) == {"ok", "n"} and isinstance(obj["ok"], bool)
+
+
+
+def test_the_clients_response_models_are_built_before_threads_use_them():
+    """conftest builds openai's deferred models (and each nested one) on one thread: a model
+    still deferred would be rebuilt by the first of several threads at once, which raises in
+    some of them (LangChain's .batch failed CI that way). In a fresh interpreter, so models
+    that earlier tests built cannot hide one the builder misses."""
+    pytest.importorskip("openai")
+    import subprocess
+    import sys
+    code = """if True:
+        from pydantic._internal._mock_val_ser import MockCoreSchema
+        from client_models import build_response_models
+        models = build_response_models()
+        deferred = [m.__name__ for m in models
+                    if isinstance(m.__dict__.get("__pydantic_core_schema__"), MockCoreSchema)]
+        print(sorted(m.__name__ for m in models)); print(deferred)"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=os.path.dirname(__file__), timeout=120, check=True).stdout
+    names, deferred = (eval(line) for line in out.strip().splitlines())
+    assert {"ChatCompletion", "ChatCompletionChunk", "Completion", "ChatCompletionMessage",
+            "Choice", "ChoiceDelta", "ChatCompletionMessageFunctionToolCall"} <= set(names)
+    assert deferred == [], deferred
