@@ -10,7 +10,8 @@ snapshot per SNAPSHOT_MAX_AGE_S):
 Batch-1 decode and the `throughput` workload run with the pollers off and on, alternating on one
 engine (the same request watched in both, so only looking differs). Reported: % slowdown,
 how long inspect() / trace() held the engine lock (p50 / p99 / max), and how long each tab
-took to build its data (p50 / p99).
+took to build its data (p50 / p99), and for each timed run the Triton compiles and CUDA graph
+captures that happened inside it (a first run slower than the rest is one of these, or neither).
 """
 from __future__ import annotations
 
@@ -218,13 +219,54 @@ def _stats_ms(xs) -> tuple[float, float, float]:
     return float(np.percentile(a, 50)), float(np.percentile(a, 99)), float(a.max())
 
 
+def graphs_held(llm) -> int:
+    """CUDA graphs the engine holds (decode + prefill buckets, every variant); 0 eager or under
+    tensor parallelism (the driver keeps them on its workers)."""
+    runner = getattr(llm, "runner", None)
+    return sum(len(getattr(g, "graphs", None) or {}) for g in
+               (getattr(runner, "graphs", None), getattr(runner, "prefill_graphs", None)))
+
+
+class RunLedger:
+    """What happened inside each timed run besides the work: Triton compiles (names, seconds)
+    and CUDA graphs captured. A first run slower than the later ones (17.5k vs 21.8k tok/s on
+    2026-12-03) is one of these or neither; these rows say which."""
+
+    def __init__(self, llm):
+        from bench.first_run import CompileLog
+        self.llm, self.compiles = llm, CompileLog()
+        self.rows: list[tuple[str, int, float, int, str]] = []
+
+    def run(self, label: str, fn):
+        n0, g0 = len(self.compiles.entries), graphs_held(self.llm)
+        out = fn()
+        new = self.compiles.entries[n0:]
+        names = ", ".join(sorted({n for n, _ in new}))
+        self.rows.append((label, len(new), sum(t for _, t in new),
+                          graphs_held(self.llm) - g0, names))
+        return out
+
+    def close(self) -> None:
+        self.compiles.close()
+
+    def as_rows(self, model: str) -> list[dict]:
+        out = []
+        for label, n, secs, graphs, names in self.rows:
+            note = f"{secs:.2f} s compiling{': ' + names if names else ''}"
+            out += [row(BENCH, model, "glassbox", f"triton_compiles[{label}]", n, "", note),
+                    row(BENCH, model, "glassbox", f"graphs_captured[{label}]", graphs, "",
+                        "decode + prefill CUDA graphs new during the run")]
+        return out
+
+
 def watched_spec():
     """What a watched API request records (`"glassbox": {"watch": true}`): every probe."""
     from engine import ProbeSpec
     return ProbeSpec()
 
 
-def latency_runs(llm, hub, shape: dict, id_high: int, repeats: int) -> tuple[list, list, Watchers]:
+def latency_runs(llm, hub, shape: dict, id_high: int, repeats: int, ledger: RunLedger | None = None
+                 ) -> tuple[list, list, Watchers]:
     """Batch-1 decode ms/token, pollers off then on, `repeats` times; the request is watched
     in both (a chat reply is), so only the looking differs."""
     spec = watched_spec()
@@ -237,14 +279,22 @@ def latency_runs(llm, hub, shape: dict, id_high: int, repeats: int) -> tuple[lis
             prompt = random_prompt(shape["prompt_len"], id_high, 40_000 + 10 * r + looking)
             rid = f"watched-lat-{r}-{int(looking)}"
             watched[:] = [rid]
+            label = f"batch 1 {'on' if looking else 'off'}, repeat {r}"
+
+            def one():
+                return _decode_ms(llm, prompt, shape["new_tokens"], spec, rid)
             if looking:
                 with Watchers(hub, watched) as w:
-                    samples.append(_decode_ms(llm, prompt, shape["new_tokens"], spec, rid))
+                    samples.append(_in(ledger, label, one))
                 w_all.absorb(w)
             else:
-                samples.append(_decode_ms(llm, prompt, shape["new_tokens"], spec, rid))
+                samples.append(_in(ledger, label, one))
         log(f"watched latency repeat {r}: off {off[-1]:.3f} ms/tok, on {on[-1]:.3f} ms/tok")
     return off, on, w_all
+
+
+def _in(ledger: RunLedger | None, label: str, fn):
+    return fn() if ledger is None else ledger.run(label, fn)
 
 
 def _decode_ms(llm, prompt, new_tokens: int, spec, rid: str) -> float:
@@ -256,8 +306,8 @@ def _decode_ms(llm, prompt, new_tokens: int, spec, rid: str) -> float:
     return 1e3 * (times[-1] - times[0]) / (len(times) - 1)
 
 
-def throughput_runs(llm, hub, model: str, num_requests: int, repeats: int, tiny: bool
-                    ) -> tuple[list, list, Watchers]:
+def throughput_runs(llm, hub, model: str, num_requests: int, repeats: int, tiny: bool,
+                    ledger: RunLedger | None = None) -> tuple[list, list, Watchers]:
     """Output tok/s of the workload, pollers off then on; request 0 watched in both."""
     kw = workload_kwargs(model, tiny)
     spec = watched_spec()
@@ -284,13 +334,14 @@ def throughput_runs(llm, hub, model: str, num_requests: int, repeats: int, tiny:
                 # the first request's id is known before it runs: stream it, generate the rest
                 outs = llm.generate([q.prompt for q in reqs], params, watch=watch)
                 return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t0)
+            label = f"throughput {'on' if looking else 'off'}, repeat {r}"
             if looking:
                 watched[:] = []                 # the pages follow the newest traced request
                 with Watchers(hub, watched) as w:
-                    samples.append(run())
+                    samples.append(_in(ledger, label, run))
                 w_all.absorb(w)
             else:
-                samples.append(run())
+                samples.append(_in(ledger, label, run))
         log(f"watched throughput repeat {r}: off {off[-1]:,.0f} tok/s, on {on[-1]:,.0f} tok/s")
     return off, on, w_all
 
@@ -308,7 +359,7 @@ def main(model: str = "qwen3-0.6b", device: str | None = None, dtype=None,
     id_high = workload_kwargs(model, tiny)["id_high"]
     rows: list[dict] = measure_floors(dev) if floors else []
     own = llm is None
-    gc_log = None
+    gc_log = ledger = None
     try:
         if own:
             llm = build_engine(model, dev, dtype, max_model_len=4096 if not tiny else 256)
@@ -329,7 +380,8 @@ def main(model: str = "qwen3-0.6b", device: str | None = None, dtype=None,
         hand.copy_at.clear()
         served0, fall0, reused0 = hand.served, hand.fallbacks, hand.reused
         gc_log = _GcLog()           # which engine copies a garbage collection ran inside
-        off, on, w_lat = latency_runs(llm, hub, shape, id_high, lat_repeats)
+        ledger = RunLedger(llm)
+        off, on, w_lat = latency_runs(llm, hub, shape, id_high, lat_repeats, ledger)
         note = f"batch 1, {shape['new_tokens']} tok, watched both, median of {lat_repeats}, {blocks}"
         rows += [row(BENCH, model, "glassbox", "ms_per_token[nobody watching]", median(off),
                      "ms", note),
@@ -337,7 +389,9 @@ def main(model: str = "qwen3-0.6b", device: str | None = None, dtype=None,
                      "ms", note),
                  row(BENCH, model, "glassbox", "decode_slowdown_pct", _pct(median(on),
                                                                          median(off)), "%", note)]
-        t_off, t_on, w_tput = throughput_runs(llm, hub, model, num_requests, tput_repeats, tiny)
+        t_off, t_on, w_tput = throughput_runs(llm, hub, model, num_requests, tput_repeats, tiny,
+                                              ledger)
+        rows += ledger.as_rows(model)
         note = f"{num_requests} req, request 0 watched both, median of {tput_repeats}, {blocks}"
         rows += [row(BENCH, model, "glassbox", "output_tok_s[nobody watching]", median(t_off),
                      "tok/s", note),
@@ -415,6 +469,8 @@ def main(model: str = "qwen3-0.6b", device: str | None = None, dtype=None,
     finally:
         if gc_log is not None:
             gc_log.stop()           # idempotent: also after an error mid-run
+        if ledger is not None:
+            ledger.close()
         if own:
             shutdown_engine(llm)
         llm = None

@@ -147,6 +147,36 @@ def test_watched_runs_tiny_on_cpu_with_the_pages_polling():
                            "tab_build_p50[kv]", "tab_build_p50[layers]", "tab_build_p50[engine]"])
     for name in ("decode_slowdown_pct", "throughput_slowdown_pct"):
         assert math.isfinite(got[name])
+    # each timed run says what it compiled and captured (eager on the CPU: no graphs)
+    for label in ("batch 1 off, repeat 0", "batch 1 on, repeat 0", "throughput off, repeat 0",
+                  "throughput on, repeat 0"):
+        assert got[f"triton_compiles[{label}]"] >= 0
+        assert got[f"graphs_captured[{label}]"] == 0
+
+
+def test_watched_ledger_counts_what_each_run_compiled_and_captured():
+    from types import SimpleNamespace
+
+    from bench.watched import RunLedger
+    decode, prefill = SimpleNamespace(graphs={(1, None, None): 0}), SimpleNamespace(graphs={})
+    llm = SimpleNamespace(runner=SimpleNamespace(graphs=decode, prefill_graphs=prefill))
+    ledger = RunLedger(llm)
+    try:
+        def first():                # what a first run may pay: two compiles, three captures
+            ledger.compiles.entries += [("_prefill_kernel", 0.8), ("_partial_kernel", 0.25)]
+            decode.graphs.update({(4, "lens", None): 0, (8, "lens", None): 0})
+            prefill.graphs[(512, None)] = 0
+            return 17.5
+        assert ledger.run("throughput off, repeat 0", first) == 17.5
+        assert ledger.run("throughput on, repeat 0", lambda: 21.8) == 21.8
+    finally:
+        ledger.close()
+    got = {r["metric"]: r for r in ledger.as_rows("m")}
+    assert got["triton_compiles[throughput off, repeat 0]"]["value"] == 2
+    assert "_partial_kernel, _prefill_kernel" in got["triton_compiles[throughput off, repeat 0]"]["note"]
+    assert got["graphs_captured[throughput off, repeat 0]"]["value"] == 3
+    assert got["triton_compiles[throughput on, repeat 0]"]["value"] == 0
+    assert got["graphs_captured[throughput on, repeat 0]"]["value"] == 0
 
 
 def test_moe_runs_tiny_on_cpu():
