@@ -314,13 +314,17 @@ def throughput_runs(llm, hub, model: str, num_requests: int, repeats: int, tiny:
     off, on = [], []
     watched: list = []
     w_all = Watchers(hub, watched)
-    # untimed, the workload's prompts with short replies: the prefill graphs of its buckets
-    # (plain and with the watched request's probes) are captured when first needed, and the
-    # first timed run used to pay for them (the first "off" run read 14-18k against 22k)
+    # untimed, the workload's prompts: the prefill graphs of its buckets and the decode graphs
+    # with the watched request's probes are captured the first time a step needs one, and the
+    # first timed run used to pay for them (the first "off" run read 14-18k against 22k).
+    # Request 0 (watched) lives longest and the others end about two a step apart, so once
+    # every prompt is in (a step or ~20 for the full workload) the decode batch drains through
+    # every bucket with the watched request in it, as a timed run's tail does
     warm = make_workload(num_requests, seed=0, id_stream=299, **kw)
+    n, base = len(warm), 2 if tiny else 32
     llm.generate([q.prompt for q in warm],
-                 [sampling(temperature=0.6, ignore_eos=True, max_tokens=min(q.max_tokens, 16))
-                  for q in warm], watch=[spec] + [None] * (len(warm) - 1))
+                 [sampling(temperature=0.6, ignore_eos=True, max_tokens=base + (n - i) // 2)
+                  for i in range(n)], watch=[spec] + [None] * (n - 1))
     for r in range(repeats):
         order = ((False, off), (True, on)) if r % 2 == 0 else ((True, on), (False, off))
         for looking, samples in order:     # alternating which goes first
