@@ -72,6 +72,23 @@ class ChatMessage(BaseModel):
     content: str | list[ContentPart] | None = None
 
 
+class StructuredOutputs(Lenient):
+    """vLLM's `structured_outputs` object (v0.12 removed the guided_* fields in its favour):
+    one of json / regex / choice / json_object; the rest are refused unless neutral
+    (api.structured says which and why)."""
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+    json_schema: dict[str, Any] | str | None = Field(None, alias="json")   # "json" shadows BaseModel.json
+    regex: str | None = None
+    choice: list[str] | None = None
+    json_object: bool | None = None
+    grammar: str | None = None
+    structural_tag: Any = None
+    whitespace_pattern: str | None = None
+    disable_any_whitespace: bool = False    # ours is compact already: neutral either way
+    disable_additional_properties: bool = False
+    disable_fallback: bool = False          # one backend, no fallback: neutral
+
+
 class SamplingRequest(Lenient):
     """The fields chat and completions share."""
     model: str | None = None            # vLLM: optional, the served model
@@ -103,10 +120,29 @@ class SamplingRequest(Lenient):
     interventions: list[dict[str, Any]] | None = None
     request_id: str | None = None       # vLLM's: the request's id (X-Request-Id wins)
     prompt_logprobs: int | None = Field(None, ge=0, le=20)   # vLLM's: the prompt's logprobs
-    # vLLM's guided decoding fields (api.structured)
+    # vLLM's guided decoding fields (api.structured): the current object, and the fields
+    # before v0.12 that it replaced
+    structured_outputs: StructuredOutputs | None = None
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
+    guided_grammar: str | None = None               # refused (a GBNF grammar: xgrammar's)
+    guided_whitespace_pattern: str | None = None    # refused
+    structural_tag: Any = None                      # refused
+    guided_decoding_backend: str | None = None      # one backend (llguidance): no effect
+    # vLLM's other sampling / output fields: `truncate_prompt_tokens` is applied; the rest are
+    # refused unless they hold their neutral value (api.sampling: never silently ignored)
+    truncate_prompt_tokens: int | None = None       # keep the prompt's last k tokens (-1: max_model_len)
+    use_beam_search: bool = False
+    length_penalty: float | None = None
+    include_stop_str_in_output: bool = False
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    logits_processors: list[Any] | None = None
+    return_tokens_as_token_ids: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    priority: int = 0
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -123,6 +159,7 @@ class ChatCompletionRequest(SamplingRequest):
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    echo: bool = False              # vLLM's chat echo (the last message's text first): refused
 
 
 class CompletionRequest(SamplingRequest):

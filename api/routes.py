@@ -147,6 +147,10 @@ def build_router(engines, api_key: str | None = None, *, limits: Limits | None =
         rid = request_id_of(given_id, body, chat)
         prompts = [chat_messages(body)] if chat else completion_prompts(body)
         param = "messages" if chat else "prompt"
+        keep = body.truncate_prompt_tokens      # vLLM's: the prompt's last `keep` tokens
+        keep = llm.max_model_len if keep == -1 else keep
+        if keep is not None and not chat:       # token ids: before the engine's length check;
+            prompts = [p[-keep:] if isinstance(p, list) else p for p in prompts]  # echo shows these
         parsing = None
         try:
             if chat:
@@ -156,6 +160,12 @@ def build_router(engines, api_key: str | None = None, *, limits: Limits | None =
                 ids = [llm.encode(p) for p in prompts]
         except ValueError as e:
             raise engine_error(e, param, chat) from None
+        if keep is not None:                    # text and chat: after tokenizing
+            for i, one in enumerate(ids):
+                if len(one) > keep:
+                    ids[i] = list(one[-keep:])
+                    if not chat:                # echo shows the prompt the model read
+                        prompts[i] = ids[i]
         watch = probe_spec(body)
         specs = choice_specs(body, llm, rid, prompts, ids, watch)
         from .interventions import interventions_of

@@ -45,7 +45,36 @@ def request_param(engine_param: str | None, chat: bool,
 MAX_N = 64                  # choices per request (n x prompts): each is a request in the engine
 
 
+# vLLM request fields Glassbox does not honour: (field, its neutral values, why / what instead).
+# A request holding a neutral value is served; any other value is a 400 naming the field,
+# never a reply that silently ignored it.
+_NEUTRAL_ONLY = (
+    ("use_beam_search", (False,), "beam search is not supported; sample n choices instead"),
+    ("length_penalty", (None, 1.0), "length_penalty applies to beam search, which is not "
+                                    "supported"),
+    ("include_stop_str_in_output", (False,), "the stop string is always left out of the text "
+                                             "(stop_reason names it)"),
+    ("allowed_token_ids", (None, []), "allowed_token_ids is not supported; use logit_bias or "
+                                      "structured_outputs"),
+    ("bad_words", (None, []), "bad_words is not supported; use logit_bias (-100) on their "
+                              "tokens"),
+    ("logits_processors", (None, []), "custom logits processors are not supported"),
+    ("return_tokens_as_token_ids", (False,), "logprob tokens are always returned as text"),
+    ("skip_special_tokens", (True,), "special tokens are always left out of the text"),
+    ("spaces_between_special_tokens", (True,), "special tokens are always left out of the text"),
+    ("priority", (0,), "priority scheduling is not supported (one first-come queue)"),
+)
+
+
 def refuse_unsupported(req: SamplingRequest) -> None:
+    for name, neutral, why in _NEUTRAL_ONLY:
+        v = getattr(req, name)
+        if not any(v == n and type(v) is type(n) or v is n for n in neutral):
+            raise bad_request(f"{name}={v!r} is not supported: {why}", name)
+    t = req.truncate_prompt_tokens
+    if t is not None and t != -1 and t < 1:
+        raise bad_request(f"truncate_prompt_tokens must be -1 (the model's max_model_len) or at "
+                          f"least 1, got {t}", "truncate_prompt_tokens")
     if req.n > MAX_N:
         raise bad_request(f"n={req.n} is more than {MAX_N} choices per request; send several "
                           "requests instead (they batch together)", "n")
@@ -68,6 +97,9 @@ def refuse_unsupported(req: SamplingRequest) -> None:
                               "assistant's (the text to continue)", "continue_final_message")
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
+        if req.echo:
+            raise bad_request("echo is not supported for chat (use /v1/completions with echo)",
+                              "echo")
     else:
         if req.suffix:
             raise bad_request("suffix is not supported by Glassbox", "suffix")

@@ -1,6 +1,7 @@
 """Structured output requests -> the engine's grammar (SamplingParams.guided, llguidance):
-`response_format` json_object / json_schema (OpenAI), vLLM's guided_json / guided_regex /
-guided_choice, and tool_choice "required" or a named function (the reply is forced into Qwen's
+`response_format` json_object / json_schema (OpenAI), vLLM's `structured_outputs` (json / regex /
+choice / json_object) and the guided_json / guided_regex / guided_choice it replaced, and
+tool_choice "required" or a named function (the reply is forced into Qwen's
 `<tool_call>{"name": ..., "arguments": ...}</tool_call>` form, arguments matching the tool's
 parameters schema)."""
 from __future__ import annotations
@@ -49,8 +50,40 @@ def guided_of(req: SamplingRequest, llm=None):
     return grammar
 
 
+# structured_outputs' members and the guided_* field each one replaced (same builder)
+_STRUCTURED = {"json_schema": "guided_json", "regex": "guided_regex", "choice": "guided_choice"}
+# refused: what Glassbox cannot honour, and what to send instead
+_REFUSED = {
+    "grammar": "a GBNF grammar (xgrammar's syntax) is not supported; give json, regex or choice",
+    "structural_tag": "structural tags are not supported; give json, regex or choice",
+    "whitespace_pattern": "a custom whitespace pattern is not supported (JSON is generated "
+                          "compact); leave it out",
+}
+
+
+def check_structured_fields(req: SamplingRequest) -> None:
+    """400 for the structured-output fields vLLM has and Glassbox does not honour: a request
+    that asks for a grammar must never come back unconstrained."""
+    for name, old in (("grammar", "guided_grammar"), ("structural_tag", "structural_tag"),
+                      ("whitespace_pattern", "guided_whitespace_pattern")):
+        if getattr(req, old) is not None:
+            raise bad_request(f"{old}: {_REFUSED[name]}", old)
+    so = req.structured_outputs
+    if so is None:
+        return
+    for name in ("grammar", "structural_tag", "whitespace_pattern"):
+        if getattr(so, name) is not None:
+            raise bad_request(f"structured_outputs.{name}: {_REFUSED[name]}",
+                              f"structured_outputs.{name}")
+    if so.disable_additional_properties:
+        raise bad_request("structured_outputs.disable_additional_properties is not supported: "
+                          "set \"additionalProperties\": false in the schema itself",
+                          "structured_outputs.disable_additional_properties")
+
+
 def _grammar_of(req: SamplingRequest):
     chat = isinstance(req, ChatCompletionRequest)
+    check_structured_fields(req)
     asked = []
     extra = {"guided_json": req.guided_json, "guided_regex": req.guided_regex,
              "guided_choice": req.guided_choice}
@@ -59,6 +92,16 @@ def _grammar_of(req: SamplingRequest):
     for name in ("guided_json", "guided_regex", "guided_choice"):
         if extra.get(name) is not None:
             asked.append(name)
+    so = req.structured_outputs
+    if so is not None:
+        wire = {"json_schema": "json"}
+        for member, old in _STRUCTURED.items():
+            if getattr(so, member) is not None:
+                name = f"structured_outputs.{wire.get(member, member)}"
+                extra[name] = getattr(so, member)
+                asked.append(name)
+        if so.json_object:
+            asked.append("structured_outputs.json_object")
     forced_tool = chat and req.tools and (req.tool_choice == "required"
                                           or isinstance(req.tool_choice, dict))
     if forced_tool:
@@ -86,13 +129,17 @@ def _build(req, kind: str, extra: dict) -> str:
                 return json_schema_grammar(_schema(spec["schema"]))
             raise bad_request(f"response_format type {fmt['type']!r} is not one of 'text', "
                               "'json_object', 'json_schema'", "response_format")
-        if kind == "guided_json":
-            g = extra["guided_json"]
+        if kind == "structured_outputs.json_object":
+            return json_schema_grammar(_schema({"type": "object"}))
+        if kind in ("guided_json", "structured_outputs.json"):
+            g = extra[kind]
             return json_schema_grammar(_schema(json.loads(g) if isinstance(g, str) else g))
-        if kind == "guided_regex":
-            return regex_grammar(str(extra["guided_regex"]))
-        if kind == "guided_choice":
-            choices = [str(c) for c in extra["guided_choice"]]
+        if kind in ("guided_regex", "structured_outputs.regex"):
+            return regex_grammar(str(extra[kind]))
+        if kind in ("guided_choice", "structured_outputs.choice"):
+            choices = [str(c) for c in extra[kind]]
+            if not choices:
+                raise bad_request(f"{kind} is empty: give at least one choice", kind)
             return regex_grammar("(" + "|".join(re.escape(c) for c in choices) + ")")
         # tool_choice
         tools = req.tools
