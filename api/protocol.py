@@ -119,6 +119,7 @@ class SamplingRequest(Lenient):
     # Glassbox: per-request edits of the forward pass (api/interventions.py checks them)
     interventions: list[dict[str, Any]] | None = None
     request_id: str | None = None       # vLLM's: the request's id (X-Request-Id wins)
+    return_token_ids: bool | None = None    # vLLM's: prompt_token_ids and token_ids in the reply
     prompt_logprobs: int | None = Field(None, ge=0, le=20)   # vLLM's: the prompt's logprobs
     # vLLM's guided decoding fields (api.structured): the current object, and the fields
     # before v0.12 that it replaced

@@ -18,6 +18,7 @@ class Reply:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     prompt_logprobs: list | None = None     # TokenLogprobs per prompt token (None first)
+    prompt_sent: bool = False       # a stream with return_token_ids sent prompt_token_ids
 
     def add(self, ev) -> None:
         if ev.prompt_logprobs is not None:

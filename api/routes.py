@@ -191,6 +191,7 @@ def build_router(engines, api_key: str | None = None, *, limits: Limits | None =
                               chat=chat, want_logprobs=want_lp, top_n=top_n,
                               include_usage=include_usage, prompt_param=param,
                               want_prompt_logprobs=body.prompt_logprobs is not None,
+                              return_token_ids=bool(body.return_token_ids),
                               parsing=parsing if parsing is not None and parsing.active else None)
             if body.stream:
                 return StreamingResponse(sse_events(job), media_type="text/event-stream",

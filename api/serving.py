@@ -94,7 +94,13 @@ class Job:
     prompt_param: str = "messages"
     want_prompt_logprobs: bool = False      # vLLM's `prompt_logprobs` field was set
     parsing: object = None      # chat_template.ReplyParsing: reasoning / tool-call split, or None
+    return_token_ids: bool = False  # vLLM's: prompt_token_ids and token_ids beside the text
     choices: list[Choice] = field(default_factory=list)
+
+    def token_ids(self, ch: Choice) -> list[int]:
+        """The choice's generated token ids (the stop token included, as vLLM's; none for echo
+        with max_tokens 0, whose one token run is not shown)."""
+        return [] if ch.spec.echo_only else list(ch.reply.token_ids)
 
     def logprobs_for(self, lps: list, offset: int = 0) -> dict | None:
         """`offset`: characters of the reply before these tokens (completions' text_offset)."""
@@ -144,12 +150,17 @@ class Job:
                     msg["tool_calls"] = calls
                 if calls and r.finish_reason == "stop":
                     out["finish_reason"] = "tool_calls"
+            if self.return_token_ids:       # chat's prompt_token_ids are on the response
+                out["token_ids"] = self.token_ids(ch)
             return out
         echo, echo_lps = self.echo_part(ch)
         lps = join_logprobs(echo_lps, self.logprobs_for(r.logprobs, len(echo)))
         out = completion_choice(ch.spec.index, r, lps, echo + r.text)
         if self.want_prompt_logprobs:
             out["prompt_logprobs"] = self.prompt_logprobs(ch)
+        if self.return_token_ids:
+            out["prompt_token_ids"] = list(ch.spec.prompt)
+            out["token_ids"] = self.token_ids(ch)
         return out
 
     def usage(self) -> dict:
@@ -205,6 +216,8 @@ async def collect(job: Job, request) -> dict:
     body = (chat_completion if job.chat else completion)(job.meta, out, job.usage())
     if job.chat and job.want_prompt_logprobs:      # vLLM: chat's is on the response
         body["prompt_logprobs"] = job.prompt_logprobs(job.choices[0])
+    if job.chat and job.return_token_ids:          # one conversation: one prompt
+        body["prompt_token_ids"] = list(job.choices[0].spec.prompt)
     return body
 
 
@@ -248,6 +261,17 @@ async def sse_events(job: Job):
     p = job.parsing
     parsers = {id(ch): ChatDeltaParser(p.reasoning, p.tools, p.in_reasoning)
                for ch in job.choices} if job.chat and p is not None else {}
+    # return_token_ids: each choice's token ids not yet sent; they ride on its next chunk (a
+    # token whose text is held back, a possible stop string, goes out with the text after it)
+    ids_due = {id(ch): [] for ch in job.choices} if job.return_token_ids else None
+
+    def with_ids(ch, chunk: dict) -> dict:
+        if ids_due is not None:
+            c = chunk["choices"][0]
+            c["token_ids"], ids_due[id(ch)] = ids_due[id(ch)], []
+            if not job.chat and not ch.reply.prompt_sent:   # completions: on the first chunk
+                c["prompt_token_ids"], ch.reply.prompt_sent = list(ch.spec.prompt), True
+        return chunk
     try:
         if job.chat:
             first = []
@@ -255,6 +279,8 @@ async def sse_events(job: Job):
                 c = chat_chunk(meta, {"role": "assistant", "content": ""},
                                with_usage=with_usage, index=ch.spec.index)
                 c["glassbox"] = meta.glassbox()
+                if ids_due is not None:     # chat: the prompt's ids on the first chunk
+                    c["prompt_token_ids"] = list(ch.spec.prompt)
                 first.append(sse(c))
             yield b"".join(first)
         async for ch, items in merged(job):
@@ -272,6 +298,8 @@ async def sse_events(job: Job):
                 first_event = not reply.token_ids
                 reply.add(ev)
                 text = "" if spec.echo_only else ev.text
+                if ids_due is not None and ev.token_id is not None and not spec.echo_only:
+                    ids_due[id(ch)].append(ev.token_id)
                 if first_event and (spec.echo_text is not None or job.want_prompt_logprobs):
                     echo, echo_lps = job.echo_part(ch)      # the prompt first, as vLLM streams
                     c = completion_chunk(meta, echo, None, echo_lps, with_usage, idx) \
@@ -282,15 +310,20 @@ async def sse_events(job: Job):
                     if first_token[id(ch)]:
                         c["glassbox"] = meta.glassbox()
                         first_token[id(ch)] = False
+                    if ids_due is not None and not job.chat and not reply.prompt_sent:
+                        c["choices"][0]["prompt_token_ids"] = list(spec.prompt)
+                        reply.prompt_sent = True
                     out.append(sse(c))
                 parser = parsers.get(id(ch))
                 if parser is not None:      # reasoning / tool calls: deltas of their own
-                    out += parsed_chunks(job, ch, parser, ev, text, lps)
+                    out += parsed_chunks(job, ch, parser, ev, text, lps,
+                                         (lambda d, ch=ch: with_ids(ch, d)) if ids_due is not None
+                                         else None)
                     continue
                 if not (ev.finished or text or lps or every_token):
                     continue        # text held back (a possible stop string, a partial char)
-                if not (ev.finished or lps or first_token[id(ch)]):  # the common case, fast
-                    out.append(token_chunk[id(ch)](text))
+                if not (ev.finished or lps or first_token[id(ch)] or ids_due is not None):
+                    out.append(token_chunk[id(ch)](text))   # the common case, fast
                     continue
                 reason = stop = None
                 if ev.finished:
@@ -306,7 +339,7 @@ async def sse_events(job: Job):
                 if first_token[id(ch)]:
                     chunk["glassbox"] = meta.glassbox()
                     first_token[id(ch)] = False
-                out.append(sse(chunk))
+                out.append(sse(with_ids(ch, chunk)))
             if out:
                 yield b"".join(out)
         if with_usage:
@@ -318,9 +351,18 @@ async def sse_events(job: Job):
 
 
 def parsed_chunks(job: Job, ch: Choice, parser: ChatDeltaParser, ev, text: str,
-                  lps: dict | None) -> list[bytes]:
+                  lps: dict | None, with_ids=None) -> list[bytes]:
     """One event of a parsed chat stream: its reasoning / content / tool-call deltas, then (at
-    the end) the chunk with the finish reason ("tool_calls" when the reply called a tool)."""
+    the end) the chunk with the finish reason ("tool_calls" when the reply called a tool).
+    `with_ids`: puts the token ids due on the first chunk built (return_token_ids)."""
+    chunks = _parsed_chunk_dicts(job, ch, parser, ev, text, lps)
+    if chunks and with_ids is not None:
+        with_ids(chunks[0])
+    return [sse(c) for c in chunks]
+
+
+def _parsed_chunk_dicts(job: Job, ch: Choice, parser: ChatDeltaParser, ev, text: str,
+                        lps: dict | None) -> list[dict]:
     meta, usage, idx = job.meta, job.include_usage, ch.spec.index
     n_calls = len(parser.calls)
     deltas = parser.feed(text) + (parser.finish() if ev.finished else [])
@@ -328,15 +370,15 @@ def parsed_chunks(job: Job, ch: Choice, parser: ChatDeltaParser, ev, text: str,
         annotate = getattr(ch.stream.llm, "annotate", None)
         if annotate is not None:
             annotate(ch.spec.request_id, tool_calls_note(parser.calls))
-    out = [sse(chat_chunk(meta, d, None, lps if k == 0 else None, usage, idx))
+    out = [chat_chunk(meta, d, None, lps if k == 0 else None, usage, idx)
            for k, d in enumerate(deltas)]
     if ev.finished:
         job.finish(ch)
         reason = ch.reply.finish_reason
         if parser.calls and reason == "stop":
             reason = "tool_calls"
-        out.append(sse(chat_chunk(meta, {}, reason, None if deltas else lps, usage, idx,
-                                  ch.reply.stop_reason)))
+        out.append(chat_chunk(meta, {}, reason, None if deltas else lps, usage, idx,
+                              ch.reply.stop_reason))
     elif lps and not deltas:
-        out.append(sse(chat_chunk(meta, {}, None, lps, usage, idx)))
+        out.append(chat_chunk(meta, {}, None, lps, usage, idx))
     return out

@@ -192,3 +192,88 @@ def test_a_bad_truncate_prompt_tokens_is_a_400(served, k):
     r = served.post("/v1/completions", {"prompt": "x", "max_tokens": 2,
                                         "truncate_prompt_tokens": k})
     assert _err(r)[:2] == (400, "truncate_prompt_tokens"), r.text
+
+
+# ---- return_token_ids ----------------------------------------------------------------------
+def _stream(served, route, body) -> list[dict]:
+    import httpx
+    chunks = []
+    with httpx.stream("POST", served.url + route, json={**body, "stream": True},
+                      headers=served.headers, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunks.append(json.loads(line[6:]))
+    return chunks
+
+
+def test_return_token_ids_on_completions(served):
+    llm = served.llm
+    prompt = "Once upon a time"
+    want = _greedy(llm, prompt, 12)
+    body = {"prompt": prompt, "max_tokens": 12, "temperature": 0, "return_token_ids": True}
+    c = served.post("/v1/completions", body).json()["choices"][0]
+    assert c["prompt_token_ids"] == llm.encode(prompt)
+    assert c["token_ids"] == list(want.token_ids) and c["text"] == want.text
+    plain = served.post("/v1/completions", {**body, "return_token_ids": False}).json()
+    assert "token_ids" not in plain["choices"][0]           # only when asked
+    # streamed: the prompt's ids on the first chunk only, every generated id exactly once
+    chunks = _stream(served, "/v1/completions", body)
+    firsts = [ch["choices"][0].get("prompt_token_ids") for ch in chunks]
+    assert firsts[0] == llm.encode(prompt) and not any(firsts[1:])
+    assert [t for ch in chunks for t in ch["choices"][0]["token_ids"]] == list(want.token_ids)
+    assert "".join(ch["choices"][0]["text"] for ch in chunks) == want.text
+
+
+def test_streamed_token_ids_survive_held_back_text_and_n(served):
+    llm = served.llm
+    prompt = "The list: one, two,"
+    ref = _greedy(llm, prompt, 16)
+    stop = ref.text[4:7]            # a stop string inside the greedy reply: text held back
+    body = {"prompt": prompt, "max_tokens": 16, "temperature": 0, "stop": [stop],
+            "return_token_ids": True}
+    whole = served.post("/v1/completions", body).json()["choices"][0]
+    chunks = _stream(served, "/v1/completions", body)
+    assert [t for ch in chunks for t in ch["choices"][0]["token_ids"]] == whole["token_ids"]
+    assert "".join(ch["choices"][0]["text"] for ch in chunks) == whole["text"]
+    # n = 2, seeded: each choice's ids on its own chunks, the same as its body's
+    body = {"prompt": prompt, "max_tokens": 8, "seed": 5, "n": 2, "return_token_ids": True}
+    full = {c["index"]: c["token_ids"] for c in served.post("/v1/completions", body)
+            .json()["choices"]}
+    got: dict[int, list] = {0: [], 1: []}
+    for ch in _stream(served, "/v1/completions", body):
+        for c in ch["choices"]:
+            got[c["index"]] += c.get("token_ids") or []
+    assert got == full and all(len(v) == 8 for v in got.values())
+
+
+def test_return_token_ids_on_chat(served):
+    llm = served.llm
+    msgs = [{"role": "user", "content": "Say something short."}]
+    body = {"messages": msgs, "max_tokens": 10, "temperature": 0, "return_token_ids": True}
+    r = served.post("/v1/chat/completions", body).json()
+    want = _greedy(llm, llm.encode(msgs), 10)
+    assert r["prompt_token_ids"] == llm.encode(msgs)         # chat: on the response
+    assert r["choices"][0]["token_ids"] == list(want.token_ids)
+    chunks = _stream(served, "/v1/chat/completions", body)
+    assert chunks[0]["prompt_token_ids"] == llm.encode(msgs)
+    assert not any(ch.get("prompt_token_ids") for ch in chunks[1:])
+    ids = [t for ch in chunks for c in ch["choices"] for t in (c.get("token_ids") or [])]
+    assert ids == list(want.token_ids)
+
+
+def test_streamed_token_ids_through_the_tool_call_parser(served):
+    """With tools the chat stream is parsed (content / tool-call deltas of their own): the
+    token ids still arrive each once, in order."""
+    tool = {"type": "function", "function": {
+        "name": "get_weather", "description": "The weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                       "required": ["city"]}}}
+    for choice in ("auto", "required"):
+        body = {"messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": [tool],
+                "tool_choice": choice, "max_tokens": 40, "seed": 2, "return_token_ids": True}
+        whole = served.post("/v1/chat/completions", body).json()
+        chunks = _stream(served, "/v1/chat/completions", body)
+        ids = [t for ch in chunks for c in ch["choices"] for t in (c.get("token_ids") or [])]
+        assert ids == whole["choices"][0]["token_ids"] and ids, choice
+        assert chunks[0]["prompt_token_ids"] == whole["prompt_token_ids"]
