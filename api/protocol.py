@@ -120,6 +120,7 @@ class SamplingRequest(Lenient):
     interventions: list[dict[str, Any]] | None = None
     request_id: str | None = None       # vLLM's: the request's id (X-Request-Id wins)
     return_token_ids: bool | None = None    # vLLM's: prompt_token_ids and token_ids in the reply
+    cache_salt: str | None = None       # vLLM's: only requests with the same salt share cached blocks
     prompt_logprobs: int | None = Field(None, ge=0, le=20)   # vLLM's: the prompt's logprobs
     # vLLM's guided decoding fields (api.structured): the current object, and the fields
     # before v0.12 that it replaced

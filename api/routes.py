@@ -188,6 +188,7 @@ def build_router(engines, api_key: str | None = None, *, limits: Limits | None =
         headers = {"X-Request-Id": rid}
         try:
             job = await start(llm, specs, meta, request, pools=pools, interventions=ivs,
+                              cache_salt=body.cache_salt,
                               chat=chat, want_logprobs=want_lp, top_n=top_n,
                               include_usage=include_usage, prompt_param=param,
                               want_prompt_logprobs=body.prompt_logprobs is not None,

@@ -10,6 +10,7 @@ Anything understood but not supported is refused with a 400 naming it, never ign
 from __future__ import annotations
 
 from engine import InvalidArgumentError, ProbeSpec, SamplingParams
+from engine.cache_salt import check_salt
 
 from .errors import bad_request
 from .protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
@@ -71,6 +72,10 @@ def refuse_unsupported(req: SamplingRequest) -> None:
         v = getattr(req, name)
         if not any(v == n and type(v) is type(n) or v is n for n in neutral):
             raise bad_request(f"{name}={v!r} is not supported: {why}", name)
+    try:
+        check_salt(req.cache_salt)
+    except InvalidArgumentError as e:
+        raise bad_request(str(e), "cache_salt") from None
     t = req.truncate_prompt_tokens
     if t is not None and t != -1 and t < 1:
         raise bad_request(f"truncate_prompt_tokens must be -1 (the model's max_model_len) or at "

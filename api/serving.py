@@ -174,16 +174,17 @@ class Job:
 
 
 async def start(llm, specs: list[ChoiceSpec], meta: Meta, request, pools=None,
-                interventions=None, **render) -> Job:
+                interventions=None, cache_salt: str | None = None, **render) -> Job:
     """Submit the request's choices; returns once each produced its first token (or raises the
     400 that its prompt deserves, before any header is sent). `render`: Job's other fields;
     `pools`: the server's worker pools (api.limits.Pools); `interventions`: the request's
-    Intervention specs (engine/interventions), for every choice."""
+    Intervention specs (engine/interventions), for every choice; `cache_salt`: vLLM's prefix-cache
+    salt (engine/cache_salt.py), for every choice."""
     job = Job(meta=meta, strings=token_strings(llm), **render)
     meta.request_ids = [s.request_id for s in specs]
     for wave in ([s for s in specs if not s.copy], [s for s in specs if s.copy]):
         opened = [Choice(s, EngineStream(llm, s.prompt, s.params, s.watch, s.request_id,
-                                         pools, interventions))
+                                         pools, interventions, cache_salt))
                   for s in wave]
         job.choices += opened
         for ch in opened:

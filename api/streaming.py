@@ -100,7 +100,7 @@ class LoopWaker:
 
 class EngineStream:
     def __init__(self, llm, prompt, sampling, watch, request_id: str, pools=None,
-                 interventions=None):
+                 interventions=None, cache_salt: str | None = None):
         from .limits import default_pools
         self.llm = llm
         self._pools = pools or default_pools()
@@ -118,6 +118,7 @@ class EngineStream:
         self._waker.opened()
         # tokenizing the prompt and taking the engine lock can take milliseconds: off the loop
         self._interventions = interventions
+        self._cache_salt = cache_salt
         self._pools.prepare.submit(self._prepare, prompt, sampling, watch)
 
     # ---- producer side (worker threads, then the engine thread) -------------------------------
@@ -128,6 +129,8 @@ class EngineStream:
                 prompt, sampling, watch, request_id=self.request_id, on_event=self._push))
         try:
             kw = {"interventions": self._interventions} if self._interventions else {}
+            if self._cache_salt is not None:
+                kw["cache_salt"] = self._cache_salt
             seq = self.llm.prepare(prompt, sampling, watch, request_id=self.request_id, **kw)
         except BaseException as e:  # bad prompt: the consumer decides
             self._push(e)

@@ -388,7 +388,8 @@ class LLM:
                                   f"new token: {why}, or shorten the prompt")
 
     def _make_sequence(self, prompt, params: SamplingParams | None, watch: ProbeSpec | None,
-                       request_id: str | None, interventions=None) -> tuple[Sequence, str | None]:
+                       request_id: str | None, interventions=None,
+                       cache_salt: str | None = None) -> tuple[Sequence, str | None]:
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise InvalidArgumentError(f"sampling must be a SamplingParams or None, "
@@ -400,7 +401,9 @@ class LLM:
         params.check_for_model(vocab)           # frozen: what is checked is what runs
         if watch is not None:                   # negative layers resolved, out of range refused
             watch = watch.resolve(self.hf_config.num_hidden_layers, vocab)
-        from .interventions.spec import cache_salt, resolve_interventions
+        from .cache_salt import chain_root, check_salt
+        from .interventions.spec import cache_salt as interventions_salt, resolve_interventions
+        salt = check_salt(cache_salt)
         ivs = resolve_interventions(interventions, self.intervention_facts)
         ids, text = self._encode(prompt)
         if not ids:
@@ -418,7 +421,7 @@ class LLM:
                                        "(or None for a generated id)", "request_id")
         seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
         seq = Sequence(rid, ids, params, seed, watch)
-        seq.interventions, seq.cache_salt = ivs, cache_salt(ivs)
+        seq.interventions, seq.cache_salt = ivs, chain_root(interventions_salt(ivs), salt)
         if params.guided is not None:       # a bad grammar is refused here, before queueing
             from .guided import make_matcher
             seq.grammar = make_matcher(self.tokenizer, vocab, self.eos_token_ids, params.guided)
@@ -514,7 +517,8 @@ class LLM:
 
     # ---- public API ------------------------------------------------------------------------------
     def generate(self, prompts, sampling=None, use_tqdm: bool = False,
-                 watch=None, interventions=None) -> list[RequestOutput]:
+                 watch=None, interventions=None, cache_salt: str | None = None
+                 ) -> list[RequestOutput]:
         if isinstance(prompts, str) or _is_conversation(prompts) or (
                 isinstance(prompts, (list, tuple)) and prompts and _is_token_id(prompts[0])):
             prompts = [prompts]             # one prompt: a string, token ids, a conversation
@@ -531,7 +535,7 @@ class LLM:
                                        "sampling" if len(params) != n else "watch")
         from .interventions.spec import per_prompt
         ivs = per_prompt(interventions, n)      # one list for all prompts, or one per prompt
-        made = [self._make_sequence(p, s, w, None, i)
+        made = [self._make_sequence(p, s, w, None, i, cache_salt)
                 for p, s, w, i in zip(prompts, params, watches, ivs)]
         with self._wake:        # all at once: the batch's prompts are scheduled together
             queues = [self._submit(seq) for seq, _ in made]
@@ -553,9 +557,10 @@ class LLM:
         return outs
 
     def stream(self, prompt, sampling: SamplingParams | None = None, watch: ProbeSpec | None = None,
-               request_id: str | None = None, interventions=None):
+               request_id: str | None = None, interventions=None, cache_salt: str | None = None):
         """Yield TokenEvents as tokens are produced. Closing the generator aborts the request."""
-        seq, _ = self._make_sequence(prompt, sampling, watch, request_id, interventions)
+        seq, _ = self._make_sequence(prompt, sampling, watch, request_id, interventions,
+                                     cache_salt)
         q = self._submit(seq)
         finished = False
         try:
@@ -571,23 +576,26 @@ class LLM:
 
     def submit(self, prompt, sampling: SamplingParams | None = None,
                watch: ProbeSpec | None = None, request_id: str | None = None, *,
-               on_event: Callable[[object], None], interventions=None) -> str:
+               on_event: Callable[[object], None], interventions=None,
+               cache_salt: str | None = None) -> str:
         """Start a request without a thread waiting on it; returns its id. `on_event` is called
         on the engine thread with each TokenEvent (the last has finished=True), or once with an
         exception if the request fails. It must return quickly and never block (append to a
         queue, wake an event loop): it runs inside the step loop, with the engine lock held.
         A bad prompt raises here, before anything is queued. Stop it with `abort`."""
-        seq, _ = self._make_sequence(prompt, sampling, watch, request_id, interventions)
+        seq, _ = self._make_sequence(prompt, sampling, watch, request_id, interventions,
+                                     cache_salt)
         self._submit(seq, on_event)
         return seq.request_id
 
     def prepare(self, prompt, sampling: SamplingParams | None = None,
                 watch: ProbeSpec | None = None, request_id: str | None = None,
-                interventions=None) -> Sequence:
+                interventions=None, cache_salt: str | None = None) -> Sequence:
         """`submit`'s first half: check and tokenize a request without queueing it (the slow
         part for a long prompt: a server does it on a worker pool of its own, and queues the
         result with `submit_prepared` from another, so starts and aborts never wait behind it)."""
-        return self._make_sequence(prompt, sampling, watch, request_id, interventions)[0]
+        return self._make_sequence(prompt, sampling, watch, request_id, interventions,
+                                   cache_salt)[0]
 
     def submit_prepared(self, seq: Sequence, *, on_event: Callable[[object], None]) -> str:
         """`submit`'s second half: queue a Sequence from `prepare` (fast: takes the lock)."""

@@ -277,3 +277,25 @@ def test_streamed_token_ids_through_the_tool_call_parser(served):
         ids = [t for ch in chunks for c in ch["choices"] for t in (c.get("token_ids") or [])]
         assert ids == whole["choices"][0]["token_ids"] and ids, choice
         assert chunks[0]["prompt_token_ids"] == whole["prompt_token_ids"]
+
+
+# ---- cache_salt --------------------------------------------------------------------------------
+def test_cache_salt_reaches_the_engine_and_a_bad_one_is_a_400(served):
+    from engine import SamplingParams
+    llm = served.llm
+    import random
+    rng = random.Random(5)
+    ids = [rng.randrange(100, 4000) for _ in range(3 * 16 + 3)]      # 3 full 16-token blocks
+    r = served.post("/v1/completions", {"prompt": ids, "max_tokens": 2, "temperature": 0,
+                                        "cache_salt": "team-a"})
+    assert r.status_code == 200, r.text
+
+    def cached(salt):
+        return llm.generate([ids], SamplingParams(temperature=0, max_tokens=2),
+                            cache_salt=salt)[0].metrics["prefix_cached_blocks"]
+    assert cached("team-b") == 0            # another salt: none of team-a's blocks
+    assert cached("team-a") == 3            # the API's request cached them under its salt
+    assert cached(None) == 0
+    for bad in ("", "x" * 5000):
+        r = served.post("/v1/completions", {"prompt": "hi", "max_tokens": 2, "cache_salt": bad})
+        assert _err(r)[:2] == (400, "cache_salt"), r.text

@@ -1,0 +1,37 @@
+"""The root of a request's prefix-cache chain: who may share whose cached prompt blocks.
+
+A KV block is found in the prefix cache by a hash chained from the first block of the prompt;
+the chain's root is 0 for a plain request. A request whose forward differs (interventions:
+interventions/spec.cache_salt) roots its chain elsewhere, so it never reuses blocks computed by
+another forward. vLLM's `cache_salt` does the same for users: requests salted differently never
+share blocks, so nobody can learn from a faster first token that someone else sent the same
+prompt (the timing side channel of a shared prefix cache). Both salts combine into one root.
+"""
+from __future__ import annotations
+
+import hashlib
+
+from .errors import InvalidArgumentError
+
+MAX_SALT_CHARS = 1024
+
+
+def check_salt(salt) -> str | None:
+    """None, or a non-empty string of at most MAX_SALT_CHARS characters (vLLM's rule)."""
+    if salt is None:
+        return None
+    if not isinstance(salt, str) or not salt or len(salt) > MAX_SALT_CHARS:
+        raise InvalidArgumentError(f"cache_salt must be a non-empty string of at most "
+                                   f"{MAX_SALT_CHARS} characters, got {salt!r:.80}", "cache_salt")
+    return salt
+
+
+def chain_root(interventions_salt: int | None, salt: str | None) -> int | None:
+    """The chain's root for a request (None: a plain request's). A stable 63-bit digest, so it
+    never collides with the plain root by construction and is the same in every process."""
+    if salt is None:
+        return interventions_salt
+    h = hashlib.blake2b(b"glassbox-cache-salt", digest_size=8)
+    h.update((interventions_salt or 0).to_bytes(8, "little"))
+    h.update(salt.encode("utf-8", "surrogatepass"))
+    return int.from_bytes(h.digest(), "little") >> 1

@@ -1,0 +1,69 @@
+"""vLLM's cache_salt: requests salted differently never share prefix-cache blocks (so a faster
+first token cannot reveal that someone else sent the same prompt); equal salts share as plain
+requests do, and the salt never changes what is generated. engine/cache_salt.py."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine import LLM, InvalidArgumentError, SamplingParams
+from engine.cache_salt import MAX_SALT_CHARS, chain_root
+
+BS = 4
+
+
+@pytest.fixture(scope="module")
+def llm(qwen3_dir):
+    with LLM(qwen3_dir, device="cpu", block_size=BS, num_kv_blocks=128) as e:
+        yield e
+
+
+def _prompt(seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1, 200) for _ in range(5 * BS + 2)]     # 5 full blocks to share
+
+
+def _run(llm, ids, salt=None):
+    return llm.generate([ids], SamplingParams(temperature=0, max_tokens=4), cache_salt=salt)[0]
+
+
+def test_salts_partition_the_prefix_cache_and_never_change_the_output(llm):
+    ids = _prompt(1)
+    plain = _run(llm, ids)
+    assert plain.metrics["prefix_cached_blocks"] == 0
+    assert _run(llm, ids).metrics["prefix_cached_blocks"] == 5         # plain shares with plain
+    a = _run(llm, ids, "tenant-a")
+    assert a.metrics["prefix_cached_blocks"] == 0                      # not the plain blocks
+    assert _run(llm, ids, "tenant-a").metrics["prefix_cached_blocks"] == 5   # its own salt: yes
+    b = _run(llm, ids, "tenant-b")
+    assert b.metrics["prefix_cached_blocks"] == 0
+    assert plain.token_ids == a.token_ids == b.token_ids
+    assert _run(llm, ids).metrics["prefix_cached_blocks"] == 5         # plain still there
+    with llm._lock:
+        llm.block_manager.check_invariants([])
+
+
+def test_a_salt_on_stream_and_submit_too(llm):
+    ids = _prompt(2)
+    _run(llm, ids, "s")
+    last = None
+    for ev in llm.stream(ids, SamplingParams(temperature=0, max_tokens=2), cache_salt="s"):
+        last = ev
+    assert last.metrics["prefix_cached_blocks"] == 5
+    seq = llm.prepare(ids, SamplingParams(max_tokens=1), cache_salt="other")
+    assert seq.cache_salt == chain_root(None, "other") != chain_root(None, "s")
+
+
+def test_the_salt_combines_with_the_interventions_root():
+    assert chain_root(None, None) is None and chain_root(7, None) == 7
+    roots = {chain_root(None, "a"), chain_root(7, "a"), chain_root(8, "a"), chain_root(7, "b")}
+    assert len(roots) == 4 and all(0 <= r < 2 ** 63 for r in roots)
+    assert chain_root(7, "a") == chain_root(7, "a")        # stable: the same in every process
+
+
+@pytest.mark.parametrize("salt", ["", 5, b"x", "x" * (MAX_SALT_CHARS + 1)])
+def test_a_bad_salt_is_refused_naming_it(llm, salt):
+    with pytest.raises(InvalidArgumentError) as e:
+        llm.generate(["hi"], SamplingParams(max_tokens=1), cache_salt=salt)
+    assert e.value.param == "cache_salt"
