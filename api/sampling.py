@@ -50,20 +50,19 @@ MAX_N = 64                  # choices per request (n x prompts): each is a reque
 # A request holding a neutral value is served; any other value is a 400 naming the field,
 # never a reply that silently ignored it.
 _NEUTRAL_ONLY = (
-    ("use_beam_search", (False,), "beam search is not supported; sample n choices instead"),
-    ("length_penalty", (None, 1.0), "length_penalty applies to beam search, which is not "
-                                    "supported"),
+    ("use_beam_search", (False,), "there is no beam search; sample n choices instead"),
+    ("length_penalty", (None, 1.0), "it applies to beam search, which Glassbox does "
+                                    "not have"),
     ("include_stop_str_in_output", (False,), "the stop string is always left out of the text "
                                              "(stop_reason names it)"),
-    ("allowed_token_ids", (None, []), "allowed_token_ids is not supported; use logit_bias or "
-                                      "structured_outputs"),
-    ("bad_words", (None, []), "bad_words is not supported; use logit_bias (-100) on their "
-                              "tokens"),
-    ("logits_processors", (None, []), "custom logits processors are not supported"),
+    ("allowed_token_ids", (None, []), "use logit_bias or structured_outputs to restrict "
+                                      "the tokens"),
+    ("bad_words", (None, []), "use logit_bias (-100) on the words' tokens instead"),
+    ("logits_processors", (None, []), "there are no custom logits processors"),
     ("return_tokens_as_token_ids", (False,), "logprob tokens are always returned as text"),
     ("skip_special_tokens", (True,), "special tokens are always left out of the text"),
     ("spaces_between_special_tokens", (True,), "special tokens are always left out of the text"),
-    ("priority", (0,), "priority scheduling is not supported (one first-come queue)"),
+    ("priority", (0,), "requests are served first come, first served"),
 )
 
 
