@@ -9,7 +9,7 @@ In order, each check before the request costs anything:
 3. The key, when the server has one, on every route: `Authorization: Bearer KEY` (API clients,
    gradio_client's `headers=`), or the session cookie a browser gets from the /login page by
    typing the key once. A browser opening a page without it is sent to /login; anything else
-   gets a 401 in OpenAI's error shape. Only /login, /health, /version and /metrics are open
+   gets a 401 in OpenAI's error shape. Only /login, /health, /ping, /version and /metrics are open
    (as vLLM's: counters and a version, nothing that generates or reads a request).
 After a large request (a body over `Limits.heavy_request_bytes`) the heap is trimmed, so the
 memory its parsing and tokenizing used goes back to the OS.
@@ -31,7 +31,7 @@ from .limits import Limits, Pools, default_pools, trim_heap
 COOKIE = "glassbox_session"
 # open without the key: the login page, health, and the call Gradio makes to itself at launch
 # (it runs the startup events once; idempotent)
-OPEN_PATHS = ("/login", "/health", "/version", "/metrics", "/gradio_api/startup-events")
+OPEN_PATHS = ("/login", "/health", "/ping", "/version", "/metrics", "/gradio_api/startup-events")
 AUTH_SCOPE_KEY = "glassbox.auth"     # set in the ASGI scope: how the request authenticated
 LOGIN_MAX_BYTES = 4096
 TRIM_AFTER_S = (0.5, 3.0)           # heap trims after a large request (api.limits.trim_heap)

@@ -1,6 +1,6 @@
-"""Operations routes beside /v1, with vLLM's paths and shapes: /health (200 only when the engine
-can serve; 503 while the playground switches models or after the engine failed), /version,
-/metrics (Prometheus), /tokenize and /detokenize. /health, /version and /metrics are open (a
+"""Operations routes beside /v1, with vLLM's paths and shapes: /health and /ping (200 only when
+the engine can serve; 503 while the playground switches models or after the engine failed), /version,
+/metrics (Prometheus), /tokenize and /detokenize. /health, /ping, /version and /metrics are open (a
 load balancer or Prometheus probes them without a key, as vLLM's); /tokenize and /detokenize
 run the model's tokenizer and take the API key like /v1."""
 from __future__ import annotations
@@ -20,12 +20,18 @@ VERSION = "0.1.0"
 
 
 class TokenizeRequest(Lenient):
-    """vLLM's: `prompt` (completions) or `messages` (chat, through the chat template)."""
+    """vLLM's: `prompt` (completions) or `messages` (chat, through the chat template with the
+    same options as /v1/chat/completions, so `count` is the prompt_tokens that request gets)."""
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     return_token_strs: bool = False
+    # chat only, as /v1/chat/completions reads them (api.chat_template)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
 
 
 class DetokenizeRequest(Lenient):
@@ -52,6 +58,9 @@ def build_ops_routers(engines, current_engine, auth, metrics: EngineMetrics
                            code="engine_unavailable")
         return Response(status_code=200)
 
+    # vLLM's /ping (SageMaker's health check), GET and POST: the same answer as /health
+    open_routes.add_api_route("/ping", health, methods=["GET", "POST"])
+
     @open_routes.get("/version")
     async def version():
         return JSONResponse({"version": VERSION})
@@ -69,12 +78,22 @@ def build_ops_routers(engines, current_engine, auth, metrics: EngineMetrics
         if llm.tokenizer is None:
             raise bad_request("this checkpoint has no tokenizer", "prompt")
 
+        if body.messages is not None and body.continue_final_message:
+            if body.add_generation_prompt:
+                raise bad_request("continue_final_message continues the last assistant "
+                                  "message: set add_generation_prompt to false with it",
+                                  "continue_final_message")
+            if body.messages[-1].role != "assistant":
+                raise bad_request("continue_final_message needs the last message to be the "
+                                  "assistant's (the text to continue)", "continue_final_message")
+
         def encode() -> list[int]:
             if body.prompt is not None:
                 return llm.tokenizer.encode(body.prompt,
                                             add_special_tokens=body.add_special_tokens)
+            from .chat_template import encode_chat_request
             from .sampling import chat_messages
-            return llm.encode(chat_messages(body))
+            return encode_chat_request(llm, body, chat_messages(body))[0]
         try:
             ids = await run_in_threadpool(encode)
         except ValueError as e:

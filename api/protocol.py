@@ -42,6 +42,7 @@ class Lenient(BaseModel):
 
 class StreamOptions(Lenient):
     include_usage: bool = False
+    continuous_usage_stats: bool = False    # vLLM's: with include_usage, usage on every chunk
 
 
 class ProbeOptions(BaseModel):

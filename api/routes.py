@@ -185,12 +185,14 @@ def build_router(engines, api_key: str | None = None, *, limits: Limits | None =
         meta = Meta(rid, int(time.time()), llm.model_name, watched=watch is not None)
         include_usage = bool(body.stream and body.stream_options
                              and body.stream_options.include_usage)
+        continuous_usage = include_usage and body.stream_options.continuous_usage_stats
         headers = {"X-Request-Id": rid}
         try:
             job = await start(llm, specs, meta, request, pools=pools, interventions=ivs,
                               cache_salt=body.cache_salt,
                               chat=chat, want_logprobs=want_lp, top_n=top_n,
                               include_usage=include_usage, prompt_param=param,
+                              continuous_usage=continuous_usage,
                               want_prompt_logprobs=body.prompt_logprobs is not None,
                               return_token_ids=bool(body.return_token_ids),
                               parsing=parsing if parsing is not None and parsing.active else None)

@@ -95,6 +95,7 @@ class Job:
     want_prompt_logprobs: bool = False      # vLLM's `prompt_logprobs` field was set
     parsing: object = None      # chat_template.ReplyParsing: reasoning / tool-call split, or None
     return_token_ids: bool = False  # vLLM's: prompt_token_ids and token_ids beside the text
+    continuous_usage: bool = False  # vLLM's continuous_usage_stats: usage on every chunk
     choices: list[Choice] = field(default_factory=list)
 
     def token_ids(self, ch: Choice) -> list[int]:
@@ -265,13 +266,19 @@ async def sse_events(job: Job):
     # return_token_ids: each choice's token ids not yet sent; they ride on its next chunk (a
     # token whose text is held back, a possible stop string, goes out with the text after it)
     ids_due = {id(ch): [] for ch in job.choices} if job.return_token_ids else None
+    continuous = with_usage and job.continuous_usage
 
-    def with_ids(ch, chunk: dict) -> dict:
-        if ids_due is not None:
+    def with_ids(ch, chunk: dict, ids: bool = True) -> dict:
+        """The per-chunk extras a request asked for: its token ids due (return_token_ids) and
+        the choice's usage so far (continuous_usage_stats)."""
+        if ids and ids_due is not None:
             c = chunk["choices"][0]
             c["token_ids"], ids_due[id(ch)] = ids_due[id(ch)], []
             if not job.chat and not ch.reply.prompt_sent:   # completions: on the first chunk
                 c["prompt_token_ids"], ch.reply.prompt_sent = list(ch.spec.prompt), True
+        if continuous:
+            done = 0 if ch.spec.echo_only else len(ch.reply.token_ids)
+            chunk["usage"] = usage(len(ch.spec.prompt), done)
         return chunk
     try:
         if job.chat:
@@ -282,7 +289,7 @@ async def sse_events(job: Job):
                 c["glassbox"] = meta.glassbox()
                 if ids_due is not None:     # chat: the prompt's ids on the first chunk
                     c["prompt_token_ids"] = list(ch.spec.prompt)
-                first.append(sse(c))
+                first.append(sse(with_ids(ch, c, ids=False)))
             yield b"".join(first)
         async for ch, items in merged(job):
             out, reply, spec = [], ch.reply, ch.spec
@@ -314,16 +321,17 @@ async def sse_events(job: Job):
                     if ids_due is not None and not job.chat and not reply.prompt_sent:
                         c["choices"][0]["prompt_token_ids"] = list(spec.prompt)
                         reply.prompt_sent = True
-                    out.append(sse(c))
+                    out.append(sse(with_ids(ch, c, ids=False)))
                 parser = parsers.get(id(ch))
                 if parser is not None:      # reasoning / tool calls: deltas of their own
                     out += parsed_chunks(job, ch, parser, ev, text, lps,
-                                         (lambda d, ch=ch: with_ids(ch, d)) if ids_due is not None
-                                         else None)
+                                         (lambda d, ch=ch: with_ids(ch, d))
+                                         if ids_due is not None or continuous else None)
                     continue
                 if not (ev.finished or text or lps or every_token):
                     continue        # text held back (a possible stop string, a partial char)
-                if not (ev.finished or lps or first_token[id(ch)] or ids_due is not None):
+                if not (ev.finished or lps or first_token[id(ch)] or ids_due is not None
+                        or continuous):
                     out.append(token_chunk[id(ch)](text))   # the common case, fast
                     continue
                 reason = stop = None
@@ -355,10 +363,12 @@ def parsed_chunks(job: Job, ch: Choice, parser: ChatDeltaParser, ev, text: str,
                   lps: dict | None, with_ids=None) -> list[bytes]:
     """One event of a parsed chat stream: its reasoning / content / tool-call deltas, then (at
     the end) the chunk with the finish reason ("tool_calls" when the reply called a tool).
-    `with_ids`: puts the token ids due on the first chunk built (return_token_ids)."""
+    `with_ids`: adds what the request asked for to each chunk built (the token ids due go on
+    the first, the rest get none; continuous usage goes on every one)."""
     chunks = _parsed_chunk_dicts(job, ch, parser, ev, text, lps)
-    if chunks and with_ids is not None:
-        with_ids(chunks[0])
+    if with_ids is not None:
+        for c in chunks:
+            with_ids(c)
     return [sse(c) for c in chunks]
 
 

@@ -121,3 +121,48 @@ def test_tokenize_needs_the_key_and_one_prompt(served):
     assert r.status_code == 400
     r = served.post("/detokenize", {"tokens": [10 ** 9]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"
+
+
+def test_ping_is_health_on_get_and_post_without_a_key(served):
+    for method in ("GET", "POST"):
+        assert httpx.request(method, served.url + "/ping").status_code == 200
+    served.engines.switching = True
+    try:
+        r = httpx.post(served.url + "/ping")
+        assert r.status_code == 503 and r.json()["error"]["code"] == "model_switching"
+    finally:
+        served.engines.switching = False
+
+
+def test_ping_is_open_on_a_keyed_server_and_generation_is_not():
+    s = ServedAPI(num_kv_blocks=16)             # api_served's key
+    try:
+        assert httpx.get(s.url + "/ping").status_code == 200
+        assert httpx.post(s.url + "/v1/completions", json={"prompt": "hi"}).status_code == 401
+    finally:
+        s.close()
+
+
+def test_tokenize_messages_counts_what_the_chat_request_gets(served):
+    """/tokenize with messages renders the chat template with the chat route's own options, so
+    its count is the chat completion's prompt_tokens (a client counting before it sends)."""
+    msgs = [{"role": "user", "content": "Tell me about caches."},
+            {"role": "assistant", "content": "A cache keeps"}]
+    tool = {"type": "function", "function": {"name": "lookup", "description": "Look up a word",
+                                             "parameters": {"type": "object", "properties": {
+                                                 "word": {"type": "string"}}}}}
+    cases = [dict(), dict(add_generation_prompt=False),
+             dict(add_generation_prompt=False, continue_final_message=True),
+             dict(tools=[tool])]
+    counts = set()
+    for opts in cases:
+        tok = served.post("/tokenize", {"messages": msgs, **opts}).json()
+        chat = served.post("/v1/chat/completions", {"messages": msgs, "max_tokens": 1,
+                                                    **opts}).json()
+        assert tok["count"] == chat["usage"]["prompt_tokens"], (opts, tok, chat)
+        counts.add(tok["count"])
+    assert len(counts) == 3         # the prefill options each change it (the demo's template
+    #                                 renders no tools: there only the equality is checked)
+    r = served.post("/tokenize", {"messages": msgs[:1], "continue_final_message": True,
+                                  "add_generation_prompt": False})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message"

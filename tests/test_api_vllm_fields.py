@@ -299,3 +299,32 @@ def test_cache_salt_reaches_the_engine_and_a_bad_one_is_a_400(served):
     for bad in ("", "x" * 5000):
         r = served.post("/v1/completions", {"prompt": "hi", "max_tokens": 2, "cache_salt": bad})
         assert _err(r)[:2] == (400, "cache_salt"), r.text
+
+
+# ---- stream_options.continuous_usage_stats ----------------------------------------------------
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(served, route):
+    base = {"max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    base.update({"prompt": "Count with me:"} if route == "/v1/completions"
+                else {"messages": [{"role": "user", "content": "Count with me"}]})
+    opts = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = _stream(served, route, {**base, "stream_options": opts})
+    body = [c for c in chunks if c["choices"]]
+    final = chunks[-1]
+    assert not final["choices"] and final["usage"]["completion_tokens"] == 6
+    prompt = final["usage"]["prompt_tokens"]
+    done = [c["usage"]["completion_tokens"] for c in body]
+    assert all(c["usage"]["prompt_tokens"] == prompt for c in body)
+    assert all(c["usage"]["total_tokens"] == prompt + d for c, d in zip(body, done))
+    assert done == sorted(done) and done[-1] == 6 and done[0] >= 0
+    if route == "/v1/chat/completions":
+        assert done[0] == 0                     # the role chunk: no token yet
+    # the text is the same as without; without include_usage, no usage at all (vLLM's rule)
+    text = lambda cs: "".join(c["choices"][0].get("text") or
+                              (c["choices"][0].get("delta") or {}).get("content") or ""
+                              for c in cs if c["choices"])
+    plain = _stream(served, route, {**base, "stream_options": {"include_usage": True}})
+    assert text(chunks) == text(plain)
+    assert all(c["usage"] is None for c in plain if c["choices"])
+    bare = _stream(served, route, {**base, "stream_options": {"continuous_usage_stats": True}})
+    assert all("usage" not in c for c in bare) and text(bare) == text(chunks)
