@@ -32,6 +32,7 @@ class TokenizeRequest(Lenient):
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
+    chat_template: str | None = None        # refused, as on /v1/chat/completions
 
 
 class DetokenizeRequest(Lenient):
@@ -78,6 +79,9 @@ def build_ops_routers(engines, current_engine, auth, metrics: EngineMetrics
         if llm.tokenizer is None:
             raise bad_request("this checkpoint has no tokenizer", "prompt")
 
+        if body.chat_template is not None:
+            from .sampling import CHAT_TEMPLATE_REFUSED
+            raise bad_request(CHAT_TEMPLATE_REFUSED, "chat_template")
         if body.messages is not None and body.continue_final_message:
             if body.add_generation_prompt:
                 raise bad_request("continue_final_message continues the last assistant "

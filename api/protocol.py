@@ -163,6 +163,7 @@ class ChatCompletionRequest(SamplingRequest):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     echo: bool = False              # vLLM's chat echo (the last message's text first): refused
+    chat_template: str | None = None    # vLLM's per-request template: refused (the checkpoint's)
 
 
 class CompletionRequest(SamplingRequest):
@@ -171,3 +172,4 @@ class CompletionRequest(SamplingRequest):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1)
+    prompt_embeds: Any = None           # vLLM's embeddings instead of ids: refused

@@ -43,6 +43,10 @@ def request_param(engine_param: str | None, chat: bool,
     return None
 
 
+# vLLM too refuses a request's own template unless its server trusts them
+CHAT_TEMPLATE_REFUSED = ("a chat_template in the request is not accepted: the server renders "
+                         "the checkpoint's own template (use chat_template_kwargs for its "
+                         "variables)")
 MAX_N = 64                  # choices per request (n x prompts): each is a request in the engine
 
 
@@ -104,9 +108,14 @@ def refuse_unsupported(req: SamplingRequest) -> None:
         if req.echo:
             raise bad_request("echo is not supported for chat (use /v1/completions with echo)",
                               "echo")
+        if req.chat_template is not None:
+            raise bad_request(CHAT_TEMPLATE_REFUSED, "chat_template")
     else:
         if req.suffix:
             raise bad_request("suffix is not supported by Glassbox", "suffix")
+        if req.prompt_embeds is not None:
+            raise bad_request("prompt_embeds is not supported: send the prompt as text or token "
+                              "ids", "prompt_embeds")
         if req.best_of not in (None, 1):
             raise bad_request("best_of must be 1: Glassbox returns one choice per request",
                               "best_of")

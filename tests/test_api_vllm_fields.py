@@ -328,3 +328,15 @@ def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(served, rout
     assert all(c["usage"] is None for c in plain if c["choices"])
     bare = _stream(served, route, {**base, "stream_options": {"continuous_usage_stats": True}})
     assert all("usage" not in c for c in bare) and text(bare) == text(chunks)
+
+
+@pytest.mark.parametrize("route, body, param", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "chat_template": "{{ messages[0].content }}"}, "chat_template"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "hi"}],
+                   "chat_template": "{{ messages[0].content }}"}, "chat_template"),
+    ("/v1/completions", {"prompt": "hi", "prompt_embeds": "AAAA"}, "prompt_embeds"),
+])
+def test_a_request_template_or_embeddings_are_refused_not_ignored(served, route, body, param):
+    r = served.post(route, {"max_tokens": 2, **body} if route != "/tokenize" else body)
+    assert _err(r)[:2] == (400, param), r.text
