@@ -268,7 +268,7 @@ async def sse_events(job: Job):
     ids_due = {id(ch): [] for ch in job.choices} if job.return_token_ids else None
     continuous = with_usage and job.continuous_usage
 
-    def with_ids(ch, chunk: dict, ids: bool = True) -> dict:
+    def extras(ch, chunk: dict, ids: bool = True) -> dict:
         """The per-chunk extras a request asked for: its token ids due (return_token_ids) and
         the choice's usage so far (continuous_usage_stats)."""
         if ids and ids_due is not None:
@@ -289,7 +289,7 @@ async def sse_events(job: Job):
                 c["glassbox"] = meta.glassbox()
                 if ids_due is not None:     # chat: the prompt's ids on the first chunk
                     c["prompt_token_ids"] = list(ch.spec.prompt)
-                first.append(sse(with_ids(ch, c, ids=False)))
+                first.append(sse(extras(ch, c, ids=False)))
             yield b"".join(first)
         async for ch, items in merged(job):
             out, reply, spec = [], ch.reply, ch.spec
@@ -321,11 +321,11 @@ async def sse_events(job: Job):
                     if ids_due is not None and not job.chat and not reply.prompt_sent:
                         c["choices"][0]["prompt_token_ids"] = list(spec.prompt)
                         reply.prompt_sent = True
-                    out.append(sse(with_ids(ch, c, ids=False)))
+                    out.append(sse(extras(ch, c, ids=False)))
                 parser = parsers.get(id(ch))
                 if parser is not None:      # reasoning / tool calls: deltas of their own
                     out += parsed_chunks(job, ch, parser, ev, text, lps,
-                                         (lambda d, ch=ch: with_ids(ch, d))
+                                         (lambda d, ch=ch: extras(ch, d))
                                          if ids_due is not None or continuous else None)
                     continue
                 if not (ev.finished or text or lps or every_token):
@@ -348,7 +348,7 @@ async def sse_events(job: Job):
                 if first_token[id(ch)]:
                     chunk["glassbox"] = meta.glassbox()
                     first_token[id(ch)] = False
-                out.append(sse(with_ids(ch, chunk)))
+                out.append(sse(extras(ch, chunk)))
             if out:
                 yield b"".join(out)
         if with_usage:
@@ -360,15 +360,15 @@ async def sse_events(job: Job):
 
 
 def parsed_chunks(job: Job, ch: Choice, parser: ChatDeltaParser, ev, text: str,
-                  lps: dict | None, with_ids=None) -> list[bytes]:
+                  lps: dict | None, extras=None) -> list[bytes]:
     """One event of a parsed chat stream: its reasoning / content / tool-call deltas, then (at
     the end) the chunk with the finish reason ("tool_calls" when the reply called a tool).
-    `with_ids`: adds what the request asked for to each chunk built (the token ids due go on
+    `extras`: adds what the request asked for to each chunk built (the token ids due go on
     the first, the rest get none; continuous usage goes on every one)."""
     chunks = _parsed_chunk_dicts(job, ch, parser, ev, text, lps)
-    if with_ids is not None:
+    if extras is not None:
         for c in chunks:
-            with_ids(c)
+            extras(c)
     return [sse(c) for c in chunks]
 
 
