@@ -1,10 +1,13 @@
 """Request bodies of the OpenAI-compatible routes, as pydantic models.
 
-Field names are OpenAI's, plus vLLM's sampling extensions (`top_k`, `min_p`, `min_tokens`,
-`ignore_eos`, `stop_token_ids`) and Glassbox's own `glassbox` object. Lenient where vLLM is:
-an unknown field is ignored with a logged warning (`ignored_fields` lists them), an explicit
-`null` means the field's default, and `model` may be left out. Fields that are understood but
-not supported are refused by `api.sampling` with a message that says so.
+Field names are OpenAI's, plus vLLM's extensions (sampling: `top_k`, `min_p`, `min_tokens`,
+`ignore_eos`, `stop_token_ids`; `structured_outputs` and the guided_* fields; `truncate_prompt_tokens`,
+`return_token_ids`, `cache_salt`, `prompt_logprobs`, ...) and Glassbox's own `glassbox` object.
+Lenient where vLLM is: an unknown field is ignored with a logged warning (`ignored_fields` lists
+them), an explicit `null` means the field's default, and `model` may be left out. vLLM's fields
+that Glassbox does not honour are declared here so that they are never "unknown": `api.sampling`
+and `api.structured` serve them at their neutral value and refuse any other with a 400 that says
+why.
 """
 from __future__ import annotations
 
