@@ -67,3 +67,20 @@ def test_a_bad_salt_is_refused_naming_it(llm, salt):
     with pytest.raises(InvalidArgumentError) as e:
         llm.generate(["hi"], SamplingParams(max_tokens=1), cache_salt=salt)
     assert e.value.param == "cache_salt"
+
+
+def test_a_salted_intervened_request_edits_as_an_unsalted_one_and_shares_with_neither(llm):
+    """The salt and an intervention's own chain root combine: the edit runs exactly as without
+    the salt, and the salted request reuses neither the plain nor the unsalted edited blocks."""
+    from engine import Intervention
+    ids = _prompt(3)
+    iv = [Intervention.ablate_heads(0, [0, 1])]
+    params = SamplingParams(temperature=0, max_tokens=6)
+    plain = llm.generate([ids], params)[0]
+    edited = llm.generate([ids], params, interventions=iv)[0]
+    salted = llm.generate([ids], params, interventions=iv, cache_salt="t")[0]
+    assert salted.token_ids == edited.token_ids
+    assert salted.metrics["prefix_cached_blocks"] == 0
+    both = llm.generate([ids, ids], params, interventions=[iv, iv], cache_salt="t")
+    assert [o.token_ids for o in both] == [edited.token_ids] * 2      # same edits, one batch
+    assert plain.metrics["prefix_cached_blocks"] == 0

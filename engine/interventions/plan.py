@@ -103,6 +103,9 @@ class InterventionPlanner:
                 if hi <= lo:
                     continue
                 cls_key = cls_name if split else "all"
+                # the chain root names the intervention set (requests with the same edits
+                # share a row); a user's cache_salt mixed into it only splits rows that could
+                # have been shared, each still holding its request's own edits
                 key = (seq.cache_salt, cls_key)
                 if key not in rows:
                     rows[key] = len(specs) + 1
