@@ -50,8 +50,9 @@ def guided_of(req: SamplingRequest, llm=None):
     return grammar
 
 
-# structured_outputs' members and the guided_* field each one replaced (same builder)
-_STRUCTURED = {"json_schema": "guided_json", "regex": "guided_regex", "choice": "guided_choice"}
+# structured_outputs' members (attribute -> its name on the wire); each is built as the guided_*
+# field it replaced (guided_json / guided_regex / guided_choice)
+_STRUCTURED = {"json_schema": "json", "regex": "regex", "choice": "choice"}
 # refused: what Glassbox cannot honour, and what to send instead
 _REFUSED = {
     "grammar": "a GBNF grammar (xgrammar's syntax) is not supported; give json, regex or choice",
@@ -94,10 +95,9 @@ def _grammar_of(req: SamplingRequest):
             asked.append(name)
     so = req.structured_outputs
     if so is not None:
-        wire = {"json_schema": "json"}
-        for member, old in _STRUCTURED.items():
+        for member, wire in _STRUCTURED.items():
             if getattr(so, member) is not None:
-                name = f"structured_outputs.{wire.get(member, member)}"
+                name = f"structured_outputs.{wire}"
                 extra[name] = getattr(so, member)
                 asked.append(name)
         if so.json_object:

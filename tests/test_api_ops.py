@@ -31,12 +31,14 @@ def _value(fams: dict, name: str, sample: str | None = None, default=None, **lab
     raise KeyError(f"{sample or name} {labels} not in {fam.samples}")
 
 
-def test_health_is_200_when_serving_and_503_while_switching(served):
-    r = httpx.get(served.url + "/health")           # no key needed, as vLLM's
+@pytest.mark.parametrize("method, path", [("GET", "/health"), ("GET", "/ping"),
+                                          ("POST", "/ping")])     # /ping: vLLM's (SageMaker's)
+def test_health_is_200_when_serving_and_503_while_switching(served, method, path):
+    r = httpx.request(method, served.url + path)        # no key needed, as vLLM's
     assert r.status_code == 200
     served.engines.switching = True
     try:
-        r = httpx.get(served.url + "/health")
+        r = httpx.request(method, served.url + path)
         assert r.status_code == 503 and r.json()["error"]["code"] == "model_switching"
     finally:
         served.engines.switching = False
@@ -121,17 +123,6 @@ def test_tokenize_needs_the_key_and_one_prompt(served):
     assert r.status_code == 400
     r = served.post("/detokenize", {"tokens": [10 ** 9]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"
-
-
-def test_ping_is_health_on_get_and_post_without_a_key(served):
-    for method in ("GET", "POST"):
-        assert httpx.request(method, served.url + "/ping").status_code == 200
-    served.engines.switching = True
-    try:
-        r = httpx.post(served.url + "/ping")
-        assert r.status_code == 503 and r.json()["error"]["code"] == "model_switching"
-    finally:
-        served.engines.switching = False
 
 
 def test_ping_is_open_on_a_keyed_server_and_generation_is_not():
