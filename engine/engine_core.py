@@ -13,9 +13,9 @@ forward or while waiting for the device: inspect/abort/new requests are never st
 `step()` returns one value, a StepResult: the token events, the requests that failed on their
 own data, and the trace of the step it postprocessed. Nothing else carries results out.
 
-A failure caused by one request's data fails that request only: an exception while launching a
-batch re-runs its requests one by one, and a failure in one request's postprocessing stays
-with it. The engine goes on serving the others.
+A failure caused by one request's data fails that request only: an exception while building a
+batch's inputs or launching it re-runs its requests one by one, and a failure in one request's
+postprocessing stays with it. The engine goes on serving the others.
 """
 from __future__ import annotations
 
@@ -49,6 +49,13 @@ class StepResult:
         self.events += other.events
         self.failures += other.failures
         self.traces += other.traces
+
+
+@dataclass
+class PrepareFailed:
+    """A scheduled batch whose inputs could not be built: its requests are run one by one."""
+    scheduled: list[ScheduledSeq]
+    error: BaseException
 
 
 @dataclass
@@ -145,7 +152,9 @@ class EngineCore:
         with self.lock:
             launch = self._prepare(t0)
         launched = None
-        if launch is not None:
+        if isinstance(launch, PrepareFailed):   # a request's data broke building the inputs
+            self._isolate(launch.scheduled, launch.error, res)
+        elif launch is not None:
             launched = self._launch(*launch, res)
         if self.overlap:
             prev, self.inflight = self.inflight, launched
@@ -172,7 +181,13 @@ class EngineCore:
         step_id = self.step_id
         self.step_id += 1
         prev = self.inflight.inp.step_id if self.inflight is not None else -1
-        inp = self._inputs(step_id, scheduled, prev)
+        try:
+            inp = self._inputs(step_id, scheduled, prev)
+        except WorkerDiedError:
+            raise
+        except Exception as e:              # noqa: BLE001 — attribute it to a request
+            self.penalty_slots.invalidate([s.seq for s in scheduled])
+            return PrepareFailed(scheduled, e)
         return scheduled, inp, t0, t1 - t0, time.perf_counter() - t1
 
     def _inputs(self, step_id: int, scheduled, prev_step_id: int) -> StepInputs:
@@ -222,7 +237,7 @@ class EngineCore:
         return InFlight(scheduled, inp, out, t0, t_sched, t_prep)
 
     def _isolate(self, scheduled, err: BaseException, res: StepResult) -> None:
-        """A batch failed to launch: finish the step in flight, then run each of its requests
+        """A batch failed to build its inputs or to launch: finish the step in flight, then run each of its requests
         alone; the ones that fail alone are failed, the others go on (their solo steps are
         postprocessed here, into this step's result)."""
         res.extend(self.drain())
@@ -238,7 +253,15 @@ class EngineCore:
                 t0 = time.perf_counter()
                 step_id = self.step_id
                 self.step_id += 1
-                inp = self._inputs(step_id, [s], -1)
+                try:
+                    inp = self._inputs(step_id, [s], -1)
+                except WorkerDiedError:
+                    raise
+                except Exception as e:      # noqa: BLE001 — this request's own data
+                    self.penalty_slots.invalidate([s.seq])
+                    self._fail(s.seq, RequestFailedError(
+                        f"this request failed in the engine: {e!r}"), res)
+                    continue
             try:
                 out = self.runner.execute_step(inp)
             except WorkerDiedError:

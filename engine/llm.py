@@ -34,6 +34,7 @@ _running: "weakref.WeakSet[LLM]" = weakref.WeakSet()     # engines whose loop th
 
 
 MAX_NOTE = 200      # characters of LLM.annotate's note kept (a row, not a log)
+MAX_STEP_FAILURES = 3   # steps failing in a row, each failing what was in flight, end the engine
 
 
 @atexit.register
@@ -290,10 +291,12 @@ class LLM:
         self.core.on_idle = _weak_call(self, "_serve_while_waiting")
         from .interventions.plan import InterventionPlanner
         from .interventions.spec import ModelFacts
-        self.intervention_facts = ModelFacts.of(self.hf_config, self.runner.moe_layers)
+        self.intervention_facts = ModelFacts.of(self.hf_config, self.runner.moe_layers,
+                                                  self.max_model_len)
         self.core.interventions = InterventionPlanner(self.intervention_facts)
         self._stop = False
         self._error: BaseException | None = None    # an engine-wide failure (e.g. a dead worker)
+        self._step_failures = 0     # steps in a row that failed outside one request's data
         _shorten_gil_switch_interval()
         # everything built so far (modules, tensors' wrappers, the tokenizer, 65k block
         # records) lives as long as the engine: out of the collector's reach, a full
@@ -439,10 +442,21 @@ class LLM:
             # forward or while waiting for the device, so inspect/abort/submit never starve
             try:
                 result = self.core.step()
-            except BaseException as e:     # engine-wide (a dead TP worker): fail everything
+                self._step_failures = 0
+            except BaseException as e:
+                # a step failed outside what one request's data explains: fail what is in
+                # flight, and go on serving; a dead worker, or steps that keep failing, end
+                # the engine (every later request would fail the same way)
+                self._step_failures += 1
+                fatal = (isinstance(e, EngineFailedError) or not isinstance(e, Exception)
+                         or self._step_failures >= MAX_STEP_FAILURES)
                 with self._lock:
-                    self._error = e
-                    self._fail_all(e)
+                    if fatal:
+                        self._error = e
+                        self._fail_all(e)
+                    else:
+                        self._fail_all(RequestFailedError(
+                            f"an engine step failed while this request was in it: {e!r}"))
                 continue
             with self._lock:
                 for rid, err in result.failures:        # one request's own failure

@@ -59,6 +59,11 @@ def test_chat_completions_accept_interventions(api):
     ({"kind": "steer", "layer": 0, "vector": [1.0] * 64, "positions": "end"},
      "interventions[0].positions", "positions"),
     ({"kind": "zap", "layer": 0}, "interventions[0].kind", "kind"),
+    # issue #48.1: past int64, and past the model's context (positions the engine never sees)
+    ({"kind": "clamp_attention", "layer": 0, "heads": [0], "positions": [2 ** 63]},
+     "interventions[0].positions", "positions"),
+    ({"kind": "clamp_attention", "layer": 0, "heads": [0], "positions": [0, 10 ** 6]},
+     "interventions[0].positions", "max_model_len"),
     ({"kind": "ablate_heads", "layer": 0, "heads": [0], "head": 1}, "interventions[0].head", "unknown"),
 ])
 def test_bad_interventions_are_400s_naming_the_field(api, iv, param, words):

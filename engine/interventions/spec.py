@@ -18,6 +18,10 @@ import numpy as np
 KINDS = ("ablate_heads", "mask_experts", "steer", "clamp_attention")
 # a clamp's key positions live in fixed device tables (CUDA graphs): this many per clamp at most
 MAX_CLAMP_POSITIONS = 64
+# a clamp's key positions are absolute token positions, held as int64 in the step's tables and
+# compared with int32 positions on the device: anything at or past this could never be a
+# position of any model (resolve_interventions bounds them by the model's max_model_len)
+MAX_POSITION = (1 << 31) - 1
 POSITIONS = ("all", "prompt", "generated")
 CAPTURE = "_capture"        # internal: sum of resid_post over the prompt (steering vectors)
 
@@ -106,9 +110,11 @@ class Intervention:
         (causality still holds). A query that sees none of them (all in its future) gets a zero
         output from those heads. At most MAX_CLAMP_POSITIONS positions."""
         keys = _ids("clamp_attention", "positions", positions)
-        if keys[0] < 0:
+        if keys[0] < 0 or keys[-1] >= MAX_POSITION:
+            bad = keys[0] if keys[0] < 0 else keys[-1]
             raise ValueError(f"Intervention.clamp_attention: positions are absolute token "
-                             f"positions (0 = the first prompt token), got {keys[0]}")
+                             f"positions in [0, {MAX_POSITION}) (0 = the first prompt token), "
+                             f"got {bad}")
         if len(keys) > MAX_CLAMP_POSITIONS:
             raise ValueError(f"Intervention.clamp_attention: {len(keys)} positions given, at "
                              f"most {MAX_CLAMP_POSITIONS} are supported")
@@ -212,13 +218,15 @@ class ModelFacts:
     moe_layers: tuple[int, ...]
     num_experts: int
     top_k: int
+    max_model_len: int = MAX_POSITION   # positions a request can hold: [0, max_model_len)
 
     @classmethod
-    def of(cls, hf_config, moe_layers) -> "ModelFacts":
+    def of(cls, hf_config, moe_layers, max_model_len: int | None = None) -> "ModelFacts":
         return cls(hf_config.num_hidden_layers, hf_config.num_attention_heads,
                    hf_config.hidden_size, tuple(moe_layers),
                    getattr(hf_config, "num_experts", 0) or 0,
-                   getattr(hf_config, "num_experts_per_tok", 0) or 0)
+                   getattr(hf_config, "num_experts_per_tok", 0) or 0,
+                   int(max_model_len) if max_model_len else MAX_POSITION)
 
 
 def resolve_interventions(ivs, facts: ModelFacts, allow_internal: bool = False
@@ -271,6 +279,10 @@ def resolve_interventions(ivs, facts: ModelFacts, allow_internal: bool = False
                                  f"{facts.top_k} each token routes to; mask at most "
                                  f"{facts.num_experts - facts.top_k}")
         if iv.kind == "clamp_attention":
+            if iv.key_positions[-1] >= facts.max_model_len:
+                raise ValueError(f"{where} (clamp_attention): position {iv.key_positions[-1]} "
+                                 f"is past this model's max_model_len={facts.max_model_len}; "
+                                 f"positions are in [0, {facts.max_model_len})")
             seen = clamped.setdefault(layer, iv.key_positions)
             if seen != iv.key_positions:
                 raise ValueError(f"{where} (clamp_attention): layer {layer} is already clamped "
