@@ -1,6 +1,7 @@
 """Sweep the paged decode-attention kernel's launch parameters at serving batch sizes.
 
     python bench/attention_tune.py [--batches 64 128 256] [--contexts 512 1024] [--heads 32 4]
+                                   [--splits 2 4]
 
 At Qwen3-0.6B shapes (16 query / 8 KV heads, head_dim 128; --heads 32 4 for Qwen3-30B-A3B's, 16-token blocks scattered over a
 large cache, as a busy engine's are), per (batch, context): µs per call and the KV bytes read
@@ -67,17 +68,19 @@ def main(argv=None) -> None:
     p.add_argument("--batches", type=int, nargs="+", default=[64, 128, 256])
     p.add_argument("--contexts", type=int, nargs="+", default=[512, 1024])
     p.add_argument("--heads", type=int, nargs=2, default=[HQ, HKV], metavar=("Q", "KV"))
+    p.add_argument("--splits", type=int, nargs="+", default=[2, 4],
+                   help="split counts the split-path variants try (each with 32/64/128-token tiles)")
     p.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, two variants")
     a = p.parse_args(argv)
     hq, hkv = a.heads
     dev, dtype = ("cpu", torch.float32) if a.smoke else ("cuda", torch.bfloat16)
     gen = torch.Generator().manual_seed(0)
     direct0, split0 = dict(DA.DIRECT_LAUNCH), dict(DA.SPLIT_LAUNCH)
-    wide0 = DA.DIRECT_WIDE_PROGRAMS
+    wide0, wide_from0 = DA.DIRECT_WIDE_PROGRAMS, DA.WIDE_FROM_PROGRAMS
     variants = []
     for bn, w, st in itertools.product((32, 64, 128), (4, 8), (2, 3, 4)):
         variants.append((1, dict(BLOCK_N=bn, num_warps=w, num_stages=st)))
-    for sp, bn, st in itertools.product((2, 4), (32, 64), (2, 3)):
+    for sp, bn, st in itertools.product(a.splits, (32, 64, 128), (2, 3)):
         variants.append((sp, dict(BLOCK_N=bn, num_warps=4, num_stages=st)))
     if a.smoke:
         variants = [variants[0], variants[-1]]
@@ -91,7 +94,7 @@ def main(argv=None) -> None:
         picked = DA.choose_num_splits(batch, hkv, tables.shape[1] * BS, q.device)
         rows = []
         for splits, cfg in variants:
-            DA.DIRECT_WIDE_PROGRAMS = 1 << 62      # each variant exactly as listed
+            DA.DIRECT_WIDE_PROGRAMS = DA.WIDE_FROM_PROGRAMS = 1 << 62  # each variant exactly as listed
             if splits == 1:
                 DA.DIRECT_LAUNCH.update(cfg)
             else:
@@ -109,7 +112,7 @@ def main(argv=None) -> None:
             finally:
                 DA.DIRECT_LAUNCH.clear(); DA.DIRECT_LAUNCH.update(direct0)
                 DA.SPLIT_LAUNCH.clear(); DA.SPLIT_LAUNCH.update(split0)
-                DA.DIRECT_WIDE_PROGRAMS = wide0
+                DA.DIRECT_WIDE_PROGRAMS, DA.WIDE_FROM_PROGRAMS = wide0, wide_from0
             rows.append((us, splits, cfg, err))
         # the engine's own choice today
         out = torch.empty_like(q)
@@ -117,9 +120,7 @@ def main(argv=None) -> None:
         for us, splits, cfg, err in sorted(rows, key=lambda r: r[0])[:6]:
             short = f"n{cfg['BLOCK_N']} w{cfg['num_warps']} st{cfg['num_stages']}"
             print(f"{batch:>5} {context:>5} {splits:>6} {short:<28} {us:8.1f} {nbytes / us / 1e6:6.2f} {err:8.1e}")
-        today = direct0 if picked == 1 else split0
-        if picked == 1 and batch * hkv >= wide0:
-            today = {**today, "BLOCK_N": DA.DIRECT_WIDE_BLOCK_N}
+        today = DA.launch_config(batch * hkv, picked, tables.shape[1] * BS)
         print(f"{batch:>5} {context:>5} {picked:>6} {'engine today ' + str(today):<28} "
               f"{cur:8.1f} {nbytes / cur / 1e6:6.2f}")
         bad = [r for r in rows if r[3] > 3e-2]

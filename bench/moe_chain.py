@@ -76,6 +76,7 @@ class MoEChain:
         self.num_splits: int | None = None
         self.o_config = SG.whole_tile_config(HIDDEN, HQ * D) if SG.WHOLE_TILE_AFTER_ATTENTION \
             else None
+        self.qkv_config = None          # None: the engine's pick (pick_config, wide)
 
     def step(self, skip: frozenset = frozenset(), only: str | None = None) -> None:
         run = (lambda k: k == only) if only else (lambda k: k not in skip)
@@ -83,7 +84,8 @@ class MoEChain:
         for L in self.layers:
             qkv = self.qkv_buf
             if run("qkv"):
-                qkv, res = SG.rms_norm_linear(x, L["qkv"], L["in_norm"], 1e-6, res, factored=True)
+                qkv, res = SG.rms_norm_linear(x, L["qkv"], L["in_norm"], 1e-6, res, factored=True,
+                                               config=self.qkv_config)
             q = self.q_buf
             if run("rope"):
                 q = qk_norm_rope_store(qkv, self.positions, self.cos_sin, L["k_cache"], L["v_cache"],
@@ -149,6 +151,29 @@ def _run(a, c: MoEChain, timer, smoke: bool) -> None:
         t = timer(c.step, a.replays)
         print(f"| attention {s} splits (engine, unbounded graph: {engine_splits}) | {t:.1f} | {t - base:+.1f} |")
     c.num_splits = None
+    # the dense GEMVs' tiles: (rows, K chunk, split-K, warps, stages), one-row FMA programs
+    C = SG.SkinnyConfig
+    qkv_n = (HQ + 2 * HKV) * D
+    engine_qkv = SG.pick_config(1, qkv_n, HIDDEN, wide=SG.WIDE_M1 == "norm")
+    qkv_tiles = ((C(4, 256, 1, 1, 3),) if smoke else
+                 (C(4, 512, 1, 2, 3), C(4, 1024, 1, 4, 3), C(8, 2048, 1, 8, 3), C(4, 2048, 1, 8, 3),
+                  C(2, 1024, 1, 4, 3), C(8, 1024, 1, 4, 4), C(16, 1024, 1, 8, 3), C(2, 2048, 1, 4, 1),
+                  C(4, 2048, 1, 4, 1)))
+    for cfg in qkv_tiles:
+        c.qkv_config = cfg
+        t = timer(c.step, a.replays)
+        print(f"| QKV GEMV tile {cfg.short()} (engine: {engine_qkv.short()}) | {t:.1f} | {t - base:+.1f} |")
+    c.qkv_config = None
+    engine_o = c.o_config
+    o_tiles = ((C(2, 128, 1, 1, 1),) if smoke else
+               (C(2, 1024, 1, 4, 3), C(4, 4096, 1, 8, 1), C(1, 4096, 1, 4, 1), C(4, 1024, 1, 4, 3),
+                C(2, 4096, 1, 8, 1), C(2, 2048, 2, 4, 1)))
+    for cfg in o_tiles:
+        c.o_config = cfg
+        t = timer(c.step, a.replays)
+        print(f"| o_proj GEMV tile {cfg.short()} (engine: {engine_o.short() if engine_o else 'pick'}) | "
+              f"{t:.1f} | {t - base:+.1f} |")
+    c.o_config = engine_o
 
 
 if __name__ == "__main__":

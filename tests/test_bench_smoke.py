@@ -283,12 +283,14 @@ def test_prefill_graphs_bench_runs_tiny_on_cpu():
 def test_attention_tune_checks_each_variant_against_the_reference(capsys, triton_interpreter):
     from bench import attention_tune
     from engine.kernels import decode_attention as DA
-    before = dict(DA.DIRECT_LAUNCH), dict(DA.SPLIT_LAUNCH), DA.DIRECT_WIDE_PROGRAMS
-    attention_tune.main(["--smoke", "--batches", "2", "--contexts", "24"])
+    before = (dict(DA.DIRECT_LAUNCH), dict(DA.SPLIT_LAUNCH), DA.DIRECT_WIDE_PROGRAMS,
+              DA.WIDE_FROM_PROGRAMS)
+    attention_tune.main(["--smoke", "--batches", "2", "--contexts", "24", "--splits", "3"])
     out = capsys.readouterr().out
     assert "engine today" in out and "!!" not in out and "failed" not in out
     # the sweep leaves the engine's launch tables as it found them
-    assert (dict(DA.DIRECT_LAUNCH), dict(DA.SPLIT_LAUNCH), DA.DIRECT_WIDE_PROGRAMS) == before
+    assert (dict(DA.DIRECT_LAUNCH), dict(DA.SPLIT_LAUNCH), DA.DIRECT_WIDE_PROGRAMS,
+            DA.WIDE_FROM_PROGRAMS) == before
 
 
 def test_attention_splits_checks_each_split_count_and_merge_and_restores_the_merge(capsys, triton_interpreter):
@@ -316,10 +318,10 @@ def test_decode_chain_runs_every_family_of_variants_tiny_and_restores_what_it_to
 def test_attention_ab_runs_tiny_on_cpu_and_restores_the_launch_table():
     from bench import attention_ab
     from engine.kernels import decode_attention as DA
-    before = dict(DA.DIRECT_LAUNCH), DA.DIRECT_WIDE_PROGRAMS
+    before = dict(DA.DIRECT_LAUNCH), DA.DIRECT_WIDE_PROGRAMS, DA.WIDE_FROM_PROGRAMS
     res = attention_ab.main(tiny=True, rounds=1)
-    assert all(len(v) == 1 and v[0] > 0 for v in res.values()) and len(res) == 2
-    assert (dict(DA.DIRECT_LAUNCH), DA.DIRECT_WIDE_PROGRAMS) == before
+    assert all(len(v) == 1 and v[0] > 0 for v in res.values()) and len(res) == 3
+    assert (dict(DA.DIRECT_LAUNCH), DA.DIRECT_WIDE_PROGRAMS, DA.WIDE_FROM_PROGRAMS) == before
 
 
 def test_env_ab_alternates_variants_in_fresh_processes(tmp_path):

@@ -490,6 +490,42 @@ def test_decode_kernel_with_wide_tiles_at_large_batch_matches_ref(monkeypatch, d
     torch.testing.assert_close(out, ref, **TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("num_splits", [1, 2, 3])
+def test_decode_kernel_with_the_wide_serving_tiles_matches_ref(monkeypatch, dtype, num_splits):
+    """From WIDE_FROM_PROGRAMS (batch x KV heads) the direct path and splits of long-enough
+    context bounds walk 128-token tiles (SPLIT_WIDE_LAUNCH): made to apply at this small batch,
+    against the reference (contexts of 0 to 40 tokens: every tile longer than a split's share)."""
+    monkeypatch.setattr(decode, "WIDE_FROM_PROGRAMS", 2)
+    monkeypatch.setattr(decode, "SPLIT_WIDE_MIN_TOKENS", 8)
+    q, k_cache, v_cache, tables, ctx, _, _ = _decode_inputs(5, 4, 2, 32, dtype)
+    bound = tables.shape[1] * k_cache.shape[1]
+    assert decode.launch_config(5 * 2, num_splits, bound)["BLOCK_N"] == 128
+    for _ in range(2):   # twice: the arrival counters are back at zero after a merge
+        q = torch.randn_like(q)
+        out = decode.paged_decode_attention(q, k_cache, v_cache, tables, ctx, 0.17,
+                                            out=torch.full_like(q, NAN), num_splits=num_splits)
+        ref = decode.paged_decode_attention_ref(q, k_cache, v_cache, tables, ctx, 0.17)
+        assert (out[ctx == 0] == 0).all()
+        torch.testing.assert_close(out, ref, **TOL[dtype])
+
+
+def test_decode_launch_choice_by_programs_and_context_bound(monkeypatch):
+    """One wave of programs and 128-token tiles from WIDE_FROM_PROGRAMS pairs on; below it the
+    choice of before (WAVES waves, 32-token split tiles, 64-token direct tiles)."""
+    monkeypatch.setattr(decode, "num_sms", lambda device: 132)
+    dev = torch.device("cpu")
+    wide = decode.WIDE_FROM_PROGRAMS
+    assert decode.choose_num_splits(wide // 8, 8, 4096, dev) == -(-132 // wide)   # one wave
+    assert decode.choose_num_splits(132 // 8 + 1, 8, 4096, dev) == 1               # direct from 132 pairs
+    assert decode.choose_num_splits(1, 8, 4096, dev) == min(decode.MAX_SPLITS, -(-2 * 132 // 8))
+    assert decode.launch_config(wide, 1, 4096)["BLOCK_N"] == 128
+    assert decode.launch_config(wide, 2, 4096) == decode.SPLIT_WIDE_LAUNCH
+    assert decode.launch_config(wide, 2, 2 * decode.SPLIT_WIDE_MIN_TOKENS - 16) == decode.SPLIT_LAUNCH
+    assert decode.launch_config(wide - 1, 2, 4096) == decode.SPLIT_LAUNCH
+    assert decode.launch_config(wide - 1, 1, 4096) == decode.DIRECT_LAUNCH
+
+
 @pytest.mark.parametrize("hq,hkv", [(16, 2), (6, 2), (7, 1), (2, 2)])  # GQA 8, 3, 7 (Qwen2.5), MHA
 @pytest.mark.parametrize("merge_heads", [True, False])
 @pytest.mark.parametrize("num_splits,chunk_elems", [(3, 8192), (6, 8192), (6, 64), (32, 2048)])

@@ -278,6 +278,32 @@ def test_decode_attention_merge_and_context_bound_match_ref(num_q_heads, num_kv_
         assert_rows_close(out[live], ref[live], ATTN_REL_TOL)
 
 
+@pytest.mark.parametrize("num_q_heads,num_kv_heads", [(32, 4), (16, 8)])   # Qwen3-30B-A3B, -0.6B
+@pytest.mark.parametrize("batch", [24, 32, 40, 64, 200])
+def test_decode_attention_at_serving_batches_matches_ref(num_q_heads, num_kv_heads, batch):
+    """The serving batches' launch choice (from WIDE_FROM_PROGRAMS pairs: one wave of programs,
+    128-token tiles, 1-2 splits; below it the older choice) at the engine's graph width, with
+    contexts of 0 to 4,096 tokens, in bf16 against the reference; twice (the merge counters)."""
+    gen = torch.Generator().manual_seed(batch * 10 + num_kv_heads)
+    ctxs = torch.randint(0, 4097, (batch,), generator=gen, device="cpu").tolist()
+    ctxs[0], ctxs[-1] = 0, 4096
+    k_cache, v_cache, tables = paged_cache(ctxs, 16, num_kv_heads)
+    tables = torch.nn.functional.pad(tables, (0, 256 - tables.shape[1]), value=0)  # (crops past 256)
+    ctx = torch.tensor(ctxs, dtype=torch.int32)
+    splits = decode_attention.choose_num_splits(batch, num_kv_heads, 4096, torch.device("cuda"))
+    launch = decode_attention.launch_config(batch * num_kv_heads, splits, 4096)
+    if batch * num_kv_heads >= decode_attention.WIDE_FROM_PROGRAMS:
+        assert splits <= 2 and launch["BLOCK_N"] == 128, (splits, launch)
+    for _ in range(2):
+        q = torch.randn(batch, num_q_heads, HEAD_DIM, dtype=BF16)
+        out = paged_decode_attention(q, k_cache, v_cache, tables, ctx, HEAD_DIM**-0.5,
+                                     out=torch.full_like(q, NAN))
+        ref = paged_decode_attention_ref(q, k_cache, v_cache, tables, ctx, HEAD_DIM**-0.5)
+        live = ctx > 0
+        assert (out[~live] == 0).all()
+        assert_rows_close(out[live], ref[live], ATTN_REL_TOL)
+
+
 @pytest.mark.parametrize("context_len", [1, 17, 400, 2049, 4096])
 def test_batch1_decode_attention_matches_ref(context_len):
     k_cache, v_cache, tables = paged_cache([context_len], 16, 8)

@@ -110,6 +110,8 @@ def test_whole_tile_config_reads_all_of_k_in_one_chunk(dtype, K):
     x, w, _ = _inputs(1, 64, K, dtype, False, seed=K)
     assert_matches(skinny_linear(x, w, config=cfg), x, w, None)
     assert whole_tile_config(64, 8192) is None   # past WHOLE_TILE_MAX_K: the plain config
+    assert whole_tile_config(2048, 4096) is None   # Qwen3-30B-A3B's o_proj: the plain config
+    assert whole_tile_config(1024, 2048) is not None   # Qwen3-0.6B's
 
 
 QWEN_SHAPES = [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (151936, 1024), (5120, 2048), (2048, 4096)]

@@ -3,6 +3,7 @@ a CUDA graph after its input changes in place."""
 import pytest
 import torch
 
+from engine.kernels import skinny_gemm as sg_module
 from engine.kernels.skinny_gemm import (SkinnyConfig, fma_acc_regs, skinny_linear, skinny_linear_ref,
                                         whole_tile_config)
 
@@ -54,9 +55,11 @@ def test_heuristic_config_at_qwen_shapes(N, K, M):
 
 
 @pytest.mark.parametrize("N,K", [(1024, 2048), (2048, 4096), (1024, 1024), (896, 1792)])
-def test_whole_tile_config_at_o_proj_shapes(N, K):
-    """o_proj's one-row GEMV with its whole weight tile in one chunk (Qwen3-0.6B, Qwen3-30B-A3B,
-    TP 2 of 0.6B, and Qwen2.5-0.5B's 896 x 1792 whose K is not a power of two: a masked tail)."""
+def test_whole_tile_config_at_o_proj_shapes(N, K, monkeypatch):
+    """o_proj's one-row GEMV with its whole weight tile in one chunk (Qwen3-0.6B, Qwen3-30B-A3B
+    with WHOLE_TILE_MAX_K raised, TP 2 of 0.6B, and Qwen2.5-0.5B's 896 x 1792 whose K is not a
+    power of two: a masked tail)."""
+    monkeypatch.setattr(sg_module, "WHOLE_TILE_MAX_K", 4096)
     cfg = whole_tile_config(N, K)
     assert cfg is not None and cfg.block_k >= K and cfg.split_k == 1
     x, w, _ = _inputs(1, N, K, bias=False)

@@ -124,7 +124,7 @@ def test_gated_rejects_what_it_cannot_fuse():
     assert empty.shape == (1, 40) and (empty == 0).all()
 
 
-def test_one_row_fused_norm_takes_the_wide_programs_and_matches():
+def test_one_row_fused_norm_takes_the_wide_programs_and_matches(monkeypatch):
     """At M = 1 the ungated fused-norm GEMV (the decoder's QKV) picks pick_config's wide
     programs by default (skinny_gemm.WIDE_M1); against the unfused ops at K that makes the
     wide chunk shrink (K < 1024) and at K with two chunks."""
@@ -132,6 +132,10 @@ def test_one_row_fused_norm_takes_the_wide_programs_and_matches():
     assert SG.WIDE_M1 == "norm"
     assert SG.pick_config(1, 4096, 1024, wide=True) == SG.SkinnyConfig(8, 1024, 1, 4, 3)
     assert SG.pick_config(1, 4096, 1024) != SG.pick_config(1, 4096, 1024, wide=True)
+    # past WIDE_MAX_K (Qwen3-30B-A3B's QKV, K = 2,048) the narrow programs
+    assert SG.pick_config(1, 5120, 2048, wide=True) == SG.pick_config(1, 5120, 2048) \
+        == SG.SkinnyConfig(4, 512, 1, 2, 3)
+    monkeypatch.setattr(SG, "WIDE_MAX_K", 4096)   # the wide programs over two chunks, below
     for K in (96, 2048):
         g = torch.Generator().manual_seed(K)
         x, res = _t(g, 1, K, dtype=torch.float32, scale=2.0), _t(g, 1, K, dtype=torch.float32)

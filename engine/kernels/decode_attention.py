@@ -36,6 +36,15 @@ DIRECT_WIDE_PROGRAMS = 1024     # batch x KV heads from which the direct path ta
 DIRECT_WIDE_BLOCK_N = 128       # ... tiles this wide
 SPLIT_LAUNCH = dict(BLOCK_N=32, num_warps=4, num_stages=2)
 WAVES = 2           # choose_num_splits: programs for about this many waves of the GPU's SMs
+# From this many programs (batch x KV heads) on, one wave instead of WAVES and 128-token tiles:
+# the direct path from one program per SM, and a split path whose splits hold >= 512 tokens of
+# the context bound. One H200, contexts 512-1,536 (bench/attention_tune.py, 2026-12-04,
+# an earlier session's run whose raw logs did not survive): Qwen3-30B-A3B shapes (32/4 heads)
+# batch 32 / 64 / 128, 32.5 / 49.5 / 90.1 -> 22.5 / 40.3 / 77.7 us a call; Qwen3-0.6B batch 32,
+# 46.3 -> 38.0. Below it (batch 1..) nothing changes.
+WIDE_FROM_PROGRAMS = 128
+SPLIT_WIDE_LAUNCH = dict(BLOCK_N=128, num_warps=4, num_stages=3)
+SPLIT_WIDE_MIN_TOKENS = 512     # context bound per split from which a split takes SPLIT_WIDE_LAUNCH
 MIN_SPLIT_TOKENS = int(os.environ.get("GLASSBOX_ATTN_MIN_SPLIT_TOKENS", "32"))  # one split tile
 # context bounds decode graphs are captured at (context_caps); GLASSBOX_ATTN_CONTEXT_CAPS="" none
 CONTEXT_CAPS = tuple(int(c) for c in os.environ.get("GLASSBOX_ATTN_CONTEXT_CAPS", "256,512,1024,2048").split(",") if c)
@@ -262,10 +271,25 @@ def combine_splits(part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Te
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
-    """Enough programs for ~2 waves on the GPU, but no split shorter than MIN_SPLIT_TOKENS.
+    """Enough programs for ~2 waves on the GPU (one from WIDE_FROM_PROGRAMS pairs), but no split
+    shorter than MIN_SPLIT_TOKENS.
     max_context bounds every row's context: the block table's width, or a graph's CONTEXT_CAPS."""
-    want = triton.cdiv(WAVES * num_sms(device), max(1, batch * num_kv_heads))
+    programs = max(1, batch * num_kv_heads)
+    waves = 1 if programs >= WIDE_FROM_PROGRAMS else WAVES
+    want = triton.cdiv(waves * num_sms(device), programs)
     return max(1, min(want, MAX_SPLITS, triton.cdiv(max_context, MIN_SPLIT_TOKENS)))
+
+
+def launch_config(programs: int, num_splits: int, bound: int) -> dict:
+    """The kernel's tile and pipeline for `programs` (sequence, KV head) pairs in num_splits
+    splits of a context bounded by `bound` tokens: shapes only, so a graph's replays agree."""
+    if num_splits == 1:
+        if programs >= min(WIDE_FROM_PROGRAMS, DIRECT_WIDE_PROGRAMS):
+            return {**DIRECT_LAUNCH, "BLOCK_N": DIRECT_WIDE_BLOCK_N}
+        return dict(DIRECT_LAUNCH)
+    if programs >= WIDE_FROM_PROGRAMS and bound // num_splits >= SPLIT_WIDE_MIN_TOKENS:
+        return dict(SPLIT_WIDE_LAUNCH)
+    return dict(SPLIT_LAUNCH)
 
 
 def context_caps(batch: int, num_kv_heads: int, max_context: int, device: torch.device) -> list[int]:
@@ -318,21 +342,20 @@ def paged_decode_attention(
     if batch == 0:
         return out
     group = num_q_heads // num_kv_heads
+    bound = block_tables.shape[1] * page_size
+    bound = min(bound, max_context or bound)
     if num_splits is None:
-        bound = block_tables.shape[1] * page_size
-        num_splits = choose_num_splits(batch, num_kv_heads, min(bound, max_context or bound), q.device)
+        num_splits = choose_num_splits(batch, num_kv_heads, bound, q.device)
     direct = num_splits == 1
     if direct:
         part_out = part_lse = counters = out  # unused
     else:
         part_out, part_lse, counters = _workspace(q.device, batch, num_q_heads, num_kv_heads, head_dim, num_splits)
-    launch = DIRECT_LAUNCH if direct else SPLIT_LAUNCH
+    launch = launch_config(batch * num_kv_heads, num_splits, bound)
     pdl = use_pdl(q)
     block_d = max(16, triton.next_power_of_2(head_dim))
     merge_g = max(2, triton.next_power_of_2(group))
     chunk_s = max(1, min(triton.next_power_of_2(num_splits), MERGE_CHUNK_ELEMS // (merge_g * block_d)))
-    if direct and batch * num_kv_heads >= DIRECT_WIDE_PROGRAMS:
-        launch = {**launch, "BLOCK_N": DIRECT_WIDE_BLOCK_N}
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse, counters,
         scale * math.log2(math.e), num_splits,

@@ -52,6 +52,10 @@ from .skinny_prologue import X_PLAIN, X_RMSNORM, X_RMSNORM_FACTORED, row_rstd, x
 WIDE_M1 = os.environ.get("GLASSBOX_SKINNY_WIDE", "norm")
 if WIDE_M1 not in ("0", "1", "norm"):
     raise ValueError(f"GLASSBOX_SKINNY_WIDE must be 0, 1 or norm, not {WIDE_M1!r}")
+# ... `norm` only where K (the hidden size) is at most this: at Qwen3-30B-A3B's QKV (K = 2,048)
+# the narrow programs were faster (bench/moe_chain.py, one H200, 2026-12-04: 2,510 -> 2,450 us a
+# step; an earlier session's device run whose raw log did not survive).
+WIDE_MAX_K = 1024
 MAX_M = 16  # the DOT path pads x to 16 rows; beyond that an ordinary GEMM tiling is the right tool
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -103,7 +107,7 @@ def pick_config(M: int, N: int, K: int, elem_size: int = 2, num_sms: int = 132,
     scale = max(1, elem_size // 2)  # sizes below are for 2-byte types; fp32 halves BLOCK_K (same bytes)
     fma = bm == 1 or (bm == 2 and N <= 5120) or (bm == 4 and N <= 1024)
     if fma:
-        if bm == 1 and (wide or WIDE_M1 == "1") and WIDE_M1 != "0":
+        if bm == 1 and ((wide and K <= WIDE_MAX_K) or WIDE_M1 == "1") and WIDE_M1 != "0":
             # fewer, wider programs: 128 threads and 4-8 rows each
             block_n, block_k, warps = (8, 1024, 4) if N >= 4096 else (4, 1024, 4)
         elif N >= 4096 and bm <= 2:
@@ -143,7 +147,10 @@ def pick_config(M: int, N: int, K: int, elem_size: int = 2, num_sms: int = 132,
 # chain (bench/decode_chain.py, 2026-12-03): -14.1 / -13.8 us a step at 256 / 1,024 tokens; the
 # same for the other GEMVs was slower or even. GLASSBOX_SKINNY_WHOLE_TILE=0 turns it off.
 WHOLE_TILE_AFTER_ATTENTION = os.environ.get("GLASSBOX_SKINNY_WHOLE_TILE", "1") != "0"
-WHOLE_TILE_MAX_K = 4096  # a program's whole tile of one-row FMA programs stays in registers
+# Up to this K (a program's whole tile of one-row FMA programs stays in registers): at
+# Qwen3-30B-A3B's o_proj (K = 4,096) the pipelined plain config was faster (bench/moe_chain.py,
+# one H200, 2026-12-04: -31 us a step); Qwen3-0.6B's (K = 2,048) keeps its -14 us.
+WHOLE_TILE_MAX_K = 2048
 
 
 def whole_tile_config(N: int, K: int, elem_size: int = 2) -> SkinnyConfig | None:
