@@ -203,20 +203,12 @@ def build_app(llm, *, banner: str | None = None, choices: dict[str, str] | None 
 MAX_SESSIONS = 256      # Gradio sessions kept in memory (~260 KB each); the oldest go first
 
 
-def freeze_heap() -> None:
-    """Move everything loaded so far (torch, transformers, gradio, the model and the UI: ~600k
-    objects) out of the cyclic GC's reach: a full collection then walks only what requests
-    made, instead of stopping every thread for up to a second (measured: 1.0 s -> 0 s on the
-    2-core machine under load), which every stream saw as a gap between two tokens."""
-    import gc
-    gc.collect()
-    gc.freeze()
-
-
 def _refreezing(switch):
     """hub.switch with the heap unfrozen around it: the old engine's objects (frozen at start)
     must be collectable once it is swapped out, and the new one's are frozen after."""
     import gc
+
+    from engine.process_tuning import freeze_heap
 
     def run(choice: str) -> None:
         gc.unfreeze()
@@ -230,7 +222,8 @@ def _refreezing(switch):
 def launch(demo, host: str = "127.0.0.1", port: int | None = None, share: bool = False,
            prevent_thread_lock: bool = False, api_key: str | None = None, *,
            allowed_hosts: tuple[str, ...] = (), limits=None, public_traces: bool = False,
-           allow_unauthenticated: bool = False, max_sessions: int = MAX_SESSIONS):
+           allow_unauthenticated: bool = False, max_sessions: int = MAX_SESSIONS,
+           isolate_prefix_cache: bool | None = None):
     """Launch with the app's stylesheet (Gradio 6 takes css at launch, not in Blocks), and the
     OpenAI-compatible routes (/v1/*) on the same server: Gradio builds its FastAPI app from
     `app_kwargs`, so the routes are there before the first request. `api_key`: None reads
@@ -254,11 +247,17 @@ def launch(demo, host: str = "127.0.0.1", port: int | None = None, share: bool =
     limits = limits or Limits()
     pools = Pools(limits)
     hosts = tuple(allowed_hosts) + (("*.gradio.live",) if share else ())
+    if isolate_prefix_cache is None:    # a shared server: users never share cached prefixes
+        isolate_prefix_cache = api_key is not None or share or host not in (
+            "127.0.0.1", "localhost", "::1")
+    demo.hub.isolate_prefix_cache = isolate_prefix_cache      # the chat salts by session too
     routes = list(build_router(demo.hub, api_key, limits=limits, pools=pools,
-                               public_traces=public_traces).routes)
+                               public_traces=public_traces,
+                               isolate_prefix_cache=isolate_prefix_cache).routes)
     app_kwargs = {"routes": routes, "exception_handlers": exception_handlers(),
                   "middleware": [guard_middleware(api_key, hosts, limits, pools)]}
-    freeze_heap()
+    from engine.process_tuning import tune_process
+    tune_process()          # a serving process: the GIL switch interval, the heap frozen
     return demo.launch(server_name=host, server_port=port, share=share,
                        prevent_thread_lock=prevent_thread_lock, css=CSS_PATH.read_text(),
                        max_threads=96, show_error=True, footer_links=["api", "gradio"],

@@ -10,6 +10,7 @@ import re
 from typing import Callable
 
 from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from fastapi.routing import APIRoute
 from starlette.responses import Response
 
@@ -94,7 +95,7 @@ def from_validation(exc: RequestValidationError) -> APIError:
 RETRY_AFTER_S = 5
 ENGINE_ERRORS: tuple[tuple[type, int, str | None, str], ...] = (
     (PromptTooLongError, 400, "context_length_exceeded", "{e}"),
-    (ValueError, 400, None, "{e}"),     # InvalidArgumentError, and a chat template's own refusal
+    (InvalidArgumentError, 400, None, "{e}"),   # the processor's refusals name their field
     (ModelSwitchingError, 503, "model_switching", "{e}"),
     (EngineUnavailableError, 503, "engine_unavailable",
      "the engine is restarting (model switch or shutdown): {e}; retry in a few seconds"),
@@ -108,11 +109,16 @@ def engine_row(e: BaseException) -> tuple[type, int, str | None, str]:
 
 
 def from_engine(e: BaseException, param_of: Callable[[str | None], str | None] = lambda p: p,
-                default_param: str | None = None) -> APIError:
+                default_param: str | None = None, request_id: str | None = None) -> APIError:
     """The APIError for an exception the engine raised. `param_of` maps the engine argument an
     InvalidArgumentError names (e.param) to the request field it came from; a 400 without one
-    (a ValueError that names no argument) gets `default_param`."""
+    gets `default_param`. Anything but a typed client error is a 500 naming `request_id` (the
+    server's log has it): an internal ValueError is the server's fault, not the client's."""
     _, status, code, template = engine_row(e)
+    if status == 500:
+        rid = request_id or new_error_id()
+        log.error("request %s failed in the engine: %r", rid, e)
+        template += f" (request id {rid})"
     param = None
     if status == 400:
         named = e.param if isinstance(e, InvalidArgumentError) else None
@@ -136,10 +142,22 @@ class OpenAIRoute(APIRoute):
                 return from_validation(e).response()
             except EngineUnavailableError as e:     # a model loading, the engine shut down
                 return from_engine(e).response()
+            except StarletteHTTPException as e:    # FastAPI's own refusal (a body it cannot
+                return APIError(e.status_code, str(e.detail),   # parse): the client's error
+                                headers=dict(e.headers or {})).response()
             except Exception as e:     # a bug or an engine failure: say what, keep the server up
-                log.exception("unhandled error in %s", request.url.path)
-                return APIError(500, f"internal error: {type(e).__name__}: {e}").response()
+                rid = new_error_id()
+                log.exception("unhandled error in %s (request id %s)", request.url.path, rid)
+                return APIError(500, f"internal error: {type(e).__name__}: {e} (request id "
+                                     f"{rid}; the server's log has the details)",
+                                code="internal_error").response()
         return route_handler
+
+
+def new_error_id() -> str:
+    """An id for an internal error, logged with its traceback and named in the response."""
+    import secrets
+    return f"err-{secrets.token_hex(6)}"
 
 
 # ---- unknown routes and methods: OpenAI's shape under /v1 --------------------------------------

@@ -1,6 +1,7 @@
 """`"interventions": [...]` in a /v1/chat/completions or /v1/completions body -> the engine's
-Intervention list, checked against the served model up front: a bad entry is a 400 whose
-`param` names it (`interventions[1].heads`), before anything is queued.
+Intervention list. Each entry is parsed here (a malformed one is a 400 whose `param` names it,
+`interventions[1].heads`); the engine's processor checks the list against the served model,
+once, and its refusal names the field the same way.
 
   {"kind": "ablate_heads", "layer": 1, "heads": [0, 3]}
   {"kind": "mask_experts", "layer": 0, "experts": [5]}
@@ -13,29 +14,26 @@ from __future__ import annotations
 import re
 
 from engine import Intervention
-from engine.interventions.spec import resolve_interventions
+from engine.interventions.spec import MAX_INTERVENTIONS
 
 from .errors import bad_request
 
 
-def interventions_of(body, llm) -> list[Intervention] | None:
+def interventions_of(body) -> list[Intervention] | None:
     raw = getattr(body, "interventions", None)
     if not raw:
         return None
     if not isinstance(raw, list):
         raise bad_request("interventions must be a list of objects", "interventions")
+    if len(raw) > MAX_INTERVENTIONS:        # before parsing any: each is work
+        raise bad_request(f"{len(raw)} interventions given; at most {MAX_INTERVENTIONS} per "
+                          "request", "interventions")
     ivs = []
     for i, d in enumerate(raw):
         try:
             ivs.append(Intervention.from_dict(d))
         except ValueError as e:
             raise bad_request(f"interventions[{i}]: {e}", _param(i, str(e))) from None
-    try:
-        resolve_interventions(ivs, llm.intervention_facts)
-    except ValueError as e:
-        m = re.match(r"interventions\[(\d+)\]", str(e))
-        raise bad_request(str(e), _param(int(m.group(1)), str(e)) if m else "interventions"
-                          ) from None
     return ivs
 
 

@@ -44,6 +44,11 @@ class Limits:
     prepare_workers: int = 2                # threads parsing and tokenizing requests
     max_pending: int = 256                  # preparations queued or running; 503 above
     heavy_request_bytes: int = 256 << 10    # a body this large is followed by a heap trim
+    # admission by cost, checked before any work (vLLM has no such caps; each is a flag)
+    max_choices: int = 64                   # prompts x n: each choice is a request in the engine
+    # logprob entries a reply may carry (tokens x (1 + top alternatives), choices summed, prompt
+    # logprobs included): ~60 bytes of JSON each, so the default bounds a reply near 16 MB
+    max_logprob_entries: int = 1 << 18
 
 
 def check_stop_limits(stop, stop_token_ids, limits: Limits) -> None:
@@ -60,6 +65,38 @@ def check_stop_limits(stop, stop_token_ids, limits: Limits) -> None:
     if n > limits.max_stop_token_ids:
         raise bad_request(f"stop_token_ids holds {n} ids; at most {limits.max_stop_token_ids} "
                           "are allowed (--max-stop-token-ids)", "stop_token_ids")
+
+
+def check_cost(body, chat: bool, limits: Limits) -> None:
+    """400 naming the field when a request asks for more than the server's caps, from what the
+    body says alone (before tokenizing): its number of choices."""
+    n_prompts = 1
+    if not chat:
+        p = body.prompt
+        n_prompts = len(p) if isinstance(p, list) and p and isinstance(p[0], (str, list)) else 1
+    choices = n_prompts * body.n
+    if choices > limits.max_choices:
+        raise bad_request(f"{n_prompts} prompt(s) x n={body.n} make {choices} choices; at most "
+                          f"{limits.max_choices} per request are allowed (--max-choices): send "
+                          "several requests instead (they batch together)",
+                          "n" if n_prompts == 1 else "prompt")
+
+
+def check_logprob_cost(specs, top_n: int, want_logprobs: bool, limits: Limits) -> None:
+    """400 when the reply's logprobs would pass the cap (the choices' token budgets known)."""
+    total = 0
+    for s in specs:
+        p = s.request.params
+        if want_logprobs:
+            total += p.max_tokens * (1 + top_n)
+        if p.prompt_logprobs is not None:
+            total += len(s.request.prompt) * (1 + p.prompt_logprobs)
+    if total > limits.max_logprob_entries:
+        raise bad_request(f"this request's logprobs could reach {total:,} entries (tokens x "
+                          f"(1 + alternatives), every choice); at most "
+                          f"{limits.max_logprob_entries:,} are allowed (--max-logprob-entries): "
+                          "lower max_tokens, n or top_logprobs", "top_logprobs" if want_logprobs
+                          else "prompt_logprobs")
 
 
 def parse_body(raw: bytes, model: type[BaseModel]) -> BaseModel:

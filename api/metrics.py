@@ -67,14 +67,11 @@ class EngineMetrics:
 
     def attach(self):
         """Listen to the current engine's finished requests (once per engine); returns it."""
-        llm = getattr(self.engines, "llm", None)
-        listeners = getattr(llm, "finish_listeners", None)
-        if listeners is None:
-            return llm
+        llm = self.engines.llm
         with self._lock:
             if llm not in self._attached:
                 name = llm.model_name
-                listeners.append(lambda ev: self.observe(name, ev))
+                llm.finish_listeners.append(lambda ev: self.observe(name, ev))
                 self._attached.add(llm)
         return llm
 
@@ -110,7 +107,7 @@ class _EngineCollector:
 
     def collect(self):
         llm = self.owner.engines.llm
-        if getattr(self.owner.engines, "switching", False) or not hasattr(llm, "stats"):
+        if self.owner.engines.switching:
             return
         s = llm.stats()
         name, bs = [llm.model_name], s["block_size"]

@@ -12,6 +12,8 @@ from pydantic import Field
 from starlette.concurrency import run_in_threadpool
 from starlette.responses import JSONResponse, Response
 
+from engine.errors import InvalidArgumentError, PromptTooLongError
+
 from .errors import APIError, OpenAIRoute, bad_request
 from .metrics import CONTENT_TYPE, EngineMetrics
 from .protocol import ChatMessage, Lenient
@@ -49,11 +51,10 @@ def build_ops_routers(engines, current_engine, auth, metrics: EngineMetrics
 
     @open_routes.get("/health")
     async def health():
-        if getattr(engines, "switching", False):
+        if engines.switching:
             raise APIError(503, "the model is being switched; retry in a few seconds",
                            code="model_switching", headers={"Retry-After": "5"})
-        llm = engines.llm
-        stats = await run_in_threadpool(llm.stats) if hasattr(llm, "stats") else {"alive": True}
+        stats = await run_in_threadpool(engines.llm.stats)
         if not stats.get("alive", False):
             raise APIError(503, "the engine is not running (shut down or failed)",
                            code="engine_unavailable")
@@ -92,16 +93,29 @@ def build_ops_routers(engines, current_engine, auth, metrics: EngineMetrics
                                   "assistant's (the text to continue)", "continue_final_message")
 
         def encode() -> list[int]:
+            """Through the engine's processor, so /tokenize is bounded as a prompt is (its
+            characters before tokenizing) and counts what a request would run."""
+            proc = llm.processor
             if body.prompt is not None:
-                return llm.tokenizer.encode(body.prompt,
-                                            add_special_tokens=body.add_special_tokens)
-            from .chat_template import encode_chat_request
+                if not body.prompt:
+                    return []
+                ids = list(proc.tokenize(body.prompt).token_ids)
+                tok = llm.tokenizer
+                if body.add_special_tokens and tok.encode("", add_special_tokens=True):
+                    # this tokenizer adds tokens (Qwen's add none): as encode does, once the
+                    # prompt is known to be of a size that fits
+                    ids = tok.encode(body.prompt, add_special_tokens=True)
+                return ids
+            from .chat_template import chat_options
             from .sampling import chat_messages
-            return encode_chat_request(llm, body, chat_messages(body))[0]
+            return list(proc.tokenize(chat_messages(body), chat_options(body)).token_ids)
         try:
             ids = await run_in_threadpool(encode)
-        except ValueError as e:
-            raise bad_request(str(e), "messages" if body.messages else "prompt") from None
+        except InvalidArgumentError as e:
+            param = e.param if e.param and e.param.startswith("messages") else (
+                "messages" if body.messages else "prompt")
+            code = "context_length_exceeded" if isinstance(e, PromptTooLongError) else None
+            raise bad_request(str(e), param, code) from None
         out: dict[str, Any] = {"count": len(ids), "max_model_len": llm.max_model_len,
                                "tokens": ids, "token_strs": None}
         if body.return_token_strs:

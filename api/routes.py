@@ -7,35 +7,37 @@ Each request reads `.llm` once and keeps that engine to its end.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import logging
 import os
 import re
-import secrets
 import time
 from collections import OrderedDict
 
 from fastapi import APIRouter, Depends, Request
 
 from engine.errors import InvalidArgumentError
+from engine.processor import Prompt
 from engine.serving import ServingHub
 from starlette.concurrency import run_in_threadpool
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from .auth import bearer_check
-from .chat_template import encode_chat_request, reply_parsing
+from .chat_template import chat_options, reply_parsing
 from .errors import APIError, OpenAIRoute, bad_request
 from .generation_config import model_defaults
-from .limits import Limits, Pools, check_stop_limits, parse_body
+from .interventions import interventions_of
+from .limits import (Limits, Pools, check_cost, check_logprob_cost, check_stop_limits,
+                     parse_body)
 from .metrics import EngineMetrics
 from .ops import build_ops_routers
-from .protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
+from .protocol import ChatCompletionRequest, CompletionRequest
 from .responses import Meta
 from .sampling import (chat_messages, completion_prompts, logprobs_of, probe_spec,
                        refuse_unsupported, request_param, sampling_params)
-from .serving import ChoiceSpec, ClientGone, collect, engine_error, sse_events, start
+from .serving import (ChoiceSpec, ClientGone, collect, engine_error, reply_json, sse_events,
+                      start)
 from .streaming import SSE_HEADERS
-from .structured import guided_of
+from .structured import grammar_of
 from .traces import trace_zip
 
 log = logging.getLogger("glassbox.api")
@@ -66,11 +68,29 @@ def principal(request: Request) -> str:
     return "api-key" if request.scope.get("glassbox.auth") in ("bearer", "cookie") else "api"
 
 
+def prefix_cache_salt(request: Request, body) -> str:
+    """The salt of a request's prefix-cache chain on a server that isolates its users: who asks
+    (the key's holder, or any local client) and the OpenAI `user` field they send, with the
+    request's own `cache_salt`. Requests of different users never share cached blocks, so a
+    faster first token tells nobody what another user sent (the timing side channel)."""
+    import hashlib
+
+    from engine.cache_salt import check_salt
+    try:
+        check_salt(body.cache_salt)
+    except InvalidArgumentError as e:
+        raise bad_request(str(e), "cache_salt") from None
+    who = f"{principal(request)}\x1f{body.user or ''}\x1f{body.cache_salt or ''}"
+    return hashlib.sha256(who.encode("utf-8", "surrogatepass")).hexdigest()
+
+
 def build_router(engines, api_key: str | None = None, *, limits: Limits | None = None,
-                 pools: Pools | None = None, public_traces: bool = False) -> APIRouter:
+                 pools: Pools | None = None, public_traces: bool = False,
+                 isolate_prefix_cache: bool = False) -> APIRouter:
     """`limits`/`pools`: the server's bounds and worker pools (its own when not given).
     `public_traces`: every client may list and read every trace (the chat's too); by default a
-    client sees only the traces of requests it made."""
+    client sees only the traces of requests it made. `isolate_prefix_cache`: salt every
+    request's prefix-cache chain by its user (prefix_cache_salt)."""
     auth = bearer_check(api_key)
     metrics = EngineMetrics(engines)        # /metrics: listens to each engine it sees
     router = APIRouter(route_class=OpenAIRoute, dependencies=[Depends(auth)])
@@ -78,8 +98,15 @@ def build_router(engines, api_key: str | None = None, *, limits: Limits | None =
     pools = pools or Pools(limits)
     owners: OrderedDict[str, str] = OrderedDict()     # traced request id -> its principal
     started = int(time.time())
-    tag = secrets.token_hex(4)      # ids unique across restarts; the trailing counter gives
-    counter = itertools.count()     # sequential requests distinct colours in the playground
+
+    def client_request_id(request: Request) -> str | None:
+        """The client's X-Request-Id: echoed on the reply (vLLM does), never the engine's key
+        (the server makes its ids: a client that knew or chose them could squat another's)."""
+        given = request.headers.get("x-request-id")
+        if given is not None and not _REQUEST_ID.fullmatch(given):
+            raise bad_request("X-Request-Id must be 1 to 128 printable ASCII characters without "
+                              f"spaces, got {given!r:.200}", "X-Request-Id")
+        return given
 
     def current_engine(model: str | None = None):
         engines.current()           # ModelSwitchingError -> 503 with Retry-After (api/errors)
@@ -95,48 +122,50 @@ def build_router(engines, api_key: str | None = None, *, limits: Limits | None =
                 "owned_by": "glassbox", "root": llm.model_name,
                 "max_model_len": llm.max_model_len}
 
-    def request_id_of(given, body: SamplingRequest, chat: bool) -> str:
-        """X-Request-Id (vLLM honours it and echoes it), else the body's `request_id` (vLLM's
-        extension), else a fresh one. It is the engine's id: the playground shows it."""
-        given = given or body.request_id
-        if given is None:
-            return f"{'chatcmpl' if chat else 'cmpl'}-{tag}-{next(counter)}"
-        if not isinstance(given, str) or not _REQUEST_ID.fullmatch(given):
-            raise bad_request("X-Request-Id must be 1 to 128 printable ASCII characters without "
-                              f"spaces, got {given!r}", "X-Request-Id")
-        return given
-
-    def choice_specs(body, llm, rid: str, prompts: list, ids_of: list[list[int]], watch
-                     ) -> list[ChoiceSpec]:
-        """One ChoiceSpec per (prompt, n): index = prompt * n + j, as vLLM numbers them."""
+    def choice_specs(body, llm, rid: str, prompts: list, tokenized: list, watch, chat: bool,
+                     salt: str | None) -> list[ChoiceSpec]:
+        """One ChoiceSpec per (prompt, n), each an EngineRequest from the engine's processor
+        (checked once, there); index = prompt * n + j, as vLLM numbers them. The request's
+        engine ids are the server's own (`rid`), never a client's."""
         n, defaults, specs = body.n, model_defaults(llm), []
-        guided = guided_of(body, llm)
+        grammar, kind = grammar_of(body)
+        ivs = interventions_of(body)
         echo = isinstance(body, CompletionRequest) and body.echo
-        for i, ids in enumerate(ids_of):
-            params = sampling_params(body, llm.max_model_len, len(ids), defaults, guided)
-            try:
-                params.check_for_model(llm.hf_config.vocab_size)
-            except InvalidArgumentError as e:     # names its field: the message may change
-                raise bad_request(str(e), request_param(
-                    e.param, isinstance(body, ChatCompletionRequest))) from None
+        proc = llm.processor
+        for i, prompt in enumerate(tokenized):
+            params = sampling_params(body, llm.max_model_len, len(prompt), defaults, grammar)
             echo_text = None
             if echo:        # the prompt as sent; token ids as the tokenizer reads them
                 echo_text = prompts[i] if isinstance(prompts[i], str) else (
-                    llm.tokenizer.decode(ids) if llm.tokenizer is not None else "")
+                    llm.tokenizer.decode(list(prompt.token_ids))
+                    if llm.tokenizer is not None else "")
+            first = None
             for j in range(n):
                 idx = i * n + j
                 p = params
                 if j and params.seed is not None:   # seeded copies must not all draw the same
                     p = dataclasses.replace(params, seed=(params.seed + j + 2**63) % 2**64 - 2**63)
-                specs.append(ChoiceSpec(idx, i, ids, p, rid if n * len(ids_of) == 1
-                                        else f"{rid}-{idx}", watch if idx == 0 else None,
-                                        copy=j > 0, echo_text=echo_text,
+                engine_id = rid if n * len(tokenized) == 1 else f"{rid}-{idx}"
+                if first is None:
+                    try:
+                        first = req = proc.process(
+                            prompt, p, watch=watch if idx == 0 else None, interventions=ivs,
+                            cache_salt=salt, request_id=engine_id,
+                            group=rid if n * len(tokenized) > 1 else None,
+                            priority=body.priority)
+                    except InvalidArgumentError as e:   # names its field
+                        raise bad_request(str(e), request_param(
+                            e.param, chat, guided=kind)) from None
+                else:               # a copy: the same checked request, its own grammar
+                    req = proc.fork(first, engine_id, p)
+                specs.append(ChoiceSpec(idx, i, req, copy=j > 0, echo_text=echo_text,
                                         echo_only=echo and body.max_tokens == 0))
         return specs
 
-    def prepare(raw: bytes, model_cls, chat: bool, given_id: str | None, path: str):
-        """Parse, validate and tokenize a request: on the prepare pool, never the event loop
-        (a long prompt takes a while to tokenize; other streams' tokens must not wait)."""
+    def prepare(raw: bytes, model_cls, chat: bool, path: str, salt_of):
+        """Parse the body and run the engine's processor on every choice: on the prepare pool,
+        never the event loop (a long prompt takes a while to tokenize; other streams' tokens
+        must not wait)."""
         body = parse_body(raw, model_cls)
         check_stop_limits(body.stop, body.stop_token_ids, limits)
         llm = current_engine(body.model)
@@ -144,7 +173,8 @@ def build_router(engines, api_key: str | None = None, *, limits: Limits | None =
         if ignored:
             log.warning("%s: ignoring unknown fields %s", path, ", ".join(ignored))
         refuse_unsupported(body)        # before the prompt is rendered: clearer errors first
-        rid = request_id_of(given_id, body, chat)
+        check_cost(body, chat, limits)
+        rid = llm.processor.new_request_id("chatcmpl" if chat else "cmpl")
         prompts = [chat_messages(body)] if chat else completion_prompts(body)
         param = "messages" if chat else "prompt"
         keep = body.truncate_prompt_tokens      # vLLM's: the prompt's last `keep` tokens
@@ -154,52 +184,55 @@ def build_router(engines, api_key: str | None = None, *, limits: Limits | None =
         parsing = None
         try:
             if chat:
-                chat_ids, rendered = encode_chat_request(llm, body, prompts[0])
-                ids, parsing = [chat_ids], reply_parsing(llm, body, rendered)
+                tokenized = [llm.processor.tokenize(prompts[0], chat_options(body))]
+                parsing = reply_parsing(llm, body, tokenized[0].rendered)
             else:
-                ids = [llm.encode(p) for p in prompts]
-        except ValueError as e:
+                tokenized = [llm.processor.tokenize(p) for p in prompts]
+        except InvalidArgumentError as e:
             raise engine_error(e, param, chat) from None
         if keep is not None:                    # text and chat: after tokenizing
-            for i, one in enumerate(ids):
+            for i, one in enumerate(tokenized):
                 if len(one) > keep:
-                    ids[i] = list(one[-keep:])
+                    tokenized[i] = Prompt(one.token_ids[-keep:], None, one.rendered)
                     if not chat:                # echo shows the prompt the model read
-                        prompts[i] = ids[i]
+                        prompts[i] = list(tokenized[i].token_ids)
         watch = probe_spec(body)
-        specs = choice_specs(body, llm, rid, prompts, ids, watch)
-        from .interventions import interventions_of
-        return body, llm, rid, specs, watch, parsing, param, interventions_of(body, llm)
+        salt = salt_of(body) if isolate_prefix_cache else body.cache_salt
+        specs = choice_specs(body, llm, rid, prompts, tokenized, watch, chat, salt)
+        want_lp, top_n = logprobs_of(body)
+        check_logprob_cost(specs, top_n, want_lp, limits)
+        return body, llm, rid, specs, watch, parsing, param
 
     async def run(request: Request, model_cls, chat: bool) -> Response:
+        given_id = client_request_id(request)
         raw = await request.body()        # bounded by api.guard before it was read
-        body, llm, rid, specs, watch, parsing, param, ivs = await pools.run_prepare(
-            lambda: prepare(raw, model_cls, chat, request.headers.get("x-request-id"),
-                            request.url.path))
+        body, llm, rid, specs, watch, parsing, param = await pools.run_prepare(
+            lambda: prepare(raw, model_cls, chat, request.url.path,
+                            lambda body: prefix_cache_salt(request, body)))
         del raw
         want_lp, top_n = logprobs_of(body)
-        if watch is not None:
-            owners[rid] = principal(request)
-            while len(owners) > MAX_TRACE_OWNERS:
-                owners.popitem(last=False)
         meta = Meta(rid, int(time.time()), llm.model_name, watched=watch is not None)
         include_usage = bool(body.stream and body.stream_options
                              and body.stream_options.include_usage)
         continuous_usage = include_usage and body.stream_options.continuous_usage_stats
-        headers = {"X-Request-Id": rid}
+        # the server's id; a client's X-Request-Id is echoed, never the engine's key
+        headers = {"X-Request-Id": given_id or rid}
         try:
-            job = await start(llm, specs, meta, request, pools=pools, interventions=ivs,
-                              cache_salt=body.cache_salt,
+            job = await start(llm, specs, meta, request, pools=pools,
                               chat=chat, want_logprobs=want_lp, top_n=top_n,
                               include_usage=include_usage, prompt_param=param,
                               continuous_usage=continuous_usage,
                               want_prompt_logprobs=body.prompt_logprobs is not None,
                               return_token_ids=bool(body.return_token_ids),
                               parsing=parsing if parsing is not None and parsing.active else None)
+            if watch is not None:       # only an accepted request's trace has an owner
+                owners[specs[0].request_id] = principal(request)
+                while len(owners) > MAX_TRACE_OWNERS:
+                    owners.popitem(last=False)
             if body.stream:
                 return StreamingResponse(sse_events(job), media_type="text/event-stream",
                                          headers={**SSE_HEADERS, **headers})
-            return JSONResponse(await collect(job, request), headers=headers)
+            return await reply_json(await collect(job, request), headers)
         except ClientGone:
             return Response(status_code=499)    # nobody reads it: the client closed the socket
 

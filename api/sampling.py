@@ -10,7 +10,6 @@ Anything understood but not supported is refused with a 400 naming it, never ign
 from __future__ import annotations
 
 from engine import InvalidArgumentError, ProbeSpec, SamplingParams
-from engine.cache_salt import check_salt
 
 from .errors import bad_request
 from .protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
@@ -23,13 +22,17 @@ _SAME_NAME = frozenset({"temperature", "top_k", "top_p", "min_p", "seed", "min_t
 
 
 def request_param(engine_param: str | None, chat: bool,
-                  max_param: str = "max_tokens") -> str | None:
+                  max_param: str = "max_tokens", guided: str | None = None) -> str | None:
     """The request field that an engine argument (InvalidArgumentError.param) came from; None
-    when the request has no such field. `max_param`: the field that set max_tokens."""
+    when the request has no such field. `max_param`: the field that set max_tokens; `guided`:
+    the field that asked for structured output."""
     if engine_param is None:
         return None
-    if engine_param in _SAME_NAME:
+    if engine_param in _SAME_NAME or engine_param in ("cache_salt", "priority") or \
+            engine_param.startswith("interventions"):
         return engine_param
+    if engine_param.startswith("messages[") or engine_param == "tools":
+        return engine_param if chat else "prompt"
     if engine_param == "max_tokens":
         return max_param
     if engine_param == "logprobs":
@@ -37,7 +40,7 @@ def request_param(engine_param: str | None, chat: bool,
     if engine_param == "prompt":
         return "messages" if chat else "prompt"
     if engine_param == "guided":
-        return "response_format"
+        return guided or "response_format"
     if engine_param == "watch" or engine_param.startswith("watch."):
         return "glassbox.watch"
     return None
@@ -47,7 +50,6 @@ def request_param(engine_param: str | None, chat: bool,
 CHAT_TEMPLATE_REFUSED = ("a chat_template in the request is not accepted: the server renders "
                          "the checkpoint's own template (use chat_template_kwargs for its "
                          "variables)")
-MAX_N = 64                  # choices per request (n x prompts): each is a request in the engine
 
 
 # vLLM request fields Glassbox does not honour: (field, its neutral values, why / what instead).
@@ -66,7 +68,6 @@ _NEUTRAL_ONLY = (
     ("return_tokens_as_token_ids", (False,), "logprob tokens are always returned as text"),
     ("skip_special_tokens", (True,), "special tokens are always left out of the text"),
     ("spaces_between_special_tokens", (True,), "special tokens are always left out of the text"),
-    ("priority", (0,), "requests are served first come, first served"),
 )
 
 
@@ -75,17 +76,10 @@ def refuse_unsupported(req: SamplingRequest) -> None:
         v = getattr(req, name)
         if not any(v == n and type(v) is type(n) or v is n for n in neutral):
             raise bad_request(f"{name}={v!r} is not supported: {why}", name)
-    try:
-        check_salt(req.cache_salt)
-    except InvalidArgumentError as e:
-        raise bad_request(str(e), "cache_salt") from None
     t = req.truncate_prompt_tokens
     if t is not None and t != -1 and t < 1:
         raise bad_request(f"truncate_prompt_tokens must be -1 (the model's max_model_len) or at "
                           f"least 1, got {t}", "truncate_prompt_tokens")
-    if req.n > MAX_N:
-        raise bad_request(f"n={req.n} is more than {MAX_N} choices per request; send several "
-                          "requests instead (they batch together)", "n")
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
     if isinstance(req, ChatCompletionRequest):

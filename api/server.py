@@ -2,9 +2,11 @@
 (benchmarks and scripts; the playground mounts the same router on Gradio's own server)."""
 from __future__ import annotations
 
-import socket
 import threading
 import time
+
+from engine.parallel import free_port
+from engine.serving import ServingHub
 
 from .routes import EngineHolder, build_router
 
@@ -17,7 +19,7 @@ def create_app(engines, api_key: str | None = None, *, limits=None,
 
     from .errors import exception_handlers
     from .limits import Limits, Pools
-    if not hasattr(engines, "llm"):
+    if not isinstance(engines, ServingHub):
         engines = EngineHolder(engines)
     limits = limits or Limits()
     pools = Pools(limits)
@@ -36,12 +38,6 @@ def guard_middleware(api_key: str | None, allowed_hosts: tuple[str, ...], limits
     from .guard import Guard
     return Middleware(Guard, api_key=api_key, allowed_hosts=tuple(allowed_hosts),
                       limits=limits, pools=pools)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 class BackgroundServer:

@@ -10,13 +10,16 @@ newest token are computed again per copy: the copies' prefill is not one shared 
 from __future__ import annotations
 
 import asyncio
+import json
 import weakref
 from dataclasses import dataclass, field
 
-from engine import PromptTooLongError
+from starlette.concurrency import run_in_threadpool
+from starlette.responses import JSONResponse, Response
+
 
 from .chat_parsing import ChatDeltaParser, split_reply, tool_calls_note
-from .errors import APIError, bad_request, from_engine
+from .errors import APIError, from_engine
 from .logprobs import (TokenStrings, chat_entry, completion_logprobs, echo_logprobs,
                        join_logprobs, vllm_prompt_logprobs)
 from .responses import (Meta, Reply, TokenChunks, chat_chunk, chat_choice, chat_completion,
@@ -39,10 +42,11 @@ class ClientGone(Exception):
     """The client disconnected before the reply was ready; its request was aborted."""
 
 
-def engine_error(e: BaseException, prompt_param: str, chat: bool) -> APIError:
+def engine_error(e: BaseException, prompt_param: str, chat: bool,
+                 request_id: str | None = None) -> APIError:
     """The OpenAI error for what the engine raised, by its type (api/errors.ENGINE_ERRORS); the
     engine argument it names becomes the request's field (the prompt's: `prompt_param`)."""
-    return from_engine(e, lambda p: request_param(p, chat), prompt_param)
+    return from_engine(e, lambda p: request_param(p, chat), prompt_param, request_id)
 
 
 @dataclass
@@ -50,13 +54,22 @@ class ChoiceSpec:
     """What to submit for one choice."""
     index: int                  # the choice's index in the response
     prompt_index: int           # which prompt of the request (usage counts each prompt once)
-    prompt: object              # token ids (the API encodes prompts itself)
-    params: object              # SamplingParams
-    request_id: str             # the engine's id (the playground shows it)
-    watch: object = None
+    request: object             # engine.processor.EngineRequest: checked and tokenized once
     copy: bool = False          # n > 1: submitted once the first choice's prompt is cached
     echo_text: str | None = None    # completions' echo: the prompt's text, shown before the reply
     echo_only: bool = False     # echo with max_tokens 0: the one token run is not shown
+
+    @property
+    def prompt(self) -> tuple[int, ...]:
+        return self.request.prompt.token_ids
+
+    @property
+    def params(self):
+        return self.request.params
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
 
 
 @dataclass
@@ -174,19 +187,14 @@ class Job:
             ch.stream.close()
 
 
-async def start(llm, specs: list[ChoiceSpec], meta: Meta, request, pools=None,
-                interventions=None, cache_salt: str | None = None, **render) -> Job:
+async def start(llm, specs: list[ChoiceSpec], meta: Meta, request, pools=None, **render) -> Job:
     """Submit the request's choices; returns once each produced its first token (or raises the
-    400 that its prompt deserves, before any header is sent). `render`: Job's other fields;
-    `pools`: the server's worker pools (api.limits.Pools); `interventions`: the request's
-    Intervention specs (engine/interventions), for every choice; `cache_salt`: vLLM's prefix-cache
-    salt (engine/cache_salt.py), for every choice."""
+    error its request deserves, before any header is sent). `render`: Job's other fields;
+    `pools`: the server's worker pools (api.limits.Pools)."""
     job = Job(meta=meta, strings=token_strings(llm), **render)
     meta.request_ids = [s.request_id for s in specs]
     for wave in ([s for s in specs if not s.copy], [s for s in specs if s.copy]):
-        opened = [Choice(s, EngineStream(llm, s.prompt, s.params, s.watch, s.request_id,
-                                         pools, interventions, cache_salt))
-                  for s in wave]
+        opened = [Choice(s, EngineStream(llm, s.request, pools)) for s in wave]
         job.choices += opened
         for ch in opened:
             if not await ch.stream.wait_first(request):
@@ -195,32 +203,54 @@ async def start(llm, specs: list[ChoiceSpec], meta: Meta, request, pools=None,
             err = ch.stream.first_error()
             if err is not None:
                 job.close()
-                raise engine_error(err, job.prompt_param, job.chat)
+                raise engine_error(err, job.prompt_param, job.chat, ch.spec.request_id)
     job.choices.sort(key=lambda c: c.spec.index)
     return job
 
 
-async def collect(job: Job, request) -> dict:
-    """The whole reply as one response body."""
+async def collect(job: Job, request) -> Job:
+    """Wait until every choice has ended (the whole reply is in); `render_body` renders it."""
     for ch in job.choices:
         if not await ch.stream.wait_end(request):
             job.close()
             raise ClientGone()
-    out = []
     for ch in job.choices:
         for item in ch.stream.drain():
             if isinstance(item, BaseException):
                 job.close()
-                raise engine_error(item, job.prompt_param, job.chat)
+                raise engine_error(item, job.prompt_param, job.chat, ch.spec.request_id)
             ch.reply.add(item)
         job.finish(ch)
-        out.append(job.render(ch))
+    return job
+
+
+def render_body(job: Job) -> dict:
+    """The whole reply as one response body."""
+    out = [job.render(ch) for ch in job.choices]
     body = (chat_completion if job.chat else completion)(job.meta, out, job.usage())
     if job.chat and job.want_prompt_logprobs:      # vLLM: chat's is on the response
         body["prompt_logprobs"] = job.prompt_logprobs(job.choices[0])
     if job.chat and job.return_token_ids:          # one conversation: one prompt
         body["prompt_token_ids"] = list(job.choices[0].spec.prompt)
     return body
+
+
+# a reply with more tokens than this (x alternatives when logprobs are on) is rendered and
+# encoded on a worker thread: building and encoding tens of MB of JSON on the event loop held
+# every other stream and /health for seconds
+HEAVY_REPLY_ENTRIES = 20_000
+
+
+async def reply_json(job: Job, headers: dict) -> Response:
+    """The whole reply as a JSON response; a heavy one rendered off the event loop."""
+    entries = sum(len(ch.reply.token_ids) * (1 + job.top_n if job.want_logprobs else 1)
+                  + (len(ch.spec.prompt) if job.want_prompt_logprobs else 0)
+                  for ch in job.choices)
+    if entries <= HEAVY_REPLY_ENTRIES:
+        return JSONResponse(render_body(job), headers=headers)
+    data = await run_in_threadpool(lambda: json.dumps(
+        render_body(job), ensure_ascii=False, separators=(",", ":")).encode())
+    return Response(data, media_type="application/json", headers=headers)
 
 
 async def merged(job: Job):
@@ -296,7 +326,8 @@ async def sse_events(job: Job):
             idx = spec.index
             for ev in items:
                 if isinstance(ev, BaseException):
-                    out.append(sse(engine_error(ev, job.prompt_param, job.chat).body()))
+                    out.append(sse(engine_error(ev, job.prompt_param, job.chat,
+                                                ch.spec.request_id).body()))
                     out.append(SSE_DONE)
                     yield b"".join(out)
                     return
@@ -378,9 +409,7 @@ def _parsed_chunk_dicts(job: Job, ch: Choice, parser: ChatDeltaParser, ev, text:
     n_calls = len(parser.calls)
     deltas = parser.feed(text) + (parser.finish() if ev.finished else [])
     if len(parser.calls) > n_calls and not ev.finished:   # the playground's row shows them
-        annotate = getattr(ch.stream.llm, "annotate", None)
-        if annotate is not None:
-            annotate(ch.spec.request_id, tool_calls_note(parser.calls))
+        ch.stream.llm.annotate(ch.spec.request_id, tool_calls_note(parser.calls))
     out = [chat_chunk(meta, d, None, lps if k == 0 else None, usage, idx)
            for k, d in enumerate(deltas)]
     if ev.finished:

@@ -10,8 +10,9 @@ Closing a stream that has not finished aborts its request in the engine (from a 
 `abort` takes the engine lock, which a step can hold for a while).
 
 Threads: the server's own pools (api.limits.Pools), never Python's default executor. The
-prompt is checked and tokenized on the `prepare` pool; queueing it and aborting it run on the
-`control` pool, so a start or an abort never waits behind another request's long prompt.
+request is checked and tokenized by the engine's processor on the `prepare` pool (api.routes);
+queueing it and aborting it run on the `control` pool, so a start or an abort never waits
+behind another request's long prompt.
 """
 from __future__ import annotations
 
@@ -99,12 +100,13 @@ class LoopWaker:
 
 
 class EngineStream:
-    def __init__(self, llm, prompt, sampling, watch, request_id: str, pools=None,
-                 interventions=None, cache_salt: str | None = None):
+    def __init__(self, llm, request, pools=None):
+        """`request`: an EngineRequest from the engine's processor (checked and tokenized on
+        the prepare pool already): queueing it is quick, on the control pool."""
         from .limits import default_pools
         self.llm = llm
         self._pools = pools or default_pools()
-        self.request_id = request_id
+        self.request_id = request.request_id
         self._items: deque = deque()
         self._ready = asyncio.Event()
         self._loop = asyncio.get_running_loop()
@@ -116,38 +118,17 @@ class EngineStream:
         self._submitted = threading.Event()
         self._seen_first = False
         self._waker.opened()
-        # tokenizing the prompt and taking the engine lock can take milliseconds: off the loop
-        self._interventions = interventions
-        self._cache_salt = cache_salt
-        self._pools.prepare.submit(self._prepare, prompt, sampling, watch)
-
-    # ---- producer side (worker threads, then the engine thread) -------------------------------
-    def _prepare(self, prompt, sampling, watch) -> None:
-        """On the prepare pool: check and tokenize; then queue it from the control pool."""
-        if not hasattr(self.llm, "prepare"):        # an engine without the split (fakes)
-            return self._submit(lambda: self.llm.submit(
-                prompt, sampling, watch, request_id=self.request_id, on_event=self._push))
         try:
-            kw = {"interventions": self._interventions} if self._interventions else {}
-            if self._cache_salt is not None:
-                kw["cache_salt"] = self._cache_salt
-            seq = self.llm.prepare(prompt, sampling, watch, request_id=self.request_id, **kw)
-        except BaseException as e:  # bad prompt: the consumer decides
-            self._push(e)
-            self._submitted.set()
-            return
-        del prompt
-        try:
-            self._pools.control.submit(self._submit, lambda: self.llm.submit_prepared(
-                seq, on_event=self._push))
+            self._pools.control.submit(self._submit, request)
         except RuntimeError as e:   # the pools are shut down (server stopping)
             self._push(e)
             self._submitted.set()
 
-    def _submit(self, queue_it) -> None:
+    # ---- producer side (a worker thread, then the engine thread) ------------------------------
+    def _submit(self, request) -> None:
         try:
-            queue_it()
-        except BaseException as e:  # engine shut down: the consumer decides
+            self.llm.submit(request, on_event=self._push)
+        except BaseException as e:  # engine shut down, id taken: the consumer decides
             self._push(e)
         finally:
             self._submitted.set()

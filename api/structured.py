@@ -29,25 +29,12 @@ def _tool_schema(tool: dict) -> dict:
 
 
 def _tool_grammar(tools: list[dict], many: bool) -> str:
-    from engine.guided import _ll
+    from engine.guided import lark_grammar
     call = _schema({"anyOf": [_tool_schema(t) for t in tools]} if len(tools) > 1
                    else _tool_schema(tools[0]))
     start = 'start: tc ("\\n" tc)*' if many else "start: tc"
     lark = f'{start}\ntc: "<tool_call>\\n" call "\\n</tool_call>"\ncall: %json {json.dumps(call)}'
-    return _ll().LLMatcher.grammar_from_lark(lark)
-
-
-def guided_of(req: SamplingRequest, llm=None):
-    """SamplingParams.guided for the request, or None; checked against `llm`'s tokenizer when
-    given, so a bad schema is a 400 naming its field."""
-    grammar, kind = _grammar_of(req)
-    if grammar is not None and llm is not None:
-        from engine.guided import make_matcher
-        try:
-            make_matcher(llm.tokenizer, llm.hf_config.vocab_size, llm.eos_token_ids, grammar)
-        except ValueError as e:
-            raise bad_request(f"{kind} cannot be used for guided decoding: {e}", kind) from None
-    return grammar
+    return lark_grammar(lark)
 
 
 # structured_outputs' members (attribute -> its name on the wire); each is built as the guided_*
@@ -82,7 +69,10 @@ def check_structured_fields(req: SamplingRequest) -> None:
                           "structured_outputs.disable_additional_properties")
 
 
-def _grammar_of(req: SamplingRequest):
+def grammar_of(req: SamplingRequest) -> tuple[str | None, str | None]:
+    """(the request's grammar for SamplingParams.guided, the field that asked for it), or
+    (None, None). Built here, compiled once by the engine's processor (whose refusal the route
+    names by this field)."""
     chat = isinstance(req, ChatCompletionRequest)
     check_structured_fields(req)
     asked = []
@@ -153,3 +143,6 @@ def _build(req, kind: str, extra: dict) -> str:
                              and not isinstance(req.tool_choice, dict))
     except (ValueError, TypeError, KeyError) as e:
         raise bad_request(f"{kind} cannot be used for guided decoding: {e}", kind) from None
+    except RecursionError:
+        raise bad_request(f"{kind} is nested too deeply to be used for guided decoding",
+                          kind) from None

@@ -23,12 +23,14 @@ from engine.sampling import SamplingParams  # noqa: E402
 from engine.scheduler import Scheduler  # noqa: E402
 from engine.sampling import SamplingTensors, sample  # noqa: E402
 from engine.sequence import Sequence  # noqa: E402
+from engine.step_history import StepHistory  # noqa: E402
 from engine.step_output import StepOutput  # noqa: E402
 
 
 class StubRunner:
     """Samples from fixed logits of the right shape at once: only host work remains."""
     device = torch.device("cpu")
+    fills_masks_late = False
 
     def check_workers(self) -> None:        # the Runner protocol: no worker processes here
         pass
@@ -50,7 +52,7 @@ def main(batch: int = 256, steps: int = 50, vocab: int = 1000, seed: int = 0,
     rng = random.Random(seed)
     bm = BlockManager(batch * 80, 16)
     sched = Scheduler(bm, batch, 8192, 4096, {0})
-    core = EngineCore(StubRunner(vocab), sched, bm, None, {0}, overlap=overlap)
+    core = EngineCore(StubRunner(vocab), sched, bm, None, {0}, StepHistory(256), overlap=overlap)
     for i in range(batch):
         n = rng.randint(100, 1000)
         core.add(Sequence(str(i), [rng.randint(1, vocab - 1) for _ in range(n)],

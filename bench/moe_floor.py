@@ -53,7 +53,7 @@ def model_bytes(llm) -> ModelBytes:
                       num_experts=num_experts, top_k=moes[0].top_k if moes else 0,
                       moe_layers=len(moes), dense=total - expert_total - table,
                       embed_row=embed.shape[1] * embed.element_size(),
-                      kv_per_token=llm.kv_layout.bytes_per_token)
+                      kv_per_token=llm.inspect().kv_layout.bytes_per_token)
 
 
 def expected_experts(tokens: int, num_experts: int, top_k: int) -> float:

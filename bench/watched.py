@@ -376,9 +376,9 @@ def main(model: str = "qwen3-0.6b", device: str | None = None, dtype=None,
             getattr(warm, f"tick_{tab}")()
         blocks = f"{llm.num_kv_blocks} KV blocks"
         for name in ("inspect", "trace"):
-            llm.lock_hold_s[name].clear()
-            llm.lock_hold_cpu_s[name].clear()
-        hand = llm.snapshots
+            llm.inspector.lock_hold_s[name].clear()
+            llm.inspector.lock_hold_cpu_s[name].clear()
+        hand = llm.inspector.snapshots
         hand.copy_s.clear()
         hand.copy_cpu_s.clear()
         hand.copy_at.clear()
@@ -404,13 +404,13 @@ def main(model: str = "qwen3-0.6b", device: str | None = None, dtype=None,
                  row(BENCH, model, "glassbox", "throughput_slowdown_pct",
                      _pct(median(t_off), median(t_on)), "%", note)]
         for name in ("inspect", "trace"):
-            p50, p99, mx = _stats_ms(llm.lock_hold_s[name])
-            n = len(llm.lock_hold_s[name])
+            p50, p99, mx = _stats_ms(llm.inspector.lock_hold_s[name])
+            n = len(llm.inspector.lock_hold_s[name])
             note = f"{n} calls while the pages polled, {blocks}"
             rows += [row(BENCH, model, "glassbox", f"{name}_lock_hold_p50", p50, "ms", note),
                      row(BENCH, model, "glassbox", f"{name}_lock_hold_p99", p99, "ms", note),
                      row(BENCH, model, "glassbox", f"{name}_lock_hold_max", mx, "ms", note)]
-            p50, p99, mx = _stats_ms(llm.lock_hold_cpu_s[name])
+            p50, p99, mx = _stats_ms(llm.inspector.lock_hold_cpu_s[name])
             note = "the reader's CPU time under the lock (wall less OS/GIL waits)"
             rows += [row(BENCH, model, "glassbox", f"{name}_lock_work_p99", p99, "ms", note),
                      row(BENCH, model, "glassbox", f"{name}_lock_work_max", mx, "ms", note)]

@@ -53,6 +53,9 @@ class EngineConfig:
     seed: int = 0
     load_format: str = "auto"       # "auto": safetensors; "dummy": random weights (benchmarks)
     trace_history: int = 256        # step traces kept for inspect()
+    max_traces: int = 64            # watched requests' traces kept (the newest)
+    record_expert_load: bool = False    # MoE expert load per step (the playground turns it on)
+    async_scheduling: bool | None = None    # overlap scheduling; None: on a GPU only
 
     def __post_init__(self):
         self.device = resolve_device(self.device)
@@ -62,7 +65,7 @@ class EngineConfig:
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise InvalidArgumentError(f"{name} must be a positive integer, got {v!r}", name)
         for name in ("tensor_parallel_size", "block_size", "max_num_seqs",
-                     "max_num_batched_tokens", "trace_history"):
+                     "max_num_batched_tokens", "trace_history", "max_traces"):
             positive(name)
         if self.num_kv_blocks is not None:
             positive("num_kv_blocks")

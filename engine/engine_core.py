@@ -10,8 +10,9 @@ postprocessed right after its launch: the same code, one step in flight at most.
 The lock is held only while engine state changes (scheduling, postprocessing), not during the
 forward or while waiting for the device: inspect/abort/new requests are never starved.
 
-`step()` returns one value, a StepResult: the token events, the requests that failed on their
-own data, and the trace of the step it postprocessed. Nothing else carries results out.
+`step()` returns one value, a StepResult: the token events and the requests that failed on
+their own data. Nothing else carries results out; the step's trace goes to the StepHistory the
+inspector reads.
 
 A failure caused by one request's data fails that request only: an exception while building a
 batch's inputs or launching it re-runs its requests one by one, and a failure in one request's
@@ -38,17 +39,14 @@ from .step_output import StepOutput
 
 @dataclass
 class StepResult:
-    """Everything one call of `EngineCore.step()` produced."""
+    """Everything one call of `EngineCore.step()` produced: the only way results leave it."""
     events: list[TokenEvent] = field(default_factory=list)
     # requests failed by their own data: (request id, the error for its caller)
     failures: list[tuple[str, BaseException]] = field(default_factory=list)
-    # traces of the steps postprocessed in this call (one, or a few after isolation)
-    traces: list[StepTrace] = field(default_factory=list)
 
     def extend(self, other: "StepResult") -> None:
         self.events += other.events
         self.failures += other.failures
-        self.traces += other.traces
 
 
 @dataclass
@@ -71,27 +69,25 @@ class InFlight:
 
 class EngineCore:
     def __init__(self, runner, scheduler: Scheduler, block_manager: BlockManager, tokenizer,
-                 eos_token_ids: set[int], probes=None, trace_history: int = 256,
-                 overlap: bool = False, lock=None):
-        self.runner = runner                 # ModelRunner, or a TP driver with the same API
+                 eos_token_ids, steps: StepHistory, *, probes=None, interventions=None,
+                 overlap: bool = False, lock=None, on_idle=None):
+        self.runner = runner                 # a Runner (engine/runner.py): local or a TP driver
         self.scheduler = scheduler
         self.bm = block_manager
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
-        self.probes = probes
+        self.steps = steps                   # the step traces readers see (engine/inspector.py)
+        self.probes = probes                 # probes.manager.ProbeManager, or None
+        self.interventions = interventions   # interventions.plan.InterventionPlanner, or None
         self.overlap = overlap
         self.lock = lock if lock is not None else contextlib.nullcontext()
-        self.steps = StepHistory(trace_history)
+        # called while the host waits for the device (a waiting reader's snapshot is copied)
+        self.on_idle = on_idle
         self.step_id = 0
         self.detok: dict[str, IncrementalDetokenizer] = {}
         self.inflight: InFlight | None = None
-        self.interventions = None           # interventions.plan.InterventionPlanner (set by LLM)
         self.penalty_slots = PenaltySlots()  # penalised requests' device count rows
         self.masks = GrammarMasks()         # guided rows' bitmask buffers
-        # the runner fills a guided step's mask after launching its forward (runner.py)
-        self.late_masks = bool(getattr(runner, "fills_masks_late", False))
-        # called while the host waits for the device (LLM: hand a waiting reader its snapshot)
-        self.on_idle = None
 
     # ---- requests ----------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -135,7 +131,8 @@ class EngineCore:
         if self.probes is not None:
             self.probes.finish_request(seq)
         return TokenEvent(seq.request_id, token, delta, seq.output_text, True,
-                          seq.finish_reason, lp, seq.metrics())
+                          seq.finish_reason, lp, seq.metrics(),
+                          resid_capture=seq.resid_capture)
 
     # ---- the step ----------------------------------------------------------------------------
     def step(self) -> StepResult:
@@ -143,7 +140,7 @@ class EngineCore:
         lock held: it takes the lock for the parts that change engine state."""
         res = StepResult()
         t0 = time.perf_counter()
-        if self.overlap and self.inflight is not None and not self.late_masks and any(
+        if self.overlap and self.inflight is not None and not self.runner.fills_masks_late and any(
                 s.seq.grammar is not None for s in self.inflight.scheduled):
             # a guided request's next mask needs the token in flight, and this runner cannot
             # take the mask after the forward's launch (TP: the inputs cross processes first):
@@ -283,7 +280,7 @@ class EngineCore:
         with self.lock:
             t3 = time.perf_counter()
             expert_load = self._postprocess(f, res)
-            res.traces.append(self._record(f, t_wait, time.perf_counter() - t3, expert_load))
+            self._record(f, t_wait, time.perf_counter() - t3, expert_load)
 
     def _banned(self, sampling) -> list[tuple[int, int]]:
         out = []
@@ -370,7 +367,7 @@ class EngineCore:
             ev.prompt_logprobs = list(seq.prompt_logprobs)
         return ev
 
-    def _record(self, f: InFlight, t_wait: float, t_post: float, expert_load) -> StepTrace:
+    def _record(self, f: InFlight, t_wait: float, t_post: float, expert_load) -> None:
         ids, kinds, ntok, starts, n_pre, n_dec = [], [], [], [], 0, 0
         for s in f.scheduled:
             n = s.num_tokens
@@ -397,4 +394,3 @@ class EngineCore:
             collectives=out.collectives, t_launch=out.t_launch, t_wait=t_wait,
             collective_time=out.collective_time, overlapped=self.overlap)
         self.steps.append(trace)
-        return trace

@@ -31,6 +31,15 @@ def _ll():
             "package: pip install llguidance", "guided") from None
 
 
+class GrammarText(str):
+    """A grammar (llguidance's JSON) and the regexes it will lex lazily, long after its first
+    mask (a JSON schema's `pattern`s): the processor tries each of those alone as well."""
+    lexemes: tuple[str, ...] = ()
+
+
+MAX_SCHEMA_PATTERNS = 64    # `pattern`s one schema may hold (each is tried when processed)
+
+
 def json_schema_grammar(schema: dict | bool) -> str:
     """llguidance's grammar for JSON matching `schema` ({"type": "object"} = any object).
     Whitespace is fixed (", " and ": " between items, none elsewhere), as vLLM's guidance
@@ -40,7 +49,26 @@ def json_schema_grammar(schema: dict | bool) -> str:
     if not isinstance(schema, dict):
         raise InvalidArgumentError(f"a JSON schema must be an object, got {schema!r}", "guided")
     opts = {"whitespace_flexible": False, **schema.get("x-guidance", {})}
-    return _ll().LLMatcher.grammar_from_json_schema({**schema, "x-guidance": opts})
+    g = GrammarText(_ll().LLMatcher.grammar_from_json_schema({**schema, "x-guidance": opts}))
+    g.lexemes = _patterns(schema)
+    return g
+
+
+def _patterns(schema: dict) -> tuple[str, ...]:
+    """Every string-valued `pattern` in the schema (iteratively: a schema may nest deeply)."""
+    found, stack = [], [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            if isinstance(node.get("pattern"), str):
+                found.append(node["pattern"])
+            stack.extend(v for v in node.values() if isinstance(v, (dict, list)))
+        elif isinstance(node, list):
+            stack.extend(v for v in node if isinstance(v, (dict, list)))
+    if len(found) > MAX_SCHEMA_PATTERNS:
+        raise InvalidArgumentError(f"the schema holds {len(found)} `pattern`s; at most "
+                                   f"{MAX_SCHEMA_PATTERNS} are allowed", "guided")
+    return tuple(dict.fromkeys(found))
 
 
 def regex_grammar(pattern: str) -> str:
@@ -82,6 +110,10 @@ class Grammar:
     def consume(self, token: int) -> None:
         self.consume_at(self.num_consumed, token)
 
+    def copy(self) -> "Grammar":
+        """A matcher of the same grammar for another request (n > 1), at this one's state."""
+        return Grammar(self.matcher.deep_copy(), self.vocab_size)
+
     def fill(self, row: np.ndarray) -> None:
         """Write the next token's allowed bits into `row` ([ceil(V/32)] uint32, contiguous, on
         the host). A matcher in error (its request fails when postprocessed) allows all."""
@@ -92,30 +124,82 @@ class Grammar:
         self.num_allowed = int(np.bitwise_count(row).sum())
 
 
+# llguidance's own resource limits, tighter than its defaults (which let one request's mask
+# take ~0.7 s and ~100 MB): a grammar that needs more is refused when the request is processed,
+# and a later step that would need more fails that request alone. Fuel runs ~14k a ms per mask
+# step, so a step's mask is bounded at a few ms whatever the grammar.
+# (initial_lexer_fuel is what bounds a counted repetition: at 50k, e.g. a{30000} is refused in
+# ~25 ms, while emails, UUIDs, dates, enums and a{3000} compile as before)
+GRAMMAR_LIMITS = dict(step_lexer_fuel=50_000, initial_lexer_fuel=50_000,
+                      max_lexer_states=25_000, step_max_items=20_000, verbose_errors=False)
+TRIAL_STEPS = 4     # tokens the trial walks past the first mask (lexemes are built lazily)
+# the first mask is computed when the request is processed (off the engine thread): a grammar
+# whose first mask takes longer than this is refused before it costs anyone a step
+FIRST_MASK_BUDGET_S = 0.25
+
+
 def make_matcher(tokenizer, vocab_size: int, eos_ids, grammar: str) -> Grammar:
-    """A fresh matcher for one request; ValueError naming the problem for a bad grammar."""
+    """A fresh matcher for one request, its first mask computed once as a trial (within
+    GRAMMAR_LIMITS and FIRST_MASK_BUDGET_S); an InvalidArgumentError naming the problem for a
+    grammar that is malformed or too costly."""
+    import time
     if tokenizer is None:
         raise InvalidArgumentError("guided decoding needs the checkpoint's tokenizer", "guided")
     ll = _ll()
     llt = ll_tokenizer(tokenizer, vocab_size, eos_ids)
-    err = ll.LLMatcher.validate_grammar(grammar, llt)
+    limits = ll.LLParserLimits(**GRAMMAR_LIMITS)
+    err = ll.LLMatcher.validate_grammar(grammar, llt, limits=limits)
     if err:
         raise InvalidArgumentError(f"the grammar / schema cannot be used: {err}", "guided")
-    m = ll.LLMatcher(llt, grammar)
+    m = ll.LLMatcher(llt, grammar, log_level=0, limits=limits)
+    t0 = time.perf_counter()
+    _trial(m.deep_copy(), vocab_size)
+    took = time.perf_counter() - t0
     if m.is_error():
-        raise InvalidArgumentError(f"the grammar / schema cannot be used: {m.get_error()}", "guided")
+        raise InvalidArgumentError(f"the grammar / schema cannot be used: {_first_line(m)}",
+                                   "guided")
+    if took > FIRST_MASK_BUDGET_S:
+        raise InvalidArgumentError(f"the grammar / schema is too costly: its first token masks "
+                                   f"took {took:.2f} s (the budget is {FIRST_MASK_BUDGET_S} s); "
+                                   "simplify it", "guided")
+    for pattern in getattr(grammar, "lexemes", ()):     # lexed lazily: try each one now
+        try:
+            make_matcher(tokenizer, vocab_size, eos_ids, regex_grammar(pattern))
+        except InvalidArgumentError as e:
+            raise InvalidArgumentError(f"the schema's pattern {pattern!r:.80} cannot be used: "
+                                       f"{e}", "guided") from None
     return Grammar(m, vocab_size)
 
 
-def fill_bitmask(grammars: list) -> np.ndarray:
-    """[rows, ceil(vocab / 32)] int32: bit t of row r set = token t allowed; rows whose grammar
-    is None allow everything. (The engine fills a reused buffer: grammar_masks.GrammarMasks.)"""
-    vocab = next(g.vocab_size for g in grammars if g is not None)
-    mask = np.full((len(grammars), (vocab + 31) // 32), -1, dtype=np.int32)
-    for r, g in enumerate(grammars):
-        if g is not None:
-            g.fill(mask[r].view(np.uint32))
-    return mask
+def _trial(m, vocab_size: int) -> None:
+    """Compute the first masks of a copy of the request's matcher, walking TRIAL_STEPS tokens
+    (each time the first one allowed that is not the end): lexemes a grammar builds lazily at
+    its start are built now, within its limits. InvalidArgumentError if the grammar fails."""
+    row = np.empty((vocab_size + 31) // 32, dtype=np.uint32)
+    for _ in range(TRIAL_STEPS + 1):
+        if m.is_error() or m.is_stopped():
+            break
+        m.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+        if m.is_error():
+            break
+        bits = np.flatnonzero(np.unpackbits(row.view(np.uint8), bitorder="little"))
+        tok = next((int(t) for t in bits if t < vocab_size and not m.is_accepting()), None)
+        if tok is None or not m.consume_token(tok):
+            break
+    if m.is_error():
+        raise InvalidArgumentError(f"the grammar / schema cannot be used: {_first_line(m)} "
+                                   "(llguidance's limits bound what one request's grammar may "
+                                   "cost; simplify it, e.g. fewer or smaller counted "
+                                   "repetitions)", "guided")
+
+
+def _first_line(m) -> str:
+    return (m.get_error() or "unknown error").strip().splitlines()[0]
+
+
+def lark_grammar(lark: str) -> str:
+    """llguidance's grammar for a Lark grammar (with %json sub-grammars)."""
+    return _ll().LLMatcher.grammar_from_lark(lark)
 
 
 _POW2: dict = {}

@@ -37,9 +37,10 @@ from .shm_broadcast import ShmBroadcast
 _TIMEOUT = datetime.timedelta(seconds=int(os.environ.get("GLASSBOX_TP_TIMEOUT_S", "60")))
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on `host` now (the TP rendezvous; servers and tests use it too)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
@@ -139,6 +140,9 @@ class TPDriver:
     local; the life-cycle commands go to every rank, the facts come from rank 0."""
     # tests install hooks here (a picklable object, see _worker_main); production leaves None
     worker_hooks = None
+    # a step's inputs cross to the workers before its forward launches: its grammar mask must
+    # be filled first (the engine core then drains the step in flight for guided requests)
+    fills_masks_late = False
 
     def __init__(self, config, hf_config, model_path: str, max_model_len: int):
         self.size = n = config.tensor_parallel_size

@@ -37,12 +37,14 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def check_text(text: str, where: str = "prompt") -> None:
-    """ValueError for a lone UTF-16 surrogate (JSON's "\\ud800"): it is no character, cannot
-    be encoded as UTF-8, and would fail deep inside the tokenizer."""
+    """InvalidArgumentError for a lone UTF-16 surrogate (JSON's "\\ud800"): it is no
+    character, cannot be encoded as UTF-8, and would fail deep inside the tokenizer."""
+    from .errors import InvalidArgumentError
     m = _SURROGATE.search(text)
     if m is not None:
-        raise ValueError(f"{where} holds a lone surrogate {m.group()!r} at character "
-                         f"{m.start()}: that is not a valid Unicode character; send UTF-8 text")
+        raise InvalidArgumentError(f"{where} holds a lone surrogate {m.group()!r} at character "
+                         f"{m.start()}: that is not a valid Unicode character; send UTF-8 text",
+                                   where)
 
 
 def conversation_chars(messages) -> int:
@@ -57,18 +59,23 @@ def conversation_chars(messages) -> int:
 
 
 def check_messages(messages) -> None:
-    """A ValueError naming the message and field for anything but [{role: str, content: str}]."""
+    """An InvalidArgumentError naming the message and field for anything but
+    [{role: str, content: str}]."""
+    from .errors import InvalidArgumentError
     for i, m in enumerate(messages):
+        where = f"messages[{i}]"
         if not isinstance(m, dict):
-            raise ValueError(f"messages[{i}] must be a dict with 'role' and 'content', "
-                             f"got {type(m).__name__}")
+            raise InvalidArgumentError(f"{where} must be a dict with 'role' and 'content', "
+                                       f"got {type(m).__name__}", where)
         if "role" not in m or "content" not in m:
-            raise ValueError(f"messages[{i}] needs 'role' and 'content' keys, got {sorted(m)}")
+            raise InvalidArgumentError(f"{where} needs 'role' and 'content' keys, got "
+                                       f"{sorted(m)}", where)
         if not isinstance(m["role"], str):
-            raise ValueError(f"messages[{i}].role must be a string, got {m['role']!r}")
+            raise InvalidArgumentError(f"{where}.role must be a string, got {m['role']!r}",
+                                       f"{where}.role")
         if not isinstance(m["content"], str):
-            raise ValueError(f"messages[{i}].content must be a string, "
-                             f"got {type(m['content']).__name__}")
+            raise InvalidArgumentError(f"{where}.content must be a string, "
+                                       f"got {type(m['content']).__name__}", f"{where}.content")
 
 
 def render_chat(tokenizer, messages: list[dict], **options) -> str:
@@ -86,8 +93,9 @@ def check_no_specials(tokenizer, what: str, value) -> None:
     text = value if isinstance(value, str) else repr(value)
     hit = next((t for t in _special_tokens(tokenizer) if t in text), None)
     if hit is not None:
-        raise ValueError(f"{what} contains the special token {hit!r}, which the chat template "
-                         "would turn into a control token; remove it")
+        from .errors import InvalidArgumentError
+        raise InvalidArgumentError(f"{what} contains the special token {hit!r}, which the chat "
+                                   "template would turn into a control token; remove it", what)
 
 
 def encode_chat(tokenizer, messages: list[dict], **options) -> tuple[list[int], str]:
@@ -185,9 +193,11 @@ def _content_spans(tokenizer, messages: list[dict], text: str,
     for i in sorted(everyone - verbatim):
         hit = next((t for t in specials if t in messages[i]["content"]), None)
         if hit is not None:
-            raise ValueError(f"messages[{i}].content contains the special token {hit!r}, and this "
-                             "chat template rewrites that message, so it cannot be kept as plain "
-                             "text; remove the special token from the message")
+            from .errors import InvalidArgumentError
+            raise InvalidArgumentError(
+                f"messages[{i}].content contains the special token {hit!r}, and this chat "
+                "template rewrites that message, so it cannot be kept as plain text; remove the "
+                "special token from the message", f"messages[{i}].content")
     return sorted(s for s in spans if s[0] < s[1])
 
 

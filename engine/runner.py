@@ -1,6 +1,6 @@
 """Runner: what the engine may ask of the model side, whether one local ModelRunner (TP=1) or
 the TPDriver over N ranks (engine/parallel.py). Nothing outside model_runner.py and parallel.py
-may reach past this list: EngineCore, LLM, inspect() and the anatomy use only these names, so
+may reach past this list: EngineCore, LLM, the inspector and the anatomy use only these names, so
 a TP driver that implements exactly them is a drop-in for the local runner.
 
 Facts (`model`, `kv_cache`, `device` and the properties) are rank 0's: with TP, the
@@ -23,6 +23,10 @@ class Runner(Protocol):
     model: torch.nn.Module | None       # rank 0's module (None after shutdown)
     kv_cache: torch.Tensor | None       # [2, layers, blocks, block_size, kv_heads, head_dim]
     device: torch.device
+    # True: a guided step's bitmask may be a callable (grammar_masks.LateMask) that the runner
+    # calls after launching the forward, so guided requests keep overlap scheduling; False: the
+    # mask must be filled before execute_step (EngineCore drains the step in flight first)
+    fills_masks_late: bool
 
     @property
     def num_params(self) -> int:

@@ -1,7 +1,13 @@
 """Token-budget continuous batching: running requests first (decode tokens and the next chunk
-of unfinished prefills), then new requests while the budget and max_num_seqs allow. When the
-cache runs out, the youngest running request is preempted (its blocks freed; it is recomputed
-later, with nothing lost).
+of unfinished prefills), then new requests while the budget and max_num_seqs allow, in order of
+priority (vLLM's: lower first), then arrival. When the cache runs out a running request is
+preempted (its blocks freed; it is recomputed later, with nothing lost): the youngest of the
+lowest priority.
+
+Fairness: a request's choices (its `group`: the n copies and prompt batch of one API call;
+None for a request of one choice, which is never held back) may hold at most `max_group_share` of the KV cache while another request waits: past it, that
+group's waiting choices are not admitted and its running ones are preempted first, so one
+caller's n=64 cannot fill the cache and preempt everyone else. Alone, a group may use it all.
 
 With overlap scheduling the batch of step N+1 is chosen while step N runs: a token sampled by
 step N is already in the sequence as PENDING (appended by `on_launch`), so lengths, block
@@ -33,8 +39,10 @@ class ScheduledSeq:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int,
-                 max_num_batched_tokens: int, max_model_len: int, eos_token_ids: set[int]):
+                 max_num_batched_tokens: int, max_model_len: int, eos_token_ids: set[int],
+                 max_group_share: float = 0.5):
         self.bm = block_manager
+        self.max_group_blocks = max(1, int(max_group_share * block_manager.num_blocks))
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -44,7 +52,12 @@ class Scheduler:
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        if self.waiting and seq.priority < self.waiting[-1].priority:
+            # before the first request of a lower priority (a larger number): FIFO within one
+            i = next(i for i, w in enumerate(self.waiting) if w.priority > seq.priority)
+            self.waiting.insert(i, seq)
+        else:
+            self.waiting.append(seq)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -62,10 +75,32 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
+    def _group_blocks(self) -> dict:
+        held: dict = {}
+        for seq in self.running:
+            if seq.group is not None:
+                held[seq.group] = held.get(seq.group, 0) + len(seq.block_table)
+        return held
+
+    def _contended(self, group) -> bool:
+        """Another request's choices wait, or run, beside this group's."""
+        return any(s.group != group for s in self.waiting) or \
+            any(s.group != group for s in self.running)
+
+    def _victim(self) -> Sequence:
+        """Whom to preempt: the youngest running choice of a group past its share of the cache
+        while others are served, else the youngest of the lowest priority."""
+        held = self._group_blocks()
+        over = [s for s in self.running if held.get(s.group, 0) >= self.max_group_blocks
+                and self._contended(s.group)]
+        pool = over or self.running
+        worst = max(s.priority for s in pool)
+        return next(s for s in reversed(pool) if s.priority == worst)
+
     def schedule(self) -> list[ScheduledSeq]:
         budget = self.max_num_batched_tokens
         out: list[ScheduledSeq] = []
-        # 1. running requests, oldest first; make room by preempting the youngest
+        # 1. running requests, oldest first; make room by preempting (see _victim)
         i, bs = 0, self.bm.block_size
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -75,24 +110,42 @@ class Scheduler:
                 continue
             if (length + bs - 1) // bs > len(seq.block_table):   # needs a new block (1 step in bs)
                 while not self.bm.can_append(seq, length):
-                    victim = self.running[-1]
+                    victim = self._victim()
+                    if self.running.index(victim) < i:
+                        i -= 1                       # an earlier entry left: seq moved down
+                        out = [o for o in out if o.seq is not victim]
+                        budget = self.max_num_batched_tokens - sum(o.num_tokens for o in out)
                     self._preempt(victim)
                     if victim is seq:
                         break
                 if seq.status != SequenceStatus.RUNNING:
-                    break                            # seq preempted itself: nothing left after it
+                    continue                         # seq preempted itself
                 self.bm.append_slots(seq, length)
             n = min(length - seq.num_computed_tokens, budget)
             out.append(ScheduledSeq(seq, n, seq.num_computed_tokens))
             budget -= n
             i += 1
-        # 2. admit waiting requests (preempted ones are at the front)
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+        # 2. admit waiting requests (preempted ones are at the front); a group past its share
+        # of the cache waits while another request's choices are served
+        held = self._group_blocks()
+        skipped: set = set()
+        k = 0
+        while k < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[k]
+            if seq.group is not None and seq.group in skipped:
+                k += 1
+                continue
+            if seq.group is not None and held.get(seq.group, 0) >= self.max_group_blocks \
+                    and self._contended(seq.group):
+                skipped.add(seq.group)
+                k += 1
+                continue
             if seq.pending or not self.bm.can_allocate(seq):   # pending: preempted in flight
                 break
-            self.waiting.popleft()
+            del self.waiting[k]
             self.bm.allocate(seq)
+            if seq.group is not None:
+                held[seq.group] = held.get(seq.group, 0) + len(seq.block_table)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             n = min(len(seq) - seq.num_computed_tokens, budget)

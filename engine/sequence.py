@@ -42,10 +42,12 @@ class Sequence:
             compile_stops(tuple(params.stop))
         self.seed = seed
         self.watch = watch
-        # interventions.spec.Intervention tuple (set by LLM after validation), and the root of
+        # interventions.spec.Intervention tuple (resolved by the processor), and the root of
         # this request's prefix-cache chain: an intervened prefix is never shared with others
         self.interventions: tuple = ()
         self.cache_salt: int | None = None
+        self.group = None           # the request this choice belongs to (scheduler fairness)
+        self.priority = 0           # vLLM's: lower is served first
         self.status = SequenceStatus.WAITING
         # position -> (step id, sampled row) of output tokens still on the device: with overlap
         # scheduling a token is appended as PENDING when its step is launched, and resolved
@@ -60,6 +62,7 @@ class Sequence:
         self.grammar = None         # guided decoding: the request's llguidance matcher
         self.num_masked_steps = 0   # steps whose token the grammar constrained
         self.annotation = ""        # a short note from the API for the playground (LLM.annotate)
+        self.resid_capture = None   # steering vectors: the prompt's summed resid_post, fp64
         # SamplingParams.prompt_logprobs: one entry per prompt token (the first has none),
         # filled by position as the prefill computes them (a recompute overwrites)
         self.prompt_logprobs: list[TokenLogprobs | None] | None = (
@@ -69,6 +72,15 @@ class Sequence:
         self.arrival_time = time.perf_counter()
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
+
+    @classmethod
+    def from_request(cls, req) -> "Sequence":
+        """The engine's state for a processed request (engine/processor.EngineRequest)."""
+        seq = cls(req.request_id, list(req.prompt.token_ids), req.params, req.seed, req.watch)
+        seq.interventions, seq.cache_salt, seq.grammar = (req.interventions, req.cache_root,
+                                                          req.grammar)
+        seq.group, seq.priority = req.group, req.priority
+        return seq
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -155,3 +167,6 @@ class TokenEvent:
     logprobs: TokenLogprobs | None = None
     metrics: dict | None = None
     prompt_logprobs: list[TokenLogprobs | None] | None = None   # on a request's first event
+    # on the final event of a request that captured its prompt's resid_post (steering vectors):
+    # the sum over its prompt tokens, fp64 [hidden]
+    resid_capture: object = None

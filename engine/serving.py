@@ -9,14 +9,15 @@ reply can say why. It knows nothing of Gradio: views/live.py adds browser sessio
 """
 from __future__ import annotations
 
-import itertools
 import threading
 import time
 from collections import OrderedDict, deque
 from functools import lru_cache
 from typing import Callable, Sequence
 
+from .client import EngineClient
 from .errors import EngineShutdownError, ModelSwitchingError
+from .processor import new_request_id
 from .records import EngineSnapshot
 
 SNAPSHOT_MAX_AGE_S = 0.2
@@ -33,8 +34,10 @@ class ServingHub:
         # the choice being loaded while a swap runs (truthy: the API answers 503, tabs wait)
         self.switching: str | None = None
         self.closing = False
+        # a shared server salts each user's prefix-cache chain (engine/cache_salt.py): a page's
+        # by its browser session, an API client's by who it is (api/routes.prefix_cache_salt)
+        self.isolate_prefix_cache = False
         self._abort_reasons: OrderedDict[str, str] = OrderedDict()
-        self._ids = itertools.count()
         self._lock = threading.Lock()
         self._switch_lock = threading.Lock()
         self._snap: EngineSnapshot | None = None
@@ -42,7 +45,7 @@ class ServingHub:
         self._decode = None            # made on first use (a hub may start without an engine)
         self._on_switch: list[Callable[[], None]] = []
 
-    def current(self):
+    def current(self) -> EngineClient:
         """The engine serving now; ModelSwitchingError while a switch loads the next one (the
         API answers it with 503 and Retry-After)."""
         if self.switching:
@@ -86,8 +89,16 @@ class ServingHub:
 
     # ---- requests -------------------------------------------------------------------------
     def new_request_id(self, kind: str) -> str:
-        # trailing counter: sequential replies get distinct colours in every view
-        return f"{kind}-{next(self._ids)}"
+        """Unguessable (nobody can take a page's next id first), with a trailing counter that
+        gives sequential replies distinct colours in every view."""
+        return new_request_id(kind)
+
+    def session_salt(self, session_key: str | None) -> str | None:
+        """The cache salt of a browser session's requests (None: a single-user server)."""
+        if not self.isolate_prefix_cache:
+            return None
+        import hashlib
+        return hashlib.sha256(f"session\x1f{session_key}".encode()).hexdigest()
 
     def abort(self, request_id: str, reason: str) -> bool:
         """Abort one request in the engine, remembering why (the reply shows it)."""

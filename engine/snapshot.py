@@ -1,4 +1,4 @@
-"""take_snapshot: the engine's state copied for a reader, under the engine lock, in O(requests).
+"""Snapshots: the engine's state copied for a reader, under the engine lock, in O(requests).
 
 What is copied under the lock (`copy_state`): two per-block arrays (a memcpy each), each
 request's Sequence object, computed-token count, token count, device-pending positions and a
@@ -6,11 +6,13 @@ request's Sequence object, computed-token count, token count, device-pending pos
 (one shared tuple per step); the record is built after the lock is released
 (`build_snapshot`). No object per block, no token lists: fills and owners are derived from the
 tables with numpy when a reader asks (records.EngineSnapshot.kv_arrays), and a block's
-tokens are read on demand for that block only (LLM.block_info).
+tokens are read on demand for that block only (Inspector.block_info).
 """
 from __future__ import annotations
 
 from operator import attrgetter
+from types import MappingProxyType
+from typing import NamedTuple
 
 from .records import EngineSnapshot, RequestRecord, TableViews
 
@@ -28,38 +30,57 @@ _TOKENS = attrgetter("token_ids")
 _PENDING = attrgetter("pending")
 
 
-def take_snapshot(llm) -> EngineSnapshot:
+class CopiedState(NamedTuple):
+    """What a snapshot needs of the live engine, copied under the lock: immutable values and
+    (list, length) views of block tables (see records.TableViews)."""
+    seqs: list
+    tables: list
+    computed: list
+    table_lens: list
+    token_lens: list
+    pending: list
+    n_running: int
+    block_ref: object           # np.ndarray copies
+    block_hashed: object
+    num_free_blocks: int
+    prefix_hits: int
+    prefix_queries: int
+    evictions: int
+    preemptions: int
+    steps: tuple
+    step_count: int
+
+
+def engine_facts(model_name: str, architecture: str, num_params: int, dtype: str,
+                 device: str, tp_size: int, block_size: int, num_blocks: int, kv_layout,
+                 tp_layout, moe: dict | None, num_layers: int, num_heads: int,
+                 num_kv_heads: int, async_scheduling: bool) -> MappingProxyType:
+    """What a snapshot reports that never changes while an engine lives (computed once):
+    EngineSnapshot's fields of those names."""
+    return MappingProxyType(dict(locals()))
+
+
+def copy_state(bm, sched, steps) -> CopiedState:
     """Call with the engine lock held. Everything is copied in C-level passes (the lock's hold
     is ~0.1 ms at 256 requests: short enough that the holder is rarely preempted for the GIL
     mid-copy); dicts and the record are built by `build_snapshot` once the lock is released."""
-    return build_snapshot(copy_state(llm))
-
-
-def copy_state(llm) -> tuple:
-    """What a snapshot needs of the live engine, under the lock: immutable values and
-    (list, length) views of block tables (see records.TableViews)."""
-    bm, sched = llm.block_manager, llm.scheduler
-    n_running = len(sched.running)
     seqs = [*sched.running, *sched.waiting]
     tables = list(map(_TABLE, seqs))
-    computed = list(map(_COMPUTED, seqs))
-    table_lens = list(map(len, tables))
-    token_lens = list(map(len, map(_TOKENS, seqs)))
-    pending = list(map(dict.copy, map(_PENDING, seqs)))     # positions still on the device
-    steps = llm.core.steps.window()
-    return (llm, seqs, tables, computed, table_lens, token_lens, pending, n_running,
-            bm.ref_count.copy(), bm.hashed.copy(), bm.num_free_blocks, bm.prefix_hits,
-            bm.prefix_queries, bm.evictions, sched.num_preemptions, steps, llm.core.steps.count)
+    return CopiedState(
+        seqs, tables, list(map(_COMPUTED, seqs)), list(map(len, tables)),
+        list(map(len, map(_TOKENS, seqs))),
+        list(map(dict.copy, map(_PENDING, seqs))),     # positions still on the device
+        len(sched.running), bm.ref_count.copy(), bm.hashed.copy(), bm.num_free_blocks,
+        bm.prefix_hits, bm.prefix_queries, bm.evictions, sched.num_preemptions,
+        steps.window(), steps.count)
 
 
-def build_snapshot(state: tuple) -> EngineSnapshot:
+def build_snapshot(state: CopiedState, facts: MappingProxyType) -> EngineSnapshot:
     """The EngineSnapshot from `copy_state`'s values (no lock needed: nothing here is live)."""
-    (llm, seqs, tables, computed, table_lens, token_lens, pending, n_running, ref, hashed, free,
-     hits, queries, evictions, preemptions, steps, step_count) = state
-    bm = llm.block_manager          # fixed facts only below (sizes), never live state
     views, tokens, records = {}, {}, {}
-    for seq, table, done, n, n_tok, pend in zip(seqs, tables, computed, table_lens, token_lens,
-                                                pending):
+    for seq, table, done, n, n_tok, pend in zip(state.seqs, state.tables, state.computed,
+                                                state.table_lens, state.token_lens,
+                                                state.pending):
         rid, g = seq.request_id, seq.grammar
         resolved = min(pend) if pend else n_tok     # Sequence.num_resolved_tokens, as copied
         # a grammar's plain counters only, never its matcher (the engine thread may be using
@@ -71,24 +92,19 @@ def build_snapshot(state: tuple) -> EngineSnapshot:
             views[rid] = (table, n)
             # a token still on the device (overlap scheduling) has no id here yet
             tokens[rid] = min(done, resolved)
-    running = [s.request_id for s in seqs[:n_running]]
-    waiting = [s.request_id for s in seqs[n_running:]]
+    seqs, n_running = state.seqs, state.n_running
+    steps = state.steps
     timed = next((st for st in reversed(steps) if st.collective_time is not None
                   and not st.num_prefill_tokens), None)
-    used = bm.num_blocks - free
+    num_blocks = facts["num_blocks"]
     return EngineSnapshot(
-        model_name=llm.model_name, architecture=llm.architecture, num_params=llm.num_params,
-        dtype=llm.dtype_name, device=llm.device, tp_size=llm.tp_size,
-        block_size=bm.block_size, num_blocks=bm.num_blocks,
-        block_ref=ref, block_hashed=hashed,
+        **facts, block_ref=state.block_ref, block_hashed=state.block_hashed,
         block_tables=TableViews(views), request_tokens=tokens,
-        running=running, waiting=waiting, num_free_blocks=free,
-        usage=used / bm.num_blocks, prefix_hits=hits, prefix_queries=queries,
-        evictions=evictions, preemptions=preemptions, steps=steps,
-        kv_layout=llm.kv_layout, tp_layout=llm.tp_layout, moe=llm.moe_facts,
-        num_layers=llm.hf_config.num_hidden_layers,
-        num_heads=llm.hf_config.num_attention_heads,
-        num_kv_heads=llm.hf_config.num_key_value_heads,
+        running=[s.request_id for s in seqs[:n_running]],
+        waiting=[s.request_id for s in seqs[n_running:]], num_free_blocks=state.num_free_blocks,
+        usage=(num_blocks - state.num_free_blocks) / num_blocks,
+        prefix_hits=state.prefix_hits, prefix_queries=state.prefix_queries,
+        evictions=state.evictions, preemptions=state.preemptions, steps=steps,
         collective_time=timed.collective_time if timed else None,
         collective_time_step=timed.step_id if timed else None,
-        async_scheduling=llm.async_scheduling, step_count=step_count, requests=records)
+        step_count=state.step_count, requests=records)

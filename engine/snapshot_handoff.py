@@ -96,6 +96,20 @@ class SnapshotHandoff:
             self._done = max(self._done, ticket)
             self._cv.notify_all()
 
+    def serve_if_wanted(self, copy) -> None:
+        """At a step boundary, the engine lock held: serve the readers waiting, if any."""
+        if self.wanted:
+            self.serve(copy)
+
+    def serve_while_waiting(self, lock, copy) -> None:
+        """While the engine thread waits for the device (the lock is free: a step's changes are
+        made before its launch and after the wait): a reader gets its copy now, not a whole
+        (long: a big prefill) step later."""
+        if self.wanted:
+            with lock.reading():
+                if self.wanted:
+                    self.serve(copy)
+
     def clear(self) -> None:
         """Drop the last copy (it references the engine): at shutdown."""
         with self._cv:

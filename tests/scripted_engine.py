@@ -3,7 +3,6 @@ model): for the API's reply parsing (tool calls, reasoning) and the client-libra
 what matters is what the server does with a reply of a given shape."""
 from __future__ import annotations
 
-import itertools
 import threading
 import time
 
@@ -38,30 +37,46 @@ class _Config:
 
 
 class ScriptedLLM:
-    """`script(prompt_ids) -> reply text`; the reply streams one token per `token_s`."""
+    """`script(prompt_ids) -> reply text`; the reply streams one token per `token_s`. An
+    EngineClient (engine/client.py) as the API uses one: a real processor (the requests are
+    checked as the engine's are), a scripted engine behind it."""
     model_name = "scripted"
     model_path = None
     max_model_len = 4096
     hf_config = _Config()
     eos_token_ids = {2}
+    switching = None
 
     def __init__(self, tokenizer, script, token_s: float = 0.002):
+        from engine.interventions.spec import ModelFacts
+        from engine.processor import ModelLimits, Processor
         self.tokenizer, self.script, self.token_s = tokenizer, script, token_s
         self.prompts: list[list[int]] = []
         self._aborted: set[str] = set()
-        self._ids = itertools.count()
+        self.finish_listeners: list = []
+        self.intervention_facts = ModelFacts(1, 1, 1, (), 0, 0, self.max_model_len)
+        self.processor = Processor(tokenizer, self.eos_token_ids, ModelLimits(
+            self.hf_config.vocab_size, 1, self.max_model_len, 1 << 20, 16),
+            self.intervention_facts)
 
     def encode(self, prompt) -> list[int]:
-        if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt)
-        return list(prompt)
+        return list(self.processor.tokenize(prompt).token_ids)
 
-    def submit(self, prompt, sampling=None, watch=None, request_id=None, *, on_event) -> str:
-        rid = request_id or f"scripted-{next(self._ids)}"
-        self.prompts.append(list(prompt))
-        threading.Thread(target=self._run, args=(rid, list(prompt), sampling, on_event),
-                         daemon=True).start()
-        return rid
+    def submit(self, request, sampling=None, watch=None, request_id=None, *, on_event) -> str:
+        if not hasattr(request, "prompt"):      # not yet processed
+            request = self.processor.process(request, sampling, request_id=request_id)
+        prompt = list(request.prompt.token_ids)
+        self.prompts.append(prompt)
+        threading.Thread(target=self._run, args=(request.request_id, prompt, request.params,
+                                                 on_event), daemon=True).start()
+        return request.request_id
+
+    def annotate(self, request_id: str, note: str) -> bool:
+        return True
+
+    def stats(self) -> dict:
+        return {"num_running": 0, "num_waiting": 0, "kv_usage": 0.0, "prefix_hits": 0,
+                "prefix_queries": 0, "num_preemptions": 0, "block_size": 16, "alive": True}
 
     def _run(self, rid, prompt, sampling, on_event) -> None:
         ids = self.tokenizer.encode(self.script(prompt))

@@ -102,23 +102,31 @@ def test_the_default_max_tokens_is_the_room_left_for_chat(served):
     assert u["completion_tokens"] == served.llm.max_model_len - n_prompt
 
 
-def test_x_request_id_names_the_request_and_is_echoed(served):
+def test_x_request_id_is_echoed_but_never_the_engines_key(served):
+    """vLLM echoes X-Request-Id; here the engine's key (the reply's id, the playground's row)
+    is always the server's own, unguessable id (issue #48.6: predictable or client-chosen ids
+    let one client take another's next id, and read its trace)."""
     seen = []
     served.llm.finish_listeners.append(lambda ev: seen.append(ev.request_id))
     try:
-        r = served.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 2},
-                        headers={"X-Request-Id": "my-eval-item-17"})
-        assert r.status_code == 200
-        assert r.headers["x-request-id"] == "my-eval-item-17"
-        assert r.json()["id"] == "my-eval-item-17"
-        assert "my-eval-item-17" in seen                 # the engine's (and playground's) id
+        for _ in range(2):          # the same id twice: both served (nothing to squat)
+            r = served.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 2},
+                            headers={"X-Request-Id": "my-eval-item-17"})
+            assert r.status_code == 200, r.text
+            assert r.headers["x-request-id"] == "my-eval-item-17"
+            assert r.json()["id"].startswith("cmpl-") and r.json()["id"] in seen
+        assert "my-eval-item-17" not in seen
         s = served.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}],
                                                  "max_tokens": 2, "stream": True},
                         headers={"X-Request-Id": "stream-1"})
-        assert s.headers["x-request-id"] == "stream-1" and '"id":"stream-1"' in s.text
+        assert s.headers["x-request-id"] == "stream-1" and '"id":"chatcmpl-' in s.text
         body_id = served.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 1,
                                                   "request_id": "from-body"})
-        assert body_id.json()["id"] == "from-body"
+        assert body_id.status_code == 200 and "from-body" not in seen
+        # unguessable: two ids share no more than their kind and differ in 64 random bits
+        a, b = (served.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 1}).json()["id"]
+                for _ in range(2))
+        assert a.split("-")[1] != b.split("-")[1] and len(a.split("-")[1]) == 16
     finally:
         served.llm.finish_listeners.clear()
     bad = served.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 1},

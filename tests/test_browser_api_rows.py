@@ -18,18 +18,19 @@ def test_an_api_requests_row_shows_its_sampling_grammar_and_note(running, browse
     client = OpenAI(base_url=running.url + "v1", api_key="none", max_retries=0, timeout=120)
     page = open_app(browser, running.url)
     show_tab(page, "kv")
-    rid = "api-rows-watch"
+    ids: list[str] = []
     done = threading.Event()
 
     def stream():
         try:
-            for _ in client.chat.completions.create(
+            for chunk in client.chat.completions.create(
                     model=running.llm.model_name, stream=True, max_tokens=450,
                     temperature=0.4, presence_penalty=0.5,
                     messages=[{"role": "user", "content": "Numbers, please."}],
                     response_format={"type": "json_schema", "json_schema": {
                         "name": "numbers", "schema": SCHEMA}},
-                    extra_headers={"X-Request-Id": rid}):
+                    extra_headers={"X-Request-Id": "api-rows-watch"}):
+                ids.append(chunk.id)
                 if done.is_set():
                     break
         finally:
@@ -37,11 +38,11 @@ def test_an_api_requests_row_shows_its_sampling_grammar_and_note(running, browse
     t = threading.Thread(target=stream, daemon=True)
     t.start()
     try:
-        # the engine knows the request under the client's id; the API's note is put on it the
-        # way it puts parsed tool calls there
+        # the engine knows the request under the server's id (the chunks' id), never the
+        # client's X-Request-Id; the API's note is put on it the way it puts parsed tool calls
         def live_id():
             snap = running.hub.snapshot(max_age=0)
-            return next((r for r in snap.running if rid in r), None)
+            return next((r for r in snap.running if ids and r == ids[0]), None)
         engine_id = wait_until(live_id, timeout=60)
         running.llm.annotate(engine_id, "tool calls: lookup({\"q\": \"<b>x</b>\"})")
         row = f"#kv-tables .kv-trow[data-request='{engine_id}']"

@@ -40,7 +40,7 @@ def test_salts_partition_the_prefix_cache_and_never_change_the_output(llm):
     assert b.metrics["prefix_cached_blocks"] == 0
     assert plain.token_ids == a.token_ids == b.token_ids
     assert _run(llm, ids).metrics["prefix_cached_blocks"] == 5         # plain still there
-    with llm._lock:
+    with llm.loop.lock:
         llm.block_manager.check_invariants([])
 
 
@@ -51,8 +51,8 @@ def test_a_salt_on_stream_and_submit_too(llm):
     for ev in llm.stream(ids, SamplingParams(temperature=0, max_tokens=2), cache_salt="s"):
         last = ev
     assert last.metrics["prefix_cached_blocks"] == 5
-    seq = llm.prepare(ids, SamplingParams(max_tokens=1), cache_salt="other")
-    assert seq.cache_salt == chain_root(None, "other") != chain_root(None, "s")
+    req = llm.process(ids, SamplingParams(max_tokens=1), cache_salt="other")
+    assert req.cache_root == chain_root(None, "other") != chain_root(None, "s")
 
 
 def test_the_salt_combines_with_the_interventions_root():

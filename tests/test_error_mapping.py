@@ -48,7 +48,7 @@ def test_an_invalid_argument_keeps_its_param_through_pickle():
 @pytest.mark.parametrize("make,status,code", [
     (lambda m: PromptTooLongError(m), 400, "context_length_exceeded"),
     (lambda m: InvalidArgumentError(m, "temperature"), 400, None),
-    (lambda m: ValueError(m), 400, None),
+    (lambda m: ValueError(m), 500, "engine_error"),     # untyped: the server's fault (#47)
     (lambda m: ModelSwitchingError(m), 503, "model_switching"),
     (lambda m: EngineShutdownError(m), 503, "engine_unavailable"),
     (lambda m: WorkerDiedError(m), 500, "engine_error"),
@@ -86,10 +86,18 @@ def test_an_engine_argument_becomes_the_request_field_it_came_from(param, chat, 
     assert (err.status, err.param) == (400, expected)
 
 
-def test_a_value_error_without_a_param_blames_the_prompt():
-    """A chat template's own refusal (a plain ValueError) is about the messages."""
-    err = engine_error(ValueError(_noise()), "messages", True)
+def test_an_invalid_argument_without_a_param_blames_the_prompt():
+    """A refusal that names no field (the processor's are typed) is about the messages."""
+    err = engine_error(InvalidArgumentError(_noise()), "messages", True)
     assert (err.status, err.param) == (400, "messages")
+
+
+def test_an_internal_value_error_is_a_500_naming_the_request_id():
+    """An untyped ValueError from inside the engine is a bug of the server, not a client error:
+    a 500 whose message names the request (the log has it), never a 400 blaming the client."""
+    err = engine_error(ValueError(_noise()), "messages", True, "chatcmpl-abc-1")
+    assert (err.status, err.code) == (500, "engine_error")
+    assert "chatcmpl-abc-1" in err.message
 
 
 # ---- request fields -> SamplingParams errors naming the request's field -------------------------

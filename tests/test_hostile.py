@@ -51,6 +51,13 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         self.model = self.llm.model_name
 
+    def post(self, path: str, body, timeout: float = 60, **kw) -> httpx.Response:
+        return httpx.post(self.url + path, json=body, headers={**AUTH, **kw.pop("headers", {})},
+                          timeout=timeout, **kw)
+
+    def healthy(self) -> bool:
+        return httpx.get(self.url + "/health", timeout=10).status_code == 200
+
     def close(self):
         self.demo.close()
         self.hub.shutdown()
@@ -224,15 +231,15 @@ def chat_body(model: str, content, **kw) -> dict:
 # ---- the cases (each returns nothing; asserts inside) ----------------------------------------
 def unauthenticated(s: Server):
     """No key: every route that generates, switches, bursts or reads traces is refused."""
-    # every request that reaches the engine passes LLM._submit: record them (not inspect(),
+    # every request that reaches the engine passes EngineLoop.add: record them (not inspect(),
     # which holds the engine lock while it copies the engine's state)
     started: list[str] = []
-    orig = s.llm._submit
+    orig = s.llm.loop.add
 
-    def spy(seq, *a, **kw):
-        started.append(seq.request_id)
-        return orig(seq, *a, **kw)
-    s.llm._submit = spy
+    def spy(reqs, *a, **kw):
+        started.extend(r.request_id for r in reqs)
+        return orig(reqs, *a, **kw)
+    s.llm.loop.add = spy
     for method, path, body in [
             ("GET", "/", None), ("GET", "/config", None), ("GET", "/gradio_api/info", None),
             ("POST", "/gradio_api/queue/join", {"data": ["MoE demo (demo-qwen3-moe)", None],
@@ -254,7 +261,7 @@ def unauthenticated(s: Server):
     cookie = r.cookies.get("glassbox_session")
     assert cookie and KEY not in cookie and "httponly" in r.headers["set-cookie"].lower()
     assert httpx.get(s.url + "/config", cookies={"glassbox_session": cookie}).status_code == 200
-    del s.llm._submit
+    del s.llm.loop.add
     foreign = [r for r in started if not r.startswith("chatcmpl-")]    # not the background's
     assert not foreign, f"requests ran without the key: {foreign}"
 

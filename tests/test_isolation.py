@@ -67,7 +67,7 @@ def test_a_failing_request_among_three_healthy_streams_fails_alone(qwen3_dir, ov
             assert results[i][-1].finish_reason == "length"
         snap = llm.inspect()
         assert not snap.block_tables and not snap.running and not snap.waiting
-        with llm._lock:
+        with llm.loop.lock:
             llm.block_manager.check_invariants([])
         # and the engine still serves
         assert llm.generate(healthy[0], GREEDY)[0].token_ids == alone[0]
@@ -128,7 +128,7 @@ def test_shutdown_releases_the_engine(qwen3_dir):
     llm.generate(random_prompts([6], seed=50), GREEDY)
     kv = weakref.ref(llm.runner.kv_cache)
     weight = weakref.ref(next(llm.runner.model.parameters()))
-    thread = llm._thread
+    thread = llm.loop._thread
     llm.shutdown()
     gc.collect()
     assert kv() is None and weight() is None

@@ -343,7 +343,7 @@ def test_eight_concurrent_streaming_clients_complete_without_leaking_blocks(serv
             assert chunks[-1].usage.completion_tokens == max_tokens      # nothing lost
     llm = served.llm
     wait_until(lambda: _no_blocks_held(llm), timeout=10)
-    with llm._lock:
+    with llm.loop.lock:
         llm.block_manager.check_invariants([])
 
 
@@ -360,7 +360,8 @@ def test_streams_need_no_thread_per_request(served):
 
     async def main():
         before = threading.active_count()
-        streams = [EngineStream(llm, f"Stream {i}: count.", params, None, f"threads-{i}")
+        streams = [EngineStream(llm, llm.process(f"Stream {i}: count.", params,
+                                                 request_id=f"threads-{i}"))
                    for i in range(32)]
         peak, tokens = before, []
 
@@ -462,7 +463,7 @@ def test_api_and_browser_chat_requests_batch_in_the_same_steps(served, client):
     api_id = out["api"][0].id
     mixed = [s for s in served.llm.inspect().steps
              if any(e.request_id == api_id for e in s.entries)
-             and any(re.fullmatch(r"chat-\d+", e.request_id) for e in s.entries)]
+             and any(re.fullmatch(r"chat-[0-9a-f]+-\d+", e.request_id) for e in s.entries)]
     assert mixed, "no step held both the API request and the browser chat's"
 
 

@@ -24,7 +24,7 @@ def _run(path, prompts, params, overlap, watch=None, **kw):
         traces = [llm.trace(o.request_id) if (watch and watch[i]) else None
                   for i, o in enumerate(outs)]
         snap = llm.inspect()
-        with llm._lock:
+        with llm.loop.lock:
             llm.block_manager.check_invariants(llm.scheduler.all_sequences())
         assert not snap.block_tables and not snap.running, "a request kept its blocks"
         steps = len(snap.steps)
@@ -143,7 +143,7 @@ def test_overlap_abort_mid_stream_frees_blocks_and_others_finish(qwen3_dir):
             assert [e.token_id for e in got[i] if e.token_id is not None] == o.token_ids
         snap = llm.inspect()
         assert "victim" not in snap.block_tables
-        with llm._lock:
+        with llm.loop.lock:
             llm.block_manager.check_invariants(llm.scheduler.all_sequences())
 
 

@@ -564,8 +564,9 @@ def _forward_ops(llm, prompt_ids, watch=None, manager=True) -> dict[str, int]:
 
     from engine.step_inputs import build_step_inputs
     from engine.scheduler import ScheduledSeq
-    with llm._lock:
-        seq, _ = llm._make_sequence(prompt_ids, greedy(4), watch, None)
+    with llm.loop.lock:
+        from engine.sequence import Sequence
+        seq = Sequence.from_request(llm.process(prompt_ids, greedy(4), watch))
         if watch is not None:
             llm.probes.register(seq)
         llm.block_manager.allocate(seq)

@@ -126,9 +126,9 @@ def test_loader_asks_transformers_never_to_trust_remote_code(qwen3_dir, monkeypa
             calls.append((klass.__name__, kw.get("trust_remote_code", "unset")))
             return _orig(klass, *a, **kw)
         monkeypatch.setattr(cls, "from_pretrained", classmethod(spy))
-    from engine.llm import _load_hf_config, _load_tokenizer
-    _load_hf_config(qwen3_dir)
-    _load_tokenizer(qwen3_dir)
+    from engine.checkpoint import load_hf_config, load_tokenizer
+    load_hf_config(qwen3_dir)
+    load_tokenizer(qwen3_dir)
     assert {c for c, _ in calls} == {"AutoConfig", "AutoTokenizer"}
     assert all(v is False for _, v in calls), calls
 

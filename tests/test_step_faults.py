@@ -160,7 +160,7 @@ def test_a_fault_at_any_stage_of_a_step_never_ends_the_engine(qwen3_dir, stage, 
         assert llm.stats()["alive"]
         snap = llm.inspect()
         assert not snap.running and not snap.waiting
-        with llm._lock:
+        with llm.loop.lock:
             llm.block_manager.check_invariants([])
         # and the engine still serves, with the tokens it gave before
         assert llm.generate(healthy[1], GREEDY)[0].token_ids == alone[1]
@@ -176,7 +176,7 @@ def test_steps_that_keep_failing_end_the_engine_with_the_reason(qwen3_dir):
     """A fault no request explains, every step (a broken device): after a few steps in a row the
     engine says it failed, instead of failing every request forever."""
     from engine.errors import EngineFailedError
-    from engine.llm import MAX_STEP_FAILURES
+    from engine.engine_loop import MAX_STEP_FAILURES
     with LLM(qwen3_dir, device="cpu", block_size=4) as llm:
         def schedule():
             raise RuntimeError("the device is gone (injected)")

@@ -40,7 +40,7 @@ def assert_request_gone(llm: LLM, request_id: str) -> None:
         assert request_id not in b.owners, f"block {b.block_id} still lists {request_id}"
         assert b.ref_count == len(b.owners), f"block {b.block_id}: ref count != owners"
     assert snap.num_free_blocks == sum(b.ref_count == 0 for b in snap.blocks)
-    with llm._lock:
+    with llm.loop.lock:
         llm.block_manager.check_invariants(llm.scheduler.all_sequences())
     assert llm.abort(request_id) is False
 
@@ -177,7 +177,7 @@ def test_submit_delivers_the_same_tokens_as_generate_on_the_engine_thread(llm):
     assert done.wait(60), "not every submitted request finished"
     assert [tokens_of(got[r]) for r in rids] == expected
     assert all(got[r][-1].finished and got[r][-1].finish_reason == "length" for r in rids)
-    assert threads == {llm._thread.name}, "events must come from the engine loop thread"
+    assert threads == {llm.loop._thread.name}, "events must come from the engine loop thread"
     for rid in rids:
         assert_request_gone(llm, rid)
 

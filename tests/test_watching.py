@@ -39,8 +39,8 @@ def big(model_factory):
 
 
 def test_a_reader_polling_inspect_never_holds_the_lock_long_on_a_100k_block_cache(big):
-    held, cpu = big.lock_hold_s["inspect"], big.lock_hold_cpu_s["inspect"]
-    hand = big.snapshots
+    held, cpu = big.inspector.lock_hold_s["inspect"], big.inspector.lock_hold_cpu_s["inspect"]
+    hand = big.inspector.snapshots
     snaps, stop = [], threading.Event()
     for d in (held, cpu, hand.copy_s, hand.copy_cpu_s):
         d.clear()
@@ -87,7 +87,7 @@ def test_a_reader_polling_inspect_never_holds_the_lock_long_on_a_100k_block_cach
 def test_a_busy_engine_copies_the_snapshot_itself_and_it_reflects_what_the_reader_did(big):
     """The handoff's order: whatever the reader saw or did before asking (an event, a submit,
     an abort) is in the copy the engine thread hands it."""
-    hand = big.snapshots
+    hand = big.inspector.snapshots
     served = hand.served
     gen = big.stream(ids(11, 200), greedy(400), request_id="handoff-long")
     first = next(gen)
@@ -114,7 +114,7 @@ def test_a_busy_engine_copies_the_snapshot_itself_and_it_reflects_what_the_reade
 
 
 def test_an_idle_engine_is_inspected_under_the_lock_at_once(big):
-    hand = big.snapshots
+    hand = big.inspector.snapshots
     deadline = time.perf_counter() + 10
     while big.core.has_work() and time.perf_counter() < deadline:   # the last steps drain
         time.sleep(0.01)
@@ -131,7 +131,7 @@ def test_an_idle_engine_hands_the_same_copy_again_without_the_lock_until_somethi
     deadline = time.perf_counter() + 10
     while big.core.has_work() and time.perf_counter() < deadline:
         time.sleep(0.01)
-    held, hand = big.lock_hold_s["inspect"], big.snapshots
+    held, hand = big.inspector.lock_hold_s["inspect"], big.inspector.snapshots
     first = big.inspect()
     n_held, reused = len(held), hand.reused
     again = [big.inspect() for _ in range(5)]
@@ -317,7 +317,7 @@ def test_a_reader_is_served_while_the_engine_waits_for_the_device(big):
     """A long step (a big GPU prefill) must not make a reader wait for its end: the engine
     hands the snapshot over while it waits for the device (StepOutput.wait's idle turns)."""
     from engine.step_output import StepOutput
-    hand = big.snapshots
+    hand = big.inspector.snapshots
     got = []
     reader = threading.Thread(target=lambda: got.append(hand.take(lambda: True)))
     reader.start()
@@ -336,7 +336,9 @@ def test_a_reader_is_served_while_the_engine_waits_for_the_device(big):
     out.wait(big.runner.check_workers, idle=big.core.on_idle)
     reader.join(timeout=5)
     assert got and got[0] is not None, "the waiting reader got no snapshot during the wait"
-    assert got[0][0] is big                 # copy_state's tuple, for this engine
+    from engine.snapshot import CopiedState
+    assert isinstance(got[0], CopiedState)  # copy_state's record, of this engine's scheduler
+    assert got[0].n_running == len(big.scheduler.running)
 
 
 def test_the_step_ring_holds_nothing_per_request_that_the_collector_walks(model_factory):

@@ -1,7 +1,6 @@
 """Synthetic EngineSnapshot / RequestTrace records and app helpers for the UI tests."""
 from __future__ import annotations
 
-import socket
 import sys
 from pathlib import Path
 
@@ -13,13 +12,8 @@ if str(ROOT) not in sys.path:   # plain `pytest` puts only tests/ on the path
 
 from engine.records import (BlockInfo, EngineSnapshot, KVLayout, RankLayout, StepEntry,
                              StepTrace)
+from engine.parallel import free_port  # noqa: F401  (the tests' one free-port helper)
 from engine.probes.trace import AttentionStep, LensStep, RequestTrace
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def make_snapshot(rng: np.random.Generator, num_blocks: int = 12, block_size: int = 4,

@@ -162,11 +162,16 @@ def format_stats(ev, note: str) -> str:
 
 def stream_reply(hub: EngineHub, session_key: str | None, messages, sampling, watch: bool
                  ) -> Iterator:
-    """llm.stream with the request registered to its browser session (for stop / tab close)."""
+    """The engine's stream of a request checked by its processor (a refusal raises here, before
+    anything is registered), registered to its browser session (for stop / tab close)."""
     sess = hub.session(session_key)
-    rid = hub.new_request_id("chat")
-    spec = watch_spec(hub.llm.hf_config) if watch else None
-    events = hub.llm.stream(messages, sampling, watch=spec, request_id=rid)  # may raise
+    client = hub.current()
+    spec = watch_spec(client.hf_config) if watch else None
+    request = client.processor.process(messages, sampling, watch=spec,
+                                       request_id=hub.new_request_id("chat"),
+                                       cache_salt=hub.session_salt(session_key))
+    rid = request.request_id
+    events = client.stream(request)
     if watch:
         sess.watched = rid
         sess.replies.append(rid)

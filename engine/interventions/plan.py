@@ -155,5 +155,5 @@ class InterventionPlanner:
         arr = captured.numpy() if hasattr(captured, "numpy") else np.asarray(captured)
         for (b, _, _, _), row in zip(plan.captures, arr):
             seq = scheduled[b].seq
-            prev = getattr(seq, "resid_capture", None)
+            prev = seq.resid_capture
             seq.resid_capture = row.astype(np.float64) if prev is None else prev + row

@@ -15,6 +15,8 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from ..errors import InvalidArgumentError
+
 KINDS = ("ablate_heads", "mask_experts", "steer", "clamp_attention")
 # a clamp's key positions live in fixed device tables (CUDA graphs): this many per clamp at most
 MAX_CLAMP_POSITIONS = 64
@@ -23,6 +25,9 @@ MAX_CLAMP_POSITIONS = 64
 # position of any model (resolve_interventions bounds them by the model's max_model_len)
 MAX_POSITION = (1 << 31) - 1
 POSITIONS = ("all", "prompt", "generated")
+MAX_INTERVENTIONS = 64      # per request: each is host work in every step the request is in
+# |vector x scale| per entry: past half fp16's range the residual it is added to overflows
+MAX_STEER = 32752.0
 CAPTURE = "_capture"        # internal: sum of resid_post over the prompt (steering vectors)
 
 
@@ -232,67 +237,79 @@ class ModelFacts:
 def resolve_interventions(ivs, facts: ModelFacts, allow_internal: bool = False
                           ) -> tuple[Intervention, ...]:
     """A request's interventions checked against the model, layers made non-negative. None or
-    [] -> (). A ValueError says which entry is wrong and what is valid."""
+    [] -> (). An InvalidArgumentError says which entry is wrong and what is valid; its `param`
+    names the field (`interventions[1].heads`)."""
     if ivs is None:
         return ()
     if isinstance(ivs, Intervention) or not isinstance(ivs, (list, tuple)):
-        raise ValueError(f"interventions must be a list of Intervention (e.g. "
-                         f"[Intervention.ablate_heads(1, [0])]), got {type(ivs).__name__}")
+        raise InvalidArgumentError(f"interventions must be a list of Intervention (e.g. "
+                                   f"[Intervention.ablate_heads(1, [0])]), got "
+                                   f"{type(ivs).__name__}", "interventions")
+    if len(ivs) > MAX_INTERVENTIONS:
+        raise InvalidArgumentError(f"{len(ivs)} interventions given; at most "
+                                   f"{MAX_INTERVENTIONS} per request", "interventions")
     L, out = facts.num_layers, []
     masked: dict[int, set[int]] = {}
     clamped: dict[int, tuple[int, ...]] = {}    # layer -> its clamp's key positions
     for i, iv in enumerate(ivs):
         where = f"interventions[{i}]"
+
+        def bad(field: str, why: str):
+            return InvalidArgumentError(f"{where} ({iv.kind}): {why}", f"{where}.{field}")
         if not isinstance(iv, Intervention):
-            raise ValueError(f"{where} must be an Intervention (Intervention.ablate_heads / "
-                             f".mask_experts / .steer / .clamp_attention), got "
-                             f"{type(iv).__name__}")
+            raise InvalidArgumentError(f"{where} must be an Intervention "
+                                       "(Intervention.ablate_heads / .mask_experts / .steer / "
+                                       f".clamp_attention), got {type(iv).__name__}", where)
         if iv.kind not in KINDS and not (iv.kind == CAPTURE and allow_internal):
-            raise ValueError(f"{where}: unknown kind {iv.kind!r}; build interventions with "
-                             "Intervention.ablate_heads / .mask_experts / .steer / "
-                             ".clamp_attention")
+            raise InvalidArgumentError(f"{where}: unknown kind {iv.kind!r}; build interventions "
+                                       "with Intervention.ablate_heads / .mask_experts / .steer "
+                                       "/ .clamp_attention", f"{where}.kind")
         if not -L <= iv.layer < L:
-            raise ValueError(f"{where} ({iv.kind}): layer {iv.layer} is out of range for this "
-                             f"model's {L} layers; valid indices are [-{L}, {L})")
+            raise bad("layer", f"layer {iv.layer} is out of range for this model's {L} layers; "
+                               f"valid indices are [-{L}, {L})")
         layer = iv.layer % L
         if iv.kind in ("ablate_heads", "clamp_attention"):
-            bad = [h for h in iv.heads if not 0 <= h < facts.num_heads]
-            if bad:
-                raise ValueError(f"{where} ({iv.kind}): heads {bad} are out of range; this "
-                                 f"model has {facts.num_heads} attention heads per layer, "
-                                 f"valid ids are [0, {facts.num_heads})")
+            wrong = [h for h in iv.heads if not 0 <= h < facts.num_heads]
+            if wrong:
+                raise bad("heads", f"heads {wrong} are out of range; this model has "
+                                   f"{facts.num_heads} attention heads per layer, valid ids are "
+                                   f"[0, {facts.num_heads})")
         elif iv.kind == "mask_experts":
             if layer not in facts.moe_layers:
                 what = (f"its MoE layers are {list(facts.moe_layers)}" if facts.moe_layers
                         else "it is a dense model")
-                raise ValueError(f"{where} (mask_experts): layer {layer} has no experts "
-                                 f"(not a MoE layer); {what}")
-            bad = [e for e in iv.experts if not 0 <= e < facts.num_experts]
-            if bad:
-                raise ValueError(f"{where} (mask_experts): experts {bad} are out of range; "
-                                 f"valid ids are [0, {facts.num_experts})")
+                raise bad("experts", f"layer {layer} has no experts (not a MoE layer); {what}")
+            wrong = [e for e in iv.experts if not 0 <= e < facts.num_experts]
+            if wrong:
+                raise bad("experts", f"experts {wrong} are out of range; valid ids are "
+                                     f"[0, {facts.num_experts})")
             m = masked.setdefault(layer, set())
             m.update(iv.experts)
             if facts.num_experts - len(m) < facts.top_k:
-                raise ValueError(f"{where} (mask_experts): {len(m)} experts masked at layer "
-                                 f"{layer} leave {facts.num_experts - len(m)}, fewer than the "
-                                 f"{facts.top_k} each token routes to; mask at most "
-                                 f"{facts.num_experts - facts.top_k}")
+                raise bad("experts", f"{len(m)} experts masked at layer {layer} leave "
+                                     f"{facts.num_experts - len(m)}, fewer than the "
+                                     f"{facts.top_k} each token routes to; mask at most "
+                                     f"{facts.num_experts - facts.top_k}")
         if iv.kind == "clamp_attention":
             if iv.key_positions[-1] >= facts.max_model_len:
-                raise ValueError(f"{where} (clamp_attention): position {iv.key_positions[-1]} "
-                                 f"is past this model's max_model_len={facts.max_model_len}; "
-                                 f"positions are in [0, {facts.max_model_len})")
+                raise bad("positions", f"position {iv.key_positions[-1]} is past this model's "
+                                       f"max_model_len={facts.max_model_len}; positions are in "
+                                       f"[0, {facts.max_model_len})")
             seen = clamped.setdefault(layer, iv.key_positions)
             if seen != iv.key_positions:
-                raise ValueError(f"{where} (clamp_attention): layer {layer} is already clamped "
-                                 f"to positions {list(seen)}; one request clamps a layer to "
-                                 f"one set of positions (list all its heads in one clamp)")
+                raise bad("positions", f"layer {layer} is already clamped to positions "
+                                       f"{list(seen)}; one request clamps a layer to one set of "
+                                       "positions (list all its heads in one clamp)")
         elif iv.kind == "steer":
             if iv.vector.shape[0] != facts.hidden_size:
-                raise ValueError(f"{where} (steer): vector has {iv.vector.shape[0]} entries, "
-                                 f"but the residual stream has hidden_size="
-                                 f"{facts.hidden_size}")
+                raise bad("vector", f"vector has {iv.vector.shape[0]} entries, but the residual "
+                                    f"stream has hidden_size={facts.hidden_size}")
+            with np.errstate(over="ignore", invalid="ignore"):
+                peak = float(np.abs(iv.vector * np.float32(iv.scale)).max())
+            if not peak <= MAX_STEER:
+                raise bad("scale", f"vector x scale reaches {peak:.3g}, past {MAX_STEER:g}: "
+                                   "the residual stream would overflow (inf / NaN, an empty "
+                                   "reply); use a smaller scale or vector")
         out.append(replace(iv, layer=layer))
     return tuple(out)
 

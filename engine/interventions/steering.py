@@ -21,21 +21,23 @@ def steering_vector(llm, layer: int, prompt_a, prompt_b) -> torch.Tensor:
     if not _is_int(layer) or not -L <= layer < L:
         raise ValueError(f"steering_vector: layer must be an integer in [-{L}, {L}), "
                          f"got {layer!r}")
+    import dataclasses
+    import queue
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-    seqs, queues = [], []
-    for p in (prompt_a, prompt_b):
-        seq, _ = llm._make_sequence(p, params, None, None)
-        seq.interventions = (Intervention._capture(layer % L),)
-        seq.cache_salt = secrets.randbits(62)      # a chain of its own: no prefix-cache hit
-        seqs.append(seq)
-        queues.append(llm._submit(seq))
+    reqs = [dataclasses.replace(llm.process(p, params),
+                                interventions=(Intervention._capture(layer % L),),
+                                cache_root=secrets.randbits(62))   # its own chain: no cache hit
+            for p in (prompt_a, prompt_b)]
+    queues = [queue.Queue() for _ in reqs]
+    llm.loop.add(reqs, [q.put for q in queues])
     means = []
-    for seq, q in zip(seqs, queues):
-        while not llm._next(q).finished:
-            pass
-        total = getattr(seq, "resid_capture", None)
-        if total is None or seq.finish_reason == "abort":
-            raise RuntimeError(f"steering_vector: the request for one prompt ({seq.request_id}) "
-                               "ended before its residuals were recorded")
-        means.append(total / seq.num_prompt_tokens)
+    for req, q in zip(reqs, queues):
+        ev = q.get()
+        while not isinstance(ev, BaseException) and not ev.finished:
+            ev = q.get()
+        if isinstance(ev, BaseException) or ev.resid_capture is None or \
+                ev.finish_reason == "abort":
+            raise RuntimeError(f"steering_vector: the request for one prompt ({req.request_id}) "
+                               f"ended before its residuals were recorded: {ev!r:.200}")
+        means.append(ev.resid_capture / len(req.prompt))
     return torch.from_numpy((means[0] - means[1]).astype(np.float32))

@@ -1,0 +1,101 @@
+"""EngineClient: what the front ends (api/, views/) may use of an engine, and nothing more.
+
+The serving hub (engine/serving.py) hands one out; `LLM` implements it, and so do the tests'
+stand-ins (tests/scripted_engine.py). A front end never probes an engine for what it has: if a
+front end needs something, it is declared here.
+
+Requests go in one way: `processor.process(...)` (or `process`) turns what a user sends into an
+EngineRequest, checked once; `submit(request, on_event=...)` queues it. The glass is read
+through the rest: immutable records, never a live engine structure.
+"""
+from __future__ import annotations
+
+from typing import Callable, Protocol, runtime_checkable
+
+from .processor import EngineRequest, Processor
+from .records import BlockInfo, EngineSnapshot
+from .sequence import TokenEvent
+
+
+@runtime_checkable
+class EngineClient(Protocol):
+    # ---- model facts (fixed while the engine lives) ----------------------------------------
+    model_name: str                 # the checkpoint folder's name
+    model_path: str | None
+    architecture: str
+    num_params: int
+    device: str
+    dtype: object                   # torch.dtype of the weights
+    dtype_name: str
+    tp_size: int
+    block_size: int
+    num_kv_blocks: int
+    max_model_len: int
+    hf_config: object               # transformers' config of the checkpoint
+    tokenizer: object | None        # None: token-id prompts only
+    eos_token_ids: set[int]
+    moe_layers: tuple[int, ...]
+    intervention_facts: object      # interventions.spec.ModelFacts
+    processor: Processor
+
+    # ---- requests -----------------------------------------------------------------------------
+    def submit(self, prompt, sampling=None, watch=None, request_id: str | None = None, *,
+               on_event: Callable[[object], None], interventions=None,
+               cache_salt: str | None = None) -> str:
+        """Queue a request (an EngineRequest from the processor, or what `process` takes)."""
+
+    def stream(self, prompt, sampling=None, watch=None, request_id: str | None = None,
+               interventions=None, cache_salt: str | None = None):
+        """TokenEvents as they come; closing the generator aborts the request."""
+
+    def generate(self, prompts, sampling=None, use_tqdm: bool = False, watch=None,
+                 interventions=None, cache_salt: str | None = None) -> list:
+        ...
+
+    def abort(self, request_id: str) -> bool:
+        ...
+
+    def annotate(self, request_id: str, note: str) -> bool:
+        ...
+
+    @property
+    def finish_listeners(self) -> list[Callable[[TokenEvent], None]]:
+        """Called with every request's final TokenEvent, on the engine thread: be quick."""
+
+    def stats(self) -> dict:
+        """Cheap counters: num_running, num_waiting, kv_usage, prefix_hits, prefix_queries,
+        num_preemptions, block_size, alive."""
+
+    # ---- the glass ----------------------------------------------------------------------------
+    def inspect(self) -> EngineSnapshot:
+        ...
+
+    def trace(self, request_id: str):
+        ...
+
+    def traced_requests(self) -> list[str]:
+        ...
+
+    def steps_since(self, cursor: int = 0) -> tuple[tuple, int]:
+        ...
+
+    def block_info(self, block_id: int) -> BlockInfo:
+        ...
+
+    def read_kv_block(self, block_id: int, layer: int, head: int, which: str = "k"):
+        ...
+
+    def read_kv_bytes(self, offset: int, nbytes: int) -> bytes:
+        ...
+
+    def model_parts(self):
+        ...
+
+    def steering_vector(self, layer: int, prompt_a, prompt_b):
+        ...
+
+    def shutdown(self) -> None:
+        ...
+
+
+__all__ = ["EngineClient", "EngineRequest"]
