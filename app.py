@@ -101,17 +101,21 @@ SYNC_S = 2.0   # how often each page checks that the model it shows is still the
 
 def build_app(llm, *, banner: str | None = None, choices: dict[str, str] | None = None,
               llm_kwargs: dict | None = None, allow_burst: bool = True,
-              public_traces: bool = True):
+              public_traces: bool = True, served_model_names: tuple[str, ...] = ()):
     """The playground as a gr.Blocks over a running LLM (tests launch it in-process).
     A shared server turns off the controls that change it for everyone: no `choices` hides
-    (and refuses) the model switch, `allow_burst=False` the shared-prefix burst."""
+    (and refuses) the model switch, `allow_burst=False` the shared-prefix burst.
+    `served_model_names`: vLLM's --served-model-name, the ids the API answers to (the first
+    is listed); none: the checkpoint's name and the path it was started from (api.model_names)."""
     import gradio as gr
 
+    from api.model_names import check_names
     from views import anatomy, chat, engine_view, interventions, kv_cache, layers
     from views.live import EngineHub, LiveTab
     from views.live_plot import preload_plotly
 
     hub = EngineHub(llm, llm_kwargs=llm_kwargs or {}, choices=choices or {})
+    hub.served_model_names = check_names(served_model_names)    # read by api/routes.py
     hub.burst_enabled = allow_burst     # read by views/kv_cache.py
     hub.switch = _refreezing(hub.switch)
     # may a page show other pages' and API clients' traces (views/layers.py): yes on one's own
@@ -230,16 +234,24 @@ def _refreezing(switch):
 def launch(demo, host: str = "127.0.0.1", port: int | None = None, share: bool = False,
            prevent_thread_lock: bool = False, api_key: str | None = None, *,
            allowed_hosts: tuple[str, ...] = (), limits=None, public_traces: bool = False,
-           allow_unauthenticated: bool = False, max_sessions: int = MAX_SESSIONS):
+           allow_unauthenticated: bool = False, max_sessions: int = MAX_SESSIONS,
+           cors=None, connections=None, root_path: str | None = None,
+           log_level: str | None = None):
     """Launch with the app's stylesheet (Gradio 6 takes css at launch, not in Blocks), and the
     OpenAI-compatible routes (/v1/*) on the same server: Gradio builds its FastAPI app from
     `app_kwargs`, so the routes are there before the first request. `api_key`: None reads
-    $GLASSBOX_API_KEY. One guard (api.guard) stands in front of Gradio's routes and the API
-    alike: Host allow-list, body size cap, and with a key every route needs it (a browser
-    types it once on /login). Quiet: main() prints the address and the app's own hints
-    (`--share`, not Gradio's `share=True`)."""
+    $GLASSBOX_API_KEY, then $VLLM_API_KEY. One guard (api.guard) stands in front of Gradio's
+    routes and the API alike: Host allow-list and cross-site refusals (keyless), body size cap,
+    and with a key every route needs it (a browser types it once on /login). Around the whole
+    app: CORS for the API's routes (`cors`: api.cors.CORSSettings, vLLM's flags); below it,
+    uvicorn's protocol with header, body and keep-alive deadlines and a connection cap
+    (`connections`: api.connections.ConnectionLimits). `root_path`: vLLM's --root-path (a
+    reverse proxy's path prefix); `log_level`: uvicorn's. Quiet: main() prints the address and
+    the app's own hints (`--share`, not Gradio's `share=True`)."""
     from api import build_router, exposure_warning, resolve_api_key
     from api.auth import exposure_refusal
+    from api.connections import ConnectionLimits, gradio_server
+    from api.cors import APICors, api_path_matcher
     from api.errors import exception_handlers
     from api.limits import Limits, Pools
     from api.server import guard_middleware
@@ -256,14 +268,21 @@ def launch(demo, host: str = "127.0.0.1", port: int | None = None, share: bool =
     hosts = tuple(allowed_hosts) + (("*.gradio.live",) if share else ())
     routes = list(build_router(demo.hub, api_key, limits=limits, pools=pools,
                                public_traces=public_traces).routes)
+    is_api_path = api_path_matcher([r.path for r in routes])     # the rest are Gradio's
     app_kwargs = {"routes": routes, "exception_handlers": exception_handlers(),
-                  "middleware": [guard_middleware(api_key, hosts, limits, pools)]}
+                  "middleware": [guard_middleware(api_key, hosts, limits, pools, cors,
+                                                  is_api_path)]}
+
+    def outermost(app):
+        return APICors(app, cors, keyed=api_key is not None, is_api_path=is_api_path)
     freeze_heap()
-    return demo.launch(server_name=host, server_port=port, share=share,
-                       prevent_thread_lock=prevent_thread_lock, css=CSS_PATH.read_text(),
-                       max_threads=96, show_error=True, footer_links=["api", "gradio"],
-                       quiet=True, allowed_paths=ALLOWED_PATHS, app_kwargs=app_kwargs,
-                       state_session_capacity=max_sessions)
+    with gradio_server(connections or ConnectionLimits(), outermost, log_level):
+        return demo.launch(server_name=host, server_port=port, share=share,
+                           prevent_thread_lock=prevent_thread_lock, css=CSS_PATH.read_text(),
+                           max_threads=96, show_error=True, footer_links=["api", "gradio"],
+                           quiet=True, allowed_paths=ALLOWED_PATHS, app_kwargs=app_kwargs,
+                           state_session_capacity=max_sessions,
+                           **({"root_path": root_path} if root_path else {}))
 
 
 def check_port(host: str, port: int) -> None:

@@ -28,6 +28,7 @@ from .errors import APIError, OpenAIRoute, bad_request
 from .generation_config import model_defaults
 from .limits import Limits, Pools, check_stop_limits, parse_body
 from .metrics import EngineMetrics
+from .model_names import hub_names, listed_name, served_names as accepted_names
 from .ops import build_ops_routers
 from .protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from .responses import Meta
@@ -84,14 +85,14 @@ def build_router(engines, api_key: str | None = None, *, limits: Limits | None =
     def current_engine(model: str | None = None):
         engines.current()           # ModelSwitchingError -> 503 with Retry-After (api/errors)
         llm = metrics.attach()      # after a model switch: the new engine's requests count
-        if model is not None and model not in served_names(llm):
+        if model is not None and model not in accepted_names(llm, hub_names(engines)):
             raise APIError(404, f"The model '{model}' does not exist: this server serves "
-                                f"'{llm.model_name}' (GET /v1/models lists it)", "model",
+                                f"'{listed_name(llm, hub_names(engines))}'", "model",
                            "model_not_found")
         return llm
 
     def model_card(llm) -> dict:
-        return {"id": llm.model_name, "object": "model", "created": started,
+        return {"id": listed_name(llm, hub_names(engines)), "object": "model", "created": started,
                 "owned_by": "glassbox", "root": llm.model_name,
                 "max_model_len": llm.max_model_len}
 
