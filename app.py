@@ -298,42 +298,11 @@ def check_port(host: str, port: int) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", help="HF-format dir or hub id (default: assets/demo-qwen3)")
-    p.add_argument("--device", help="cuda or cpu (default: cuda if available)")
-    p.add_argument("--dtype", help="bfloat16, float16 or float32 (default: per device)")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    p.add_argument("--num-kv-blocks", type=int, help="KV blocks (default: sized from memory)")
-    p.add_argument("--max-model-len", type=int, help="max prompt + reply tokens")
-    p.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0 to expose)")
-    p.add_argument("--port", type=int, default=7860)
-    p.add_argument("--share", action="store_true", help="make a public gradio.live link")
-    p.add_argument("--api-key", help="require this key on every route: 'Authorization: Bearer "
-                                     "KEY' for the API and scripts, a one-time login page for "
-                                     "browsers (default: $GLASSBOX_API_KEY, else none)")
-    p.add_argument("--allow-unauthenticated", action="store_true",
-                   help="serve beyond localhost (--host 0.0.0.0, --share) without a key")
-    p.add_argument("--allowed-hosts", default="",
-                   help="comma-separated extra Host names to answer (*.example.com, or * for "
-                        "any); localhost and IP addresses always are")
-    p.add_argument("--no-model-switch", action="store_true",
-                   help="hide and refuse the playground's model switch (a shared server)")
-    p.add_argument("--no-burst", action="store_true",
-                   help="hide and refuse the KV tab's shared-prefix burst (a shared server)")
-    p.add_argument("--public-traces", action="store_true",
-                   help="every client may list and read every trace (default: an API client "
-                        "its own; a page its own replies, and everyone's only when the server "
-                        "has no key and listens on this machine alone)")
-    p.add_argument("--max-request-bytes", type=int, default=4 << 20,
-                   help="largest request body in bytes (default 4 MiB)")
-    p.add_argument("--max-stop-strings", type=int, default=64, help="stop strings per request")
-    p.add_argument("--max-stop-chars", type=int, default=256, help="characters per stop string")
-    p.add_argument("--max-stop-token-ids", type=int, default=1024,
-                   help="stop_token_ids per request")
-    p.add_argument("--max-sessions", type=int, default=MAX_SESSIONS,
-                   help="browser/API sessions Gradio keeps in memory (the oldest go first)")
-    return p.parse_args(argv)
+    """The command line (api/cli.py): `python app.py [serve] [MODEL] [flags]`, Glassbox's flags
+    and vLLM's `serve` flags with vLLM's meaning; a flag with no meaning here exits 2 with one
+    line saying what to do instead."""
+    from api.cli import parse
+    return parse(argv, description=__doc__.splitlines()[0])
 
 
 class Stages:
@@ -368,8 +337,11 @@ def load_llm(model: str, llm_kwargs: dict, stages: Stages | None = None):
 def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")   # offline-friendly: no pings
     args = parse_args(argv)
-    if args.tp < 1 or args.block_size < 1:
-        sys.exit("--tp and --block-size must be positive integers")
+    from api.cli import connection_limits, cors_settings, engine_kwargs, startup_notes
+    from api.connections import raise_fd_limit
+    note = startup_notes(args)
+    if note:                    # vLLM flags that only tune vLLM: one line, then on
+        print(note, flush=True)
     from api import resolve_api_key
     from api.auth import exposure_refusal
     refusal = exposure_refusal(args.host, resolve_api_key(args.api_key), args.share,
@@ -377,10 +349,9 @@ def main(argv: list[str] | None = None) -> None:
     if refusal:                 # before the model loads
         sys.exit(refusal)
     check_port(args.host, args.port)
+    raise_fd_limit()            # the connection cap, not the OS, bounds connections
     model, banner = resolve_model(args.model)
-    llm_kwargs = dict(device=args.device, dtype=args.dtype, tensor_parallel_size=args.tp,
-                      block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
-                      max_model_len=args.max_model_len, record_expert_load=True)
+    llm_kwargs = dict(engine_kwargs(args), record_expert_load=True)
     if banner is not None and args.device in (None, "cpu") and args.num_kv_blocks is None:
         llm_kwargs["num_kv_blocks"] = 256   # the tiny fallback: a cache the map shows whole
     name = Path(model).name or model
@@ -399,7 +370,8 @@ def main(argv: list[str] | None = None) -> None:
               or args.host not in ("127.0.0.1", "localhost", "::1"))
     demo = build_app(llm, banner=banner, choices=choices, llm_kwargs=llm_kwargs,
                      allow_burst=not args.no_burst,
-                     public_traces=args.public_traces or not shared)
+                     public_traces=args.public_traces or not shared,
+                     served_model_names=tuple(args.served_model_name or ()))
     stages.next()
     from api.limits import Limits
     limits = Limits(max_request_bytes=args.max_request_bytes,
@@ -410,7 +382,9 @@ def main(argv: list[str] | None = None) -> None:
             demo, args.host, args.port, args.share, prevent_thread_lock=True,
             api_key=args.api_key, limits=limits, public_traces=args.public_traces,
             allow_unauthenticated=args.allow_unauthenticated, max_sessions=args.max_sessions,
-            allowed_hosts=tuple(h.strip() for h in args.allowed_hosts.split(",") if h.strip()))
+            allowed_hosts=tuple(h.strip() for h in args.allowed_hosts.split(",") if h.strip()),
+            cors=cors_settings(args), connections=connection_limits(args),
+            root_path=args.root_path, log_level=args.uvicorn_log_level)
     except OSError as e:        # lost a race for the port since check_port
         llm.shutdown()
         sys.exit(f"cannot serve on {args.host}:{args.port}: {e}. Pass a free one with --port.")
