@@ -101,17 +101,21 @@ SYNC_S = 2.0   # how often each page checks that the model it shows is still the
 
 def build_app(llm, *, banner: str | None = None, choices: dict[str, str] | None = None,
               llm_kwargs: dict | None = None, allow_burst: bool = True,
-              public_traces: bool = True):
+              public_traces: bool = True, served_model_names: tuple[str, ...] = ()):
     """The playground as a gr.Blocks over a running LLM (tests launch it in-process).
     A shared server turns off the controls that change it for everyone: no `choices` hides
-    (and refuses) the model switch, `allow_burst=False` the shared-prefix burst."""
+    (and refuses) the model switch, `allow_burst=False` the shared-prefix burst.
+    `served_model_names`: vLLM's --served-model-name, the ids the API answers to (the first
+    is listed); none: the checkpoint's name and the path it was started from (api.model_names)."""
     import gradio as gr
 
+    from api.model_names import check_names
     from views import anatomy, chat, engine_view, interventions, kv_cache, layers
     from views.live import EngineHub, LiveTab
     from views.live_plot import preload_plotly
 
     hub = EngineHub(llm, llm_kwargs=llm_kwargs or {}, choices=choices or {})
+    hub.served_model_names = check_names(served_model_names)    # read by api/routes.py
     hub.burst_enabled = allow_burst     # read by views/kv_cache.py
     hub.switch = _refreezing(hub.switch)
     # may a page show other pages' and API clients' traces (views/layers.py): yes on one's own
@@ -223,16 +227,23 @@ def launch(demo, host: str = "127.0.0.1", port: int | None = None, share: bool =
            prevent_thread_lock: bool = False, api_key: str | None = None, *,
            allowed_hosts: tuple[str, ...] = (), limits=None, public_traces: bool = False,
            allow_unauthenticated: bool = False, max_sessions: int = MAX_SESSIONS,
-           isolate_prefix_cache: bool | None = None):
+           cors=None, connections=None, root_path: str | None = None,
+           log_level: str | None = None, isolate_prefix_cache: bool | None = None):
     """Launch with the app's stylesheet (Gradio 6 takes css at launch, not in Blocks), and the
     OpenAI-compatible routes (/v1/*) on the same server: Gradio builds its FastAPI app from
     `app_kwargs`, so the routes are there before the first request. `api_key`: None reads
-    $GLASSBOX_API_KEY. One guard (api.guard) stands in front of Gradio's routes and the API
-    alike: Host allow-list, body size cap, and with a key every route needs it (a browser
-    types it once on /login). Quiet: main() prints the address and the app's own hints
-    (`--share`, not Gradio's `share=True`)."""
+    $GLASSBOX_API_KEY, then $VLLM_API_KEY. One guard (api.guard) stands in front of Gradio's
+    routes and the API alike: Host allow-list and cross-site refusals (keyless), body size cap,
+    and with a key every route needs it (a browser types it once on /login). Around the whole
+    app: CORS for the API's routes (`cors`: api.cors.CORSSettings, vLLM's flags); below it,
+    uvicorn's protocol with header, body and keep-alive deadlines and a connection cap
+    (`connections`: api.connections.ConnectionLimits). `root_path`: vLLM's --root-path (a
+    reverse proxy's path prefix); `log_level`: uvicorn's. Quiet: main() prints the address and
+    the app's own hints (`--share`, not Gradio's `share=True`)."""
     from api import build_router, exposure_warning, resolve_api_key
     from api.auth import exposure_refusal
+    from api.connections import ConnectionLimits, gradio_server
+    from api.cors import APICors, api_path_matcher
     from api.errors import exception_handlers
     from api.limits import Limits, Pools
     from api.server import guard_middleware
@@ -254,15 +265,22 @@ def launch(demo, host: str = "127.0.0.1", port: int | None = None, share: bool =
     routes = list(build_router(demo.hub, api_key, limits=limits, pools=pools,
                                public_traces=public_traces,
                                isolate_prefix_cache=isolate_prefix_cache).routes)
+    is_api_path = api_path_matcher([r.path for r in routes])     # the rest are Gradio's
     app_kwargs = {"routes": routes, "exception_handlers": exception_handlers(),
-                  "middleware": [guard_middleware(api_key, hosts, limits, pools)]}
+                  "middleware": [guard_middleware(api_key, hosts, limits, pools, cors,
+                                                  is_api_path)]}
+
+    def outermost(app):
+        return APICors(app, cors, keyed=api_key is not None, is_api_path=is_api_path)
     from engine.process_tuning import tune_process
     tune_process()          # a serving process: the GIL switch interval, the heap frozen
-    return demo.launch(server_name=host, server_port=port, share=share,
-                       prevent_thread_lock=prevent_thread_lock, css=CSS_PATH.read_text(),
-                       max_threads=96, show_error=True, footer_links=["api", "gradio"],
-                       quiet=True, allowed_paths=ALLOWED_PATHS, app_kwargs=app_kwargs,
-                       state_session_capacity=max_sessions)
+    with gradio_server(connections or ConnectionLimits(), outermost, log_level):
+        return demo.launch(server_name=host, server_port=port, share=share,
+                           prevent_thread_lock=prevent_thread_lock, css=CSS_PATH.read_text(),
+                           max_threads=96, show_error=True, footer_links=["api", "gradio"],
+                           quiet=True, allowed_paths=ALLOWED_PATHS, app_kwargs=app_kwargs,
+                           state_session_capacity=max_sessions,
+                           **({"root_path": root_path} if root_path else {}))
 
 
 def check_port(host: str, port: int) -> None:
@@ -278,42 +296,11 @@ def check_port(host: str, port: int) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", help="HF-format dir or hub id (default: assets/demo-qwen3)")
-    p.add_argument("--device", help="cuda or cpu (default: cuda if available)")
-    p.add_argument("--dtype", help="bfloat16, float16 or float32 (default: per device)")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    p.add_argument("--num-kv-blocks", type=int, help="KV blocks (default: sized from memory)")
-    p.add_argument("--max-model-len", type=int, help="max prompt + reply tokens")
-    p.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0 to expose)")
-    p.add_argument("--port", type=int, default=7860)
-    p.add_argument("--share", action="store_true", help="make a public gradio.live link")
-    p.add_argument("--api-key", help="require this key on every route: 'Authorization: Bearer "
-                                     "KEY' for the API and scripts, a one-time login page for "
-                                     "browsers (default: $GLASSBOX_API_KEY, else none)")
-    p.add_argument("--allow-unauthenticated", action="store_true",
-                   help="serve beyond localhost (--host 0.0.0.0, --share) without a key")
-    p.add_argument("--allowed-hosts", default="",
-                   help="comma-separated extra Host names to answer (*.example.com, or * for "
-                        "any); localhost and IP addresses always are")
-    p.add_argument("--no-model-switch", action="store_true",
-                   help="hide and refuse the playground's model switch (a shared server)")
-    p.add_argument("--no-burst", action="store_true",
-                   help="hide and refuse the KV tab's shared-prefix burst (a shared server)")
-    p.add_argument("--public-traces", action="store_true",
-                   help="every client may list and read every trace (default: an API client "
-                        "its own; a page its own replies, and everyone's only when the server "
-                        "has no key and listens on this machine alone)")
-    p.add_argument("--max-request-bytes", type=int, default=4 << 20,
-                   help="largest request body in bytes (default 4 MiB)")
-    p.add_argument("--max-stop-strings", type=int, default=64, help="stop strings per request")
-    p.add_argument("--max-stop-chars", type=int, default=256, help="characters per stop string")
-    p.add_argument("--max-stop-token-ids", type=int, default=1024,
-                   help="stop_token_ids per request")
-    p.add_argument("--max-sessions", type=int, default=MAX_SESSIONS,
-                   help="browser/API sessions Gradio keeps in memory (the oldest go first)")
-    return p.parse_args(argv)
+    """The command line (api/cli.py): `python app.py [serve] [MODEL] [flags]`, Glassbox's flags
+    and vLLM's `serve` flags with vLLM's meaning; a flag with no meaning here exits 2 with one
+    line saying what to do instead."""
+    from api.cli import parse
+    return parse(argv, description=__doc__.splitlines()[0])
 
 
 class Stages:
@@ -348,8 +335,11 @@ def load_llm(model: str, llm_kwargs: dict, stages: Stages | None = None):
 def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")   # offline-friendly: no pings
     args = parse_args(argv)
-    if args.tp < 1 or args.block_size < 1:
-        sys.exit("--tp and --block-size must be positive integers")
+    from api.cli import connection_limits, cors_settings, engine_kwargs, startup_notes
+    from api.connections import raise_fd_limit
+    note = startup_notes(args)
+    if note:                    # vLLM flags that only tune vLLM: one line, then on
+        print(note, flush=True)
     from api import resolve_api_key
     from api.auth import exposure_refusal
     refusal = exposure_refusal(args.host, resolve_api_key(args.api_key), args.share,
@@ -357,10 +347,9 @@ def main(argv: list[str] | None = None) -> None:
     if refusal:                 # before the model loads
         sys.exit(refusal)
     check_port(args.host, args.port)
+    raise_fd_limit()            # the connection cap, not the OS, bounds connections
     model, banner = resolve_model(args.model)
-    llm_kwargs = dict(device=args.device, dtype=args.dtype, tensor_parallel_size=args.tp,
-                      block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
-                      max_model_len=args.max_model_len, record_expert_load=True)
+    llm_kwargs = dict(engine_kwargs(args), record_expert_load=True)
     if banner is not None and args.device in (None, "cpu") and args.num_kv_blocks is None:
         llm_kwargs["num_kv_blocks"] = 256   # the tiny fallback: a cache the map shows whole
     name = Path(model).name or model
@@ -379,7 +368,8 @@ def main(argv: list[str] | None = None) -> None:
               or args.host not in ("127.0.0.1", "localhost", "::1"))
     demo = build_app(llm, banner=banner, choices=choices, llm_kwargs=llm_kwargs,
                      allow_burst=not args.no_burst,
-                     public_traces=args.public_traces or not shared)
+                     public_traces=args.public_traces or not shared,
+                     served_model_names=tuple(args.served_model_name or ()))
     stages.next()
     from api.limits import Limits
     limits = Limits(max_request_bytes=args.max_request_bytes,
@@ -390,7 +380,9 @@ def main(argv: list[str] | None = None) -> None:
             demo, args.host, args.port, args.share, prevent_thread_lock=True,
             api_key=args.api_key, limits=limits, public_traces=args.public_traces,
             allow_unauthenticated=args.allow_unauthenticated, max_sessions=args.max_sessions,
-            allowed_hosts=tuple(h.strip() for h in args.allowed_hosts.split(",") if h.strip()))
+            allowed_hosts=tuple(h.strip() for h in args.allowed_hosts.split(",") if h.strip()),
+            cors=cors_settings(args), connections=connection_limits(args),
+            root_path=args.root_path, log_level=args.uvicorn_log_level)
     except OSError as e:        # lost a race for the port since check_port
         llm.shutdown()
         sys.exit(f"cannot serve on {args.host}:{args.port}: {e}. Pass a free one with --port.")

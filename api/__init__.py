@@ -5,8 +5,18 @@ requests, and the operations routes /health, /version, /metrics, /tokenize, /det
 `build_router(engines, api_key)` gives a FastAPI APIRouter; the playground mounts its routes on
 Gradio's own server (app.py), `api.server.create_app` serves them alone. Nothing here imports
 gradio or views/: the routes only need an object whose `.llm` is the current engine.
-"""
-from .auth import API_KEY_ENV, exposure_warning, resolve_api_key
-from .routes import EngineHolder, build_router
 
-__all__ = ["build_router", "EngineHolder", "resolve_api_key", "exposure_warning", "API_KEY_ENV"]
+The names below load on first use, so `api.cli` (the command line) answers `--help` or refuses
+a flag without importing the engine.
+"""
+from importlib import import_module
+
+_HOME = {"build_router": ".routes", "EngineHolder": ".routes", "resolve_api_key": ".auth",
+         "exposure_warning": ".auth", "API_KEY_ENV": ".auth"}
+__all__ = list(_HOME)
+
+
+def __getattr__(name: str):
+    if name in _HOME:
+        return getattr(import_module(_HOME[name], __name__), name)
+    raise AttributeError(f"module 'api' has no attribute {name!r}")

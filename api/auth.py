@@ -1,5 +1,6 @@
-"""The API key: `--api-key` or $GLASSBOX_API_KEY makes /v1/* require `Authorization: Bearer KEY`;
-serving on a non-loopback address (or a share link) without one prints a warning."""
+"""The API key: `--api-key`, $GLASSBOX_API_KEY or vLLM's $VLLM_API_KEY makes every route require
+`Authorization: Bearer KEY`; serving on a non-loopback address (or a share link) without one is
+refused unless --allow-unauthenticated says so, and then prints a warning."""
 from __future__ import annotations
 
 import hmac
@@ -11,12 +12,18 @@ from fastapi import Request
 from .errors import APIError
 
 API_KEY_ENV = "GLASSBOX_API_KEY"
+VLLM_API_KEY_ENV = "VLLM_API_KEY"      # vLLM's: a deployment written for vLLM keeps it
 
 
 def resolve_api_key(flag: str | None) -> str | None:
-    """The flag if given, else the environment variable; an empty string means no key."""
-    key = flag if flag is not None else os.environ.get(API_KEY_ENV)
-    return key or None
+    """The flag if given, else $GLASSBOX_API_KEY, else $VLLM_API_KEY; an empty string means no
+    key."""
+    if flag is not None:
+        return flag or None
+    for env in (API_KEY_ENV, VLLM_API_KEY_ENV):
+        if os.environ.get(env):
+            return os.environ[env]
+    return None
 
 
 def is_loopback(host: str | None) -> bool:
@@ -50,8 +57,8 @@ def exposure_refusal(host: str | None, api_key: str | None, share: bool,
         return None
     where = "a public share link" if share else f"{host}"
     return (f"refusing to serve on {where} without a key: anyone who can reach it could use "
-            f"{EXPOSED}. Pass --api-key KEY (or set {API_KEY_ENV}); or, to expose it on "
-            f"purpose, add --allow-unauthenticated.")
+            f"{EXPOSED}. Pass --api-key KEY (or set {API_KEY_ENV} or {VLLM_API_KEY_ENV}); or, "
+            f"to expose it on purpose, add --allow-unauthenticated.")
 
 
 def bearer_check(api_key: str | None):

@@ -1,12 +1,18 @@
 """One ASGI middleware in front of every route of the server, Gradio's and the API's alike.
 
 In order, each check before the request costs anything:
-1. Host header allow-list (DNS rebinding: a page on attacker.example whose name resolves to
-   127.0.0.1 must not reach a localhost server): IP literals, `localhost` and `*.localhost`,
-   and the names given with --allowed-hosts. IP literals are safe: rebinding needs a DNS name.
+1. Host header allow-list, on a keyless server only (DNS rebinding: a page on attacker.example
+   whose name resolves to 127.0.0.1 must not reach a server that has no key): IP literals,
+   `localhost` and `*.localhost`, and the names given with --allowed-hosts (`*`: any). With a
+   key every Host is served (a cluster's DNS name, `my-llm-svc:8000`): the key guards it.
 2. Body size: a Content-Length above the cap is refused at once (413); a body without one
    (chunked) is read up to the cap and refused beyond it. Nothing is parsed here.
-3. The key, when the server has one, on every route: `Authorization: Bearer KEY` (API clients,
+3. Cross-site requests, on a keyless server: a POST, PUT, PATCH or DELETE (or a websocket)
+   whose Origin is a page neither on this machine, nor this server's own, nor named with
+   --allowed-origins is a 403 (api.cors.origin_allowed): a page the user visits cannot drive
+   their local server. And on the API's routes a body sent as text or a form (the types a page
+   may send without asking first) is a 415: the API reads JSON.
+4. The key, when the server has one, on every route: `Authorization: Bearer KEY` (API clients,
    gradio_client's `headers=`), or the session cookie a browser gets from the /login page by
    typing the key once. A browser opening a page without it is sent to /login; anything else
    gets a 401 in OpenAI's error shape. Only /login, /health, /ping, /version and /metrics are open
@@ -25,6 +31,7 @@ import secrets
 from urllib.parse import parse_qs, quote
 
 from .auth import API_KEY_ENV
+from .cors import CORSSettings, every_path, origin_allowed
 from .errors import APIError
 from .limits import Limits, Pools, default_pools, trim_heap
 
@@ -34,6 +41,8 @@ COOKIE = "glassbox_session"
 OPEN_PATHS = ("/login", "/health", "/ping", "/version", "/metrics", "/gradio_api/startup-events")
 AUTH_SCOPE_KEY = "glassbox.auth"     # set in the ASGI scope: how the request authenticated
 LOGIN_MAX_BYTES = 4096
+STATE_CHANGING = ("POST", "PUT", "PATCH", "DELETE")
+JSON_TYPES = ("application/json",)      # and any application/*+json
 TRIM_AFTER_S = (0.5, 3.0)           # heap trims after a large request (api.limits.trim_heap)
 
 
@@ -85,10 +94,13 @@ class Guard:
     """ASGI middleware (see the module docstring). `api_key` None: no key is needed."""
 
     def __init__(self, app, api_key: str | None = None, allowed_hosts: tuple[str, ...] = (),
-                 limits: Limits | None = None, pools: Pools | None = None):
+                 limits: Limits | None = None, pools: Pools | None = None, *,
+                 cors: CORSSettings | None = None, is_api_path=every_path):
         self.app = app
         self.key = api_key.encode() if api_key else None
         self.allowed = tuple(allowed_hosts)
+        self.cors = cors or CORSSettings()
+        self.is_api_path = is_api_path
         self.limits = limits or Limits()
         self.pools = pools or default_pools()
         secret = secrets.token_bytes(32)      # cookies die with the process
@@ -105,6 +117,10 @@ class Guard:
         refusal = self._refuse_host(headers)
         if refusal is None and kind == "http":
             refusal = self._refuse_size(headers)
+        if refusal is None:
+            refusal = self._refuse_cross_site(scope, headers)
+        if refusal is None and kind == "http":
+            refusal = self._refuse_media_type(scope, headers)
         how = None
         if refusal is None:
             how = self._authenticate(headers)
@@ -134,12 +150,43 @@ class Guard:
 
     # ---- checks ----------------------------------------------------------------------------
     def _refuse_host(self, headers):
-        if host_allowed(headers.get("host"), self.allowed):
+        if self.key is not None or host_allowed(headers.get("host"), self.allowed):
             return None
         name = host_name(headers.get("host", ""))
-        return APIError(400, f"the Host header {name!r} is not allowed: this server answers "
-                             "to localhost and IP addresses; start it with --allowed-hosts "
-                             f"{name} to serve that name", code="invalid_host").response()
+        return APIError(400, f"the Host header {name!r} is not allowed: this server has no key, "
+                             "so it answers to localhost and IP addresses only (DNS rebinding); "
+                             f"start it with --allowed-hosts {name} to serve that name, or give "
+                             "it a key (--api-key)", code="invalid_host").response()
+
+    def _refuse_cross_site(self, scope, headers):
+        """A keyless server takes no state-changing request from another site's page."""
+        if self.key is not None or (scope["type"] == "http"
+                                    and scope.get("method") not in STATE_CHANGING):
+            return None
+        origin = headers.get("origin")
+        if origin is None or origin_allowed(origin, self.cors, headers.get("host")):
+            return None
+        return APIError(403, f"cross-site request refused: a page on {origin!r} sent it, and "
+                             "this server has no key, so it takes requests only from pages on "
+                             "this machine (localhost, 127.0.0.1, [::1]) and its own. To let "
+                             f"that site use it, start the server with --allowed-origins "
+                             f"{origin} (or give it a key with --api-key)",
+                        code="cross_site_request").response()
+
+    def _refuse_media_type(self, scope, headers):
+        """The API reads JSON: a body sent as text or a form (what a page may send to another
+        site without asking first) is refused, as FastAPI refuses it to vLLM."""
+        ctype = headers.get("content-type")
+        if ctype is None or scope.get("method") not in ("POST", "PUT", "PATCH") or \
+                headers.get("content-length", "").strip() == "0" or \
+                not self.is_api_path(scope["path"]):
+            return None
+        media = ctype.split(";", 1)[0].strip().lower()
+        if media in JSON_TYPES or (media.startswith("application/") and media.endswith("+json")):
+            return None
+        return APIError(415, f"the request body is sent as {media or 'nothing'!r}; the API "
+                             "reads JSON: send it with 'Content-Type: application/json'",
+                        code="unsupported_media_type").response()
 
     def _refuse_size(self, headers):
         cl = headers.get("content-length")

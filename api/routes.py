@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import re
 import time
 from collections import OrderedDict
@@ -29,6 +28,7 @@ from .interventions import interventions_of
 from .limits import (Limits, Pools, check_cost, check_logprob_cost, check_stop_limits,
                      parse_body)
 from .metrics import EngineMetrics
+from .model_names import hub_names, listed_name, served_names as accepted_names
 from .ops import build_ops_routers
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .responses import Meta
@@ -46,17 +46,6 @@ _REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")     # printable ASCII, no spaces
 
 class EngineHolder(ServingHub):
     """A serving hub over one engine with no other model to switch to (benchmarks, tests)."""
-
-
-def served_names(llm) -> list[str]:
-    """Names a request may use for the model: its short name, and the hub id it was loaded
-    by. Never a filesystem path: the server's directories are nobody's business."""
-    names = [llm.model_name]
-    given = getattr(getattr(llm, "config", None), "model", None)
-    if given and str(given) not in names and not os.path.isabs(str(given)) and \
-            not os.path.exists(str(given)):
-        names.append(str(given))
-    return names
 
 
 MAX_TRACE_OWNERS = 4096
@@ -111,14 +100,14 @@ def build_router(engines, api_key: str | None = None, *, limits: Limits | None =
     def current_engine(model: str | None = None):
         engines.current()           # ModelSwitchingError -> 503 with Retry-After (api/errors)
         llm = metrics.attach()      # after a model switch: the new engine's requests count
-        if model is not None and model not in served_names(llm):
+        if model is not None and model not in accepted_names(llm, hub_names(engines)):
             raise APIError(404, f"The model '{model}' does not exist: this server serves "
-                                f"'{llm.model_name}' (GET /v1/models lists it)", "model",
+                                f"'{listed_name(llm, hub_names(engines))}'", "model",
                            "model_not_found")
         return llm
 
     def model_card(llm) -> dict:
-        return {"id": llm.model_name, "object": "model", "created": started,
+        return {"id": listed_name(llm, hub_names(engines)), "object": "model", "created": started,
                 "owned_by": "glassbox", "root": llm.model_name,
                 "max_model_len": llm.max_model_len}
 
@@ -211,7 +200,8 @@ def build_router(engines, api_key: str | None = None, *, limits: Limits | None =
                             lambda body: prefix_cache_salt(request, body)))
         del raw
         want_lp, top_n = logprobs_of(body)
-        meta = Meta(rid, int(time.time()), llm.model_name, watched=watch is not None)
+        meta = Meta(rid, int(time.time()), listed_name(llm, hub_names(engines)),
+                    watched=watch is not None)   # vLLM: the served name
         include_usage = bool(body.stream and body.stream_options
                              and body.stream_options.include_usage)
         continuous_usage = include_usage and body.stream_options.continuous_usage_stats

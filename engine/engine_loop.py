@@ -107,10 +107,6 @@ class EngineLoop:
             seq.annotation = note[:MAX_NOTE]
             return True
 
-    def live_request_ids(self) -> list[str]:
-        with self.lock:
-            return list(self._seqs)
-
     # ---- the thread ---------------------------------------------------------------------------
     def _run(self) -> None:
         while True:

@@ -37,6 +37,7 @@ class ServingHub:
         # a shared server salts each user's prefix-cache chain (engine/cache_salt.py): a page's
         # by its browser session, an API client's by who it is (api/routes.prefix_cache_salt)
         self.isolate_prefix_cache = False
+        self.served_model_names: tuple[str, ...] = ()     # vLLM's --served-model-name
         self._abort_reasons: OrderedDict[str, str] = OrderedDict()
         self._lock = threading.Lock()
         self._switch_lock = threading.Lock()
