@@ -374,11 +374,13 @@ def main(argv: list[str] | None = None) -> None:
     from api.limits import Limits
     limits = Limits(max_request_bytes=args.max_request_bytes,
                     max_stop_strings=args.max_stop_strings, max_stop_chars=args.max_stop_chars,
-                    max_stop_token_ids=args.max_stop_token_ids)
+                    max_stop_token_ids=args.max_stop_token_ids, max_choices=args.max_choices,
+                    max_logprob_entries=args.max_logprob_entries)
     try:
         _, url, share_url = launch(
             demo, args.host, args.port, args.share, prevent_thread_lock=True,
             api_key=args.api_key, limits=limits, public_traces=args.public_traces,
+            isolate_prefix_cache=args.isolate_prefix_cache,
             allow_unauthenticated=args.allow_unauthenticated, max_sessions=args.max_sessions,
             allowed_hosts=tuple(h.strip() for h in args.allowed_hosts.split(",") if h.strip()),
             cors=cors_settings(args), connections=connection_limits(args),

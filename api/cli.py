@@ -191,6 +191,15 @@ def build_parser(description: str = "Glassbox") -> argparse.ArgumentParser:
                    help="characters per stop string")
     g.add_argument("--max-stop-token-ids", type=int, default=1024,
                    help="stop_token_ids per request")
+    g.add_argument("--max-choices", type=int, default=64,
+                   help="prompts x n a request may ask for (each is a request in the engine)")
+    g.add_argument("--max-logprob-entries", type=int, default=1 << 18,
+                   help="logprob entries one reply may carry (tokens x (1 + alternatives))")
+    g.add_argument("--isolate-prefix-cache", action=argparse.BooleanOptionalAction,
+                   default=None,
+                   help="salt each user's prefix-cache chain, so nobody learns from a faster "
+                        "first token what another user sent (default: on when the server has "
+                        "a key or listens beyond this machine, off for one user)")
     g.add_argument("--max-sessions", type=int, default=256,
                    help="browser/API sessions Gradio keeps in memory (the oldest go first)")
 

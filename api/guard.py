@@ -38,7 +38,8 @@ from .limits import Limits, Pools, default_pools, trim_heap
 COOKIE = "glassbox_session"
 # open without the key: the login page, health, and the call Gradio makes to itself at launch
 # (it runs the startup events once; idempotent)
-OPEN_PATHS = ("/login", "/health", "/ping", "/version", "/metrics", "/gradio_api/startup-events")
+# (/metrics is not: its prefix-cache counters tell whether another user's prompt was cached)
+OPEN_PATHS = ("/login", "/health", "/ping", "/version", "/gradio_api/startup-events")
 AUTH_SCOPE_KEY = "glassbox.auth"     # set in the ASGI scope: how the request authenticated
 LOGIN_MAX_BYTES = 4096
 STATE_CHANGING = ("POST", "PUT", "PATCH", "DELETE")

@@ -62,7 +62,7 @@ def test_version_answers_without_a_key(served):
 
 
 def test_metrics_parse_and_count_requests_tokens_and_latencies(served):
-    before = _families(httpx.get(served.url + "/metrics").text)
+    before = _families(httpx.get(served.url + "/metrics", headers=served.headers).text)
     model = served.model
     n_before = _value(before, "vllm:generation_tokens", "vllm:generation_tokens_total",
                       default=0.0, model_name=model)
@@ -72,7 +72,7 @@ def test_metrics_parse_and_count_requests_tokens_and_latencies(served):
         r = served.post("/v1/completions", {"prompt": prompt, "max_tokens": 5,
                                             "ignore_eos": True})
         assert r.status_code == 200
-    resp = httpx.get(served.url + "/metrics")
+    resp = httpx.get(served.url + "/metrics", headers=served.headers)
     assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/plain")
     fams = _families(resp.text)
     assert _value(fams, "vllm:generation_tokens", "vllm:generation_tokens_total",

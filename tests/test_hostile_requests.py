@@ -230,6 +230,10 @@ def prefix_cache_privacy(s: Server):
         s.llm.finish_listeners.remove(listen)
     assert cached[ids[1]] > 0, "a user's own repeat should reuse its cached prefix"
     assert cached[ids[2]] == 0, "another user's request reused the first user's cached blocks"
+    # the prefix cache's counters say whether a guess hit: not without the key
+    openai_error(httpx.get(s.url + "/metrics", timeout=10), 401)
+    r = httpx.get(s.url + "/metrics", headers=AUTH, timeout=10)
+    assert r.status_code == 200 and "vllm:prefix_cache_hits" in r.text
 
 
 CASES = [clamp_overflow, counted_repetition, cost_caps, tokenize_size, trace_ownership,
