@@ -293,26 +293,16 @@ def test_attention_tune_checks_each_variant_against_the_reference(capsys, triton
             DA.WIDE_FROM_PROGRAMS) == before
 
 
-def test_attention_splits_checks_each_split_count_and_merge_and_restores_the_merge(capsys, triton_interpreter):
-    from bench import attention_splits
-    from engine.kernels import decode_attention as DA
-    before = DA.MERGE_HEADS_TOGETHER
-    attention_splits.main(["--smoke"])
-    out = capsys.readouterr().out
-    assert "| per head |" in out and "| heads together |" in out and "off by" not in out
-    assert DA.MERGE_HEADS_TOGETHER == before
-
-
 def test_decode_chain_runs_every_family_of_variants_tiny_and_restores_what_it_touched(capsys, triton_interpreter):
     from bench import decode_chain
     from engine.kernels import decode_attention as DA
-    before = (dict(DA.SPLIT_LAUNCH), DA.SKIP_UNUSED_SPLITS, decode_chain.LAYERS, decode_chain.HIDDEN)
+    before = (dict(DA.SPLIT_LAUNCH), decode_chain.LAYERS, decode_chain.HIDDEN)
     decode_chain.main(["--smoke"])
     out = capsys.readouterr().out
     for row in ("whole chain:", "| attn |", "whole weight tile", "wider programs", "attention 2 splits",
-                "split tiles", "exit at once: False", "epilogue: False"):
+                "split tiles", "epilogue: False"):
         assert row in out, row
-    assert (dict(DA.SPLIT_LAUNCH), DA.SKIP_UNUSED_SPLITS, decode_chain.LAYERS, decode_chain.HIDDEN) == before
+    assert (dict(DA.SPLIT_LAUNCH), decode_chain.LAYERS, decode_chain.HIDDEN) == before
 
 
 def test_attention_ab_runs_tiny_on_cpu_and_restores_the_launch_table():

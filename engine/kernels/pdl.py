@@ -26,8 +26,6 @@ import triton
 import triton.language as tl
 
 ENABLED = os.environ.get("GLASSBOX_PDL", "1") != "0"
-# the skinny GEMM issues its first weight chunk's loads before the wait (weights are constant)
-PREFETCH_WEIGHTS = os.environ.get("GLASSBOX_PDL_PREFETCH", "1") != "0"
 
 
 @functools.lru_cache(maxsize=None)
