@@ -13,6 +13,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 import torch
 
+from .kernel_config import KernelConfig
 from .step_inputs import StepInputs
 from .step_output import StepOutput
 
@@ -23,6 +24,7 @@ class Runner(Protocol):
     model: torch.nn.Module | None       # rank 0's module (None after shutdown)
     kv_cache: torch.Tensor | None       # [2, layers, blocks, block_size, kv_heads, head_dim]
     device: torch.device
+    kernel_config: KernelConfig         # the kernel choices every rank runs with
 
     @property
     def num_params(self) -> int:

@@ -703,11 +703,10 @@ def test_cpu_store_kvcache_equals_reference():
     torch.testing.assert_close(caches[0], caches[1], rtol=0, atol=0)
 
 
-def test_pdl_is_never_used_on_the_cpu_or_when_turned_off(monkeypatch):
+def test_pdl_is_never_used_on_the_cpu_or_when_turned_off():
     """The interpreter has no griddepcontrol: a CPU tensor never asks for PDL, whatever the
-    switch says; on a GPU, GLASSBOX_PDL=0 (ENABLED False) turns it off before any device query."""
+    launcher is told; on a GPU, pdl=False (KernelConfig.pdl) turns it off before any device query."""
     from engine.kernels import pdl
     assert not pdl.use_pdl(torch.randn(3))
-    monkeypatch.setattr(pdl, "ENABLED", False)
     fake_cuda = type("T", (), {"is_cuda": True})()  # must not reach the capability query
-    assert not pdl.use_pdl(fake_cuda)
+    assert not pdl.use_pdl(fake_cuda, enabled=False)

@@ -15,7 +15,6 @@ and step. Calls sharing a key must run on one stream, one after another (as laye
 """
 import functools
 import math
-import os
 
 import torch
 import torch.nn.functional as F
@@ -49,8 +48,6 @@ SPLIT_WIDE_MIN_TOKENS = 512     # context bound per split from which a split tak
 # where the context-bounded graphs came in: bench/RESULTS.md, "Decode graphs bounded to a
 # shorter context").
 MIN_SPLIT_TOKENS = 32
-# context bounds decode graphs are captured at (context_caps); GLASSBOX_ATTN_CONTEXT_CAPS="" none
-CONTEXT_CAPS = tuple(int(c) for c in os.environ.get("GLASSBOX_ATTN_CONTEXT_CAPS", "256,512,1024,2048").split(",") if c)
 MERGE_CHUNK_ELEMS = 8192    # fp32 partials a merge chunk holds (64 a thread at 4 warps)
 _WORKSPACES: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
@@ -220,10 +217,12 @@ def _combine_splits_kernel(
     tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
-def combine_splits(part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor) -> None:
-    """Merge split partials [R, H, S, D] + lse [R, H, S] (log2 domain) into out [R, H, D]."""
+def combine_splits(part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor,
+                   pdl: bool = True) -> None:
+    """Merge split partials [R, H, S, D] + lse [R, H, S] (log2 domain) into out [R, H, D] (the
+    prefill kernel's splits; decode merges inside its own kernel)."""
     rows, heads, splits, head_dim = part_out.shape
-    pdl = use_pdl(out)
+    pdl = use_pdl(out, pdl)
     _combine_splits_kernel[(rows * heads,)](
         part_out, part_lse, out, splits, heads, out.stride(0), out.stride(1),
         HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
@@ -235,7 +234,7 @@ def combine_splits(part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Te
 def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
     """Enough programs for ~2 waves on the GPU (one from WIDE_FROM_PROGRAMS pairs), but no split
     shorter than MIN_SPLIT_TOKENS.
-    max_context bounds every row's context: the block table's width, or a graph's CONTEXT_CAPS."""
+    max_context bounds every row's context: the block table's width, or a graph's context cap."""
     programs = max(1, batch * num_kv_heads)
     waves = 1 if programs >= WIDE_FROM_PROGRAMS else WAVES
     want = triton.cdiv(waves * num_sms(device), programs)
@@ -254,16 +253,18 @@ def launch_config(programs: int, num_splits: int, bound: int) -> dict:
     return dict(SPLIT_LAUNCH)
 
 
-def context_caps(batch: int, num_kv_heads: int, max_context: int, device: torch.device) -> list[int]:
-    """The context bounds below max_context that would launch fewer splits at this batch, the
-    largest one per split count, ascending. A decode graph is captured once per bound (plus the
+def context_caps(batch: int, num_kv_heads: int, max_context: int, device: torch.device,
+                 caps: tuple[int, ...]) -> list[int]:
+    """Of `caps` (KernelConfig.attn_context_caps, ascending), the context bounds below
+    max_context that would launch fewer splits at this batch, the largest one per split count,
+    ascending. A decode graph is captured once per bound (plus the
     unbounded one) and a step replays the smallest that holds its longest context: the grid is
     fixed inside a graph, and at a short context most of a long context's splits hold nothing
     yet still cost their launch (one H200, batch 1, 256 tokens: 32 splits 5.1 us a layer at
     Qwen3-0.6B shapes and 13.3 at Qwen3-30B-A3B's, 8 splits 4.0 and 8.1)."""
     full = choose_num_splits(batch, num_kv_heads, max_context, device)
     by_splits: dict[int, int] = {}
-    for cap in CONTEXT_CAPS:
+    for cap in caps:
         n = choose_num_splits(batch, num_kv_heads, cap, device)
         if cap < max_context and n < full:
             by_splits[n] = cap
@@ -293,6 +294,7 @@ def paged_decode_attention(
     num_splits: int | None = None,    # None: chosen from shapes (tests force a value)
     max_context: int | None = None,   # a bound on every context_lens value (graphs: the capture's cap)
     launch: dict | None = None,       # None: launch_config's; else BLOCK_N, num_warps, num_stages (benches)
+    pdl: bool = True,                 # launch with PDL where the GPU has it (KernelConfig.pdl)
 ) -> torch.Tensor:
     batch, num_q_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
@@ -316,7 +318,7 @@ def paged_decode_attention(
         part_out, part_lse, counters = _workspace(q.device, batch, num_q_heads, num_kv_heads, head_dim, num_splits)
     if launch is None:
         launch = launch_config(batch * num_kv_heads, num_splits, bound)
-    pdl = use_pdl(q)
+    pdl = use_pdl(q, pdl)
     block_d = max(16, triton.next_power_of_2(head_dim))
     merge_g = max(2, triton.next_power_of_2(group))
     chunk_s = max(1, min(triton.next_power_of_2(num_splits), MERGE_CHUNK_ELEMS // (merge_g * block_d)))

@@ -308,7 +308,7 @@ def _router_route_kernel(
 def route_hidden(
     x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, norm_topk_prob: bool,
     counts: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-    bias: torch.Tensor | None = None, tile: tuple[int, int, int] | None = None,
+    bias: torch.Tensor | None = None, tile: tuple[int, int, int] | None = None, pdl: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """route(F.linear(x, gate_weight), ...) in one launch for decode batches (N <= FUSED_MAX_TOKENS):
     programs over (expert rows, token tiles) compute the logits, and the last program to finish
@@ -316,15 +316,16 @@ def route_hidden(
     GEMM's own launch per MoE layer. x [N, H], gate_weight [E, H] (unit stride along H).
     Graph-safe: fixed grid, no host sync; the counts reset themselves. `bias` [N, E] fp32
     (contiguous) is added to the logits before the softmax (interventions mask experts).
-    `tile` = (tokens, experts, warps) a program overrides router_tile (bench/router.py only)."""
-    return _route_hidden(x, gate_weight, top_k, norm_topk_prob, counts, out, bias, tile)[:3]
+    `tile` = (tokens, experts, warps) a program overrides router_tile (benches only). `pdl`:
+    launch with PDL where the GPU has it (KernelConfig.pdl)."""
+    return _route_hidden(x, gate_weight, top_k, norm_topk_prob, counts, out, bias, tile, pdl)[:3]
 
 
 def norm_route_hidden(
     hidden: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
     gate_weight: torch.Tensor, top_k: int, norm_topk_prob: bool, counts: torch.Tensor,
     out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-    bias: torch.Tensor | None = None, tile: tuple[int, int, int] | None = None,
+    bias: torch.Tensor | None = None, tile: tuple[int, int, int] | None = None, pdl: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The post-attention norm and the router in one launch: (probs, topk weights, topk ids,
     normed, residual_out) with normed, residual_out = fused_add_rms_norm(hidden, residual,
@@ -336,11 +337,11 @@ def norm_route_hidden(
                          f"(dtype and unit stride along H)")
     if norm_weight.shape != (hidden.shape[1],) or not norm_weight.is_contiguous():
         raise ValueError(f"norm_weight must be contiguous [{hidden.shape[1]}]")
-    return _route_hidden(hidden, gate_weight, top_k, norm_topk_prob, counts, out, bias, tile,
+    return _route_hidden(hidden, gate_weight, top_k, norm_topk_prob, counts, out, bias, tile, pdl,
                          (residual, norm_weight, float(eps)))
 
 
-def _route_hidden(x, gate_weight, top_k, norm_topk_prob, counts, out, bias, tile, norm=None):
+def _route_hidden(x, gate_weight, top_k, norm_topk_prob, counts, out, bias, tile, pdl, norm=None):
     """route_hidden, with the post-attention norm folded in when `norm` = (residual, weight, eps)."""
     num_tokens, hidden = x.shape
     num_experts = gate_weight.shape[0]
@@ -362,7 +363,7 @@ def _route_hidden(x, gate_weight, top_k, norm_topk_prob, counts, out, bias, tile
         raise ValueError(f"bias must be contiguous fp32 [{num_tokens}, {num_experts}]")
     logits = torch.empty(num_tokens, num_experts, dtype=torch.float32, device=dev)
     e_p2 = triton.next_power_of_2(num_experts)
-    pdl = use_pdl(x)
+    pdl = use_pdl(x, pdl)
     # the GEMV accumulator [BLOCK_E, BLOCK_T, BLOCK_K] stays within 8192 fp32 (64 a thread at 4 warps)
     block_k = min(512 if x.element_size() <= 2 else 256, 8192 // (block_e * block_t),
                   triton.next_power_of_2(hidden))

@@ -359,7 +359,7 @@ def gated_config(cfg: SkinnyConfig) -> SkinnyConfig:
 
 
 def _launch(x2, weight, bias, config, mode=X_PLAIN, residual=None, norm_weight=None, eps=0.0,
-            residual_out=None, sumsq=None, gated=False, wide=False) -> torch.Tensor:
+            residual_out=None, sumsq=None, gated=False, wide=False, pdl=True) -> torch.Tensor:
     """out [M, N] = prologue(x2) @ weight^T (+ bias); x2 is [M, K]. gated: weight is [2N, K]
     and out = silu(prologue(x2) @ weight[:N]^T) * (prologue(x2) @ weight[N:]^T)."""
     N, K = weight.shape
@@ -392,7 +392,7 @@ def _launch(x2, weight, bias, config, mode=X_PLAIN, residual=None, norm_weight=N
     b = bias if bias is not None else out  # placeholder pointers, never read
     res = residual if residual is not None else x2
     res_out = residual_out if residual_out is not None else x2
-    pdl = use_pdl(x2)
+    pdl = use_pdl(x2, pdl)
     _skinny_kernel[grid](
         x2, weight, b, out, ws, res, norm_weight if norm_weight is not None else x2, res_out,
         sumsq if sumsq is not None else ws,
@@ -424,10 +424,11 @@ def skinny_linear(
     weight: torch.Tensor,  # [N, K], unit stride along K (row slices and column slices are fine)
     bias: torch.Tensor | None = None,  # [N]
     config: SkinnyConfig | None = None,  # None: pick_config(M, N, K)
+    pdl: bool = True,      # launch with PDL where the GPU has it (KernelConfig.pdl)
 ) -> torch.Tensor:         # [..., N], x.dtype
     _check_operands(x, weight, bias, weight.shape[1] if weight.dim() == 2 else -1)
     N, K = weight.shape
-    out = _launch(_rows(x, K), weight, bias, config)
+    out = _launch(_rows(x, K), weight, bias, config, pdl=pdl)
     if K == 0:  # empty sum: the bias alone
         _empty_k(out, bias)
     return out.reshape(*x.shape[:-1], N)
@@ -444,6 +445,7 @@ def rms_norm_linear(
     config: SkinnyConfig | None = None,
     factored: bool = False,  # scale the product by 1/rms instead of x (skinny_prologue.py)
     gated: bool = False,     # weight is a merged [2N, K] gate_up: return silu(gate) * up [M, N]
+    pdl: bool = True,        # launch with PDL where the GPU has it (KernelConfig.pdl)
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual) @ weight^T + bias, x + residual) in one launch (two with split-K):
     fused_add_rms_norm followed by skinny_linear, without the normed rows ever in memory. With
@@ -474,7 +476,7 @@ def rms_norm_linear(
                         bias), residual_out
     out = _launch(x2, weight, bias, config, X_RMSNORM_FACTORED if factored else X_RMSNORM, r2, norm_weight.contiguous(), eps,
                   residual_out if r2 is not None else None, sumsq, gated,
-                  wide=not gated)
+                  wide=not gated, pdl=pdl)
     return out, residual_out
 
 

@@ -21,14 +21,15 @@ def use_skinny(m: int, n: int) -> bool:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           after_attention: bool = False) -> torch.Tensor:
+           after_attention: bool = False, pdl: bool = True) -> torch.Tensor:
     """after_attention: the projection of decode attention's output (o_proj), whose one-row GEMV
-    requests its whole weight tile before the PDL wait (skinny_gemm.whole_tile_config)."""
+    requests its whole weight tile before the PDL wait (skinny_gemm.whole_tile_config). pdl: the
+    skinny GEMM launches with PDL where the GPU has it (KernelConfig.pdl)."""
     if (x.is_cuda and x.dim() == 2 and use_skinny(x.shape[0], weight.shape[0])
             and x.dtype == weight.dtype and x.shape[0] > 0):
         from ..kernels import skinny_gemm as sg
         config = None
         if after_attention and x.shape[0] == 1:
             config = sg.whole_tile_config(weight.shape[0], weight.shape[1], x.element_size())
-        return sg.skinny_linear(x, weight, bias, config=config)
+        return sg.skinny_linear(x, weight, bias, config=config, pdl=pdl)
     return F.linear(x, weight, bias)

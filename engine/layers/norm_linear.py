@@ -39,12 +39,13 @@ def norm_linear(norm: RMSNorm, layer: LinearBase, x: torch.Tensor,
     if fuses(x, layer):
         from ..kernels.skinny_gemm import rms_norm_linear
         swiglu = gated and layer.bias is None
+        pdl = layer.kernels.pdl
         out, residual = rms_norm_linear(x, layer.weight, norm.weight, norm.eps, residual, layer.bias,
-                                        sumsq, factored=True, gated=swiglu)
-        return (silu_and_mul(out) if gated and not swiglu else out), residual
+                                        sumsq, factored=True, gated=swiglu, pdl=pdl)
+        return (silu_and_mul(out, pdl) if gated and not swiglu else out), residual
     if residual is None:
         out, residual = layer(norm(x, sumsq=sumsq)), x
     else:
         h, residual = norm(x, residual, sumsq)
         out = layer(h)
-    return (silu_and_mul(out) if gated else out), residual
+    return (silu_and_mul(out, layer.kernels.pdl) if gated else out), residual
