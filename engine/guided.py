@@ -107,17 +107,6 @@ def make_matcher(tokenizer, vocab_size: int, eos_ids, grammar: str) -> Grammar:
     return Grammar(m, vocab_size)
 
 
-def fill_bitmask(grammars: list) -> np.ndarray:
-    """[rows, ceil(vocab / 32)] int32: bit t of row r set = token t allowed; rows whose grammar
-    is None allow everything. (The engine fills a reused buffer: grammar_masks.GrammarMasks.)"""
-    vocab = next(g.vocab_size for g in grammars if g is not None)
-    mask = np.full((len(grammars), (vocab + 31) // 32), -1, dtype=np.int32)
-    for r, g in enumerate(grammars):
-        if g is not None:
-            g.fill(mask[r].view(np.uint32))
-    return mask
-
-
 _POW2: dict = {}
 
 
