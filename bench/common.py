@@ -539,3 +539,36 @@ def finish_cli(rows: list[dict], title: str, json_path: str | None) -> None:
     print_rows(rows, title)
     if json_path:
         Path(json_path).write_text(json.dumps(rows, indent=2))
+
+
+# ---------------------------------------------------------------- Triton compiles
+
+class CompileLog:
+    """Triton's JIT hooks: every kernel compiled (or loaded from the disk cache) in-process."""
+
+    def __init__(self):
+        self.entries: list[tuple[str, float]] = []
+        self._started: dict[int, float] = {}
+        try:
+            from triton import knobs
+        except ImportError:         # a Triton without knobs: nothing is logged
+            return
+        knobs.runtime.jit_cache_hook = self._before
+        knobs.runtime.jit_post_compile_hook = self._after
+
+    def _before(self, *args, **kw):
+        self._started[id(kw.get("key"))] = time.perf_counter()
+        return False                # False: go on and compile
+
+    def _after(self, *args, **kw):
+        t = self._started.pop(id(kw.get("key")), None)
+        name = str(kw.get("repr") or kw.get("key")).split("[", 1)[0]
+        self.entries.append((name, time.perf_counter() - t if t is not None else 0.0))
+        return False
+
+    def close(self) -> None:
+        try:
+            from triton import knobs
+            knobs.runtime.jit_cache_hook = knobs.runtime.jit_post_compile_hook = None
+        except ImportError:
+            pass

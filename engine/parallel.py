@@ -7,8 +7,9 @@ shared-memory broadcast ring (shm_broadcast.py: no pickled queue, no feeder thre
 path) and runs it itself at the same time; the collectives inside the forward keep them in
 step. Workers get rank 0's KernelConfig with their start-up arguments, so every rank runs the
 same kernels whatever its environment. Every rank samples the same tokens from the gathered
-logits, so the next step's pending input ids are already on every device. The driver offers exactly the Runner protocol
-(engine/runner.py), and a worker runs only its commands listed in WORKER_COMMANDS.
+logits, so the next step's pending input ids are already on every device. The driver offers
+exactly the Runner protocol (engine/runner.py), and a worker runs only its commands listed in
+WORKER_COMMANDS.
 
 Failure handling: a worker reports an exception on a result queue; rank 0 checks the workers
 whenever it waits (start-up, a slot of the ring, the end of a step), so a worker that dies at

@@ -4,9 +4,10 @@ Flash-decoding: the grid is (batch, kv_head, split). One program holds every que
 shares a KV head (GQA packing, padded to 16 rows so tl.dot applies), walks its slice of the
 context through the block table, and writes a partial output plus its log-sum-exp; the split
 that finishes last for its (sequence, kv head) merges them, all of the KV head's query heads at
-once, with no second launch. The split count depends on shapes only (batch, KV heads, block-table width, SM
-count), never on context values, so the call can be captured in a CUDA graph; each split then
-takes an equal share of the *runtime* context length, rounded to whole tiles.
+once, with no second launch. The split count depends on shapes only (batch, KV heads,
+block-table width, SM count), never on context values, so the call can be captured in a CUDA
+graph; each split then takes an equal share of the *runtime* context length, rounded to whole
+tiles.
 
 Scratch (fp32 partial outputs + lse, int32 arrival counters) lives in a module-level cache keyed
 by (device, batch, num_q_heads, num_kv_heads, head_dim, num_splits): allocated on first use (also
@@ -24,8 +25,8 @@ import triton.language as tl
 from .pdl import use_pdl, wait_prior
 
 MAX_SPLITS = 32
-# launch parameters (bench/attention_tune.py sweeps them on the GPU): the direct path (one
-# program per sequence and KV head walks the whole context) and the split path
+# launch parameters (bench/diagnostics/attention_tune.py sweeps them on the GPU): the direct
+# path (one program per sequence and KV head walks the whole context) and the split path
 # (one H200, Qwen3-0.6B shapes, 2026-12-03: three stages instead of two and 128-token tiles
 # past 1,024 programs made a call 4-10 % faster at batch 64-256 and 1,024 tokens of context, the
 # KV read at 3.3-4.1 TB/s; the throughput workload end to end +0.2 %, inside its noise:
@@ -37,10 +38,10 @@ SPLIT_LAUNCH = dict(BLOCK_N=32, num_warps=4, num_stages=2)
 WAVES = 2           # choose_num_splits: programs for about this many waves of the GPU's SMs
 # From this many programs (batch x KV heads) on, one wave instead of WAVES and 128-token tiles:
 # the direct path from one program per SM, and a split path whose splits hold >= 512 tokens of
-# the context bound. One H200, contexts 512-1,536 (bench/attention_tune.py, 2026-12-04,
-# an earlier session's run whose raw logs did not survive): Qwen3-30B-A3B shapes (32/4 heads)
-# batch 32 / 64 / 128, 32.5 / 49.5 / 90.1 -> 22.5 / 40.3 / 77.7 us a call; Qwen3-0.6B batch 32,
-# 46.3 -> 38.0. Below it (batch 1..) nothing changes.
+# the context bound. One H200, contexts 512-1,536 (bench/diagnostics/attention_tune.py,
+# 2026-12-04, an earlier session's run whose raw logs did not survive): Qwen3-30B-A3B shapes
+# (32/4 heads) batch 32 / 64 / 128, 32.5 / 49.5 / 90.1 -> 22.5 / 40.3 / 77.7 us a call;
+# Qwen3-0.6B batch 32, 46.3 -> 38.0. Below it (batch 1..) nothing changes.
 WIDE_FROM_PROGRAMS = 128
 SPLIT_WIDE_LAUNCH = dict(BLOCK_N=128, num_warps=4, num_stages=3)
 SPLIT_WIDE_MIN_TOKENS = 512     # context bound per split from which a split takes SPLIT_WIDE_LAUNCH
@@ -94,7 +95,7 @@ def _decode_split_kernel(
     # only the splits that hold tokens (one when the context is empty: it writes the zeros).
     # (One H200, Qwen3-0.6B batch-1 decode chain at 256 tokens: 32 splits of which 8 hold tokens;
     # leaving the other 24 out of the merge took 780 -> 749 us a step, their exiting at once
-    # before the wait another 9 us: bench/decode_chain.py, bench/results/2026-12-03c-*.)
+    # before the wait another 9 us: bench/diagnostics/decode_chain.py, bench/results/2026-12-03c-*.)
     n_used = tl.maximum(tl.cdiv(tiles, tl.maximum(tiles_per_split, 1)), 1)
     # the splits past the context exit here, before the wait: they hold no tokens
     if split < n_used:
@@ -293,7 +294,7 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,  # [B, Hq, D]
     num_splits: int | None = None,    # None: chosen from shapes (tests force a value)
     max_context: int | None = None,   # a bound on every context_lens value (graphs: the capture's cap)
-    launch: dict | None = None,       # None: launch_config's; else BLOCK_N, num_warps, num_stages (benches)
+    launch: dict | None = None,       # None: launch_config's; else BLOCK_N, num_warps, num_stages
     pdl: bool = True,                 # launch with PDL where the GPU has it (KernelConfig.pdl)
 ) -> torch.Tensor:
     batch, num_q_heads, head_dim = q.shape

@@ -3,8 +3,8 @@
 The kernels route one token a program (the fused router: one or two) and find the top-k by k
 passes of max-and-mask over the E logits: at a decode batch of 128 that is 128 programs of one
 warp each, every reduction inside the warp, instead of 8 programs ranking 16 x 128 x 128 pairs
-(127 µs a layer on an H200, bench/RESULTS.md 2026-12-01). The kernel that ranked every pair is
-kept as bench/router.py's baseline in bench/router_baseline.py; both select the same experts."""
+(127 µs a layer on an H200, bench/RESULTS.md 2026-12-01; the old kernel against this one at
+128 tokens, 59.6 -> 8.4 µs a layer, in bench/RESULTS.md 2026-12-02)."""
 
 import torch
 import triton
@@ -134,7 +134,7 @@ def _alloc_out(num_tokens: int, num_experts: int, top_k: int, dev, out):
 def _route_triton(router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool, out=None,
                   block_t: int = 1, num_warps: int | None = None):
     """One program per `block_t` tokens (1 by default: a batch of 128 is 128 programs, not 8).
-    `block_t` / `num_warps` are knobs for bench/router.py; the engine takes the defaults."""
+    `block_t` / `num_warps` are knobs for tests and benches; the engine takes the defaults."""
     num_tokens, num_experts = router_logits.shape
     probs, weights, ids = _alloc_out(num_tokens, num_experts, top_k, router_logits.device, out)
     if num_tokens == 0:
@@ -207,7 +207,7 @@ def router_tile(num_tokens: int) -> tuple[int, int, int]:
     64 is routed by 32 programs side by side instead of 8. One warp: the tail's 2k reductions
     are then warp shuffles (at 4 warps each one also crosses shared memory behind a barrier,
     ~30 barriers a tail), and a [2, 2, 512] GEMV tile is 64 accumulators a thread.
-    bench/router.py --sweep times the alternatives."""
+    bench/diagnostics/moe_chain.py times other tiles in the batch-1 MoE step."""
     return (1 if num_tokens == 1 else 2), 2, 1
 
 

@@ -44,12 +44,13 @@ from .skinny_prologue import X_PLAIN, X_RMSNORM, X_RMSNORM_FACTORED, row_rstd, x
 
 # Wider one-row programs (pick_config's `wide`) for the fused-norm GEMV without the SwiGLU
 # epilogue only (the decoder's QKV projection at batch 1). One H200, Qwen3-0.6B, batch-1 decode
-# chain rebuilt in one graph (bench/decode_chain.py, 2026-12-03): the wider QKV programs -35.6 us
-# a step of 723; for gate_up (gated), down_proj and o_proj they were slower or even, and all
-# together -11 (engine: 1,317 -> 1,308 tok/s with all; bench/RESULTS.md, 2026-12-03 third session).
-# ... and only where K (the hidden size) is at most this: at Qwen3-30B-A3B's QKV (K = 2,048)
-# the narrow programs were faster (bench/moe_chain.py, one H200, 2026-12-04: 2,510 -> 2,450 us a
-# step; an earlier session's device run whose raw log did not survive).
+# chain rebuilt in one graph (bench/diagnostics/decode_chain.py, 2026-12-03): the wider QKV
+# programs -35.6 us a step of 723; for gate_up (gated), down_proj and o_proj they were slower or
+# even, and all together -11 (engine: 1,317 -> 1,308 tok/s with all; bench/RESULTS.md, 2026-12-03
+# third session). ... and only where K (the hidden size) is at most this: at Qwen3-30B-A3B's QKV
+# (K = 2,048) the narrow programs were faster (bench/diagnostics/moe_chain.py, one H200,
+# 2026-12-04: 2,510 -> 2,450 us a step; an earlier session's device run whose raw log did not
+# survive).
 WIDE_MAX_K = 1024
 MAX_M = 16  # the DOT path pads x to 16 rows; beyond that an ordinary GEMM tiling is the right tool
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -86,8 +87,9 @@ def fma_acc_regs(cfg: SkinnyConfig, M: int) -> int:
 
 def pick_config(M: int, N: int, K: int, elem_size: int = 2, num_sms: int = 132,
                 wide: bool = False) -> SkinnyConfig:
-    """Heuristic for an H200 (132 SMs, ~4.1 TB/s copy), read off `bench/skinny_gemm.py --wide` at
-    the Qwen3 decode shapes (N 1024..151936, K 1024..4096) for M = 1, 2, 4, 8 in bf16.
+    """Heuristic for an H200 (132 SMs, ~4.1 TB/s copy), read off
+    `bench/diagnostics/skinny_gemm.py --wide` at the Qwen3 decode shapes (N 1024..151936,
+    K 1024..4096) for M = 1, 2, 4, 8 in bf16.
 
     A weight stream needs ~4 MB in flight chip-wide (Little's law: ~4 TB/s x ~1 us), i.e. tens
     of KB per SM. The FMA path gets there with many small programs (no shared memory, several per
@@ -139,12 +141,14 @@ def pick_config(M: int, N: int, K: int, elem_size: int = 2, num_sms: int = 132,
 
 # The GEMV after decode attention (o_proj) requests its whole weight tile before the PDL wait:
 # attention's tail (its merge) is long enough to hide it. One H200, Qwen3-0.6B batch-1 decode
-# chain (bench/decode_chain.py, 2026-12-03): -14.1 / -13.8 us a step at 256 / 1,024 tokens; the
-# same for the other GEMVs was slower or even (bench/RESULTS.md, 2026-12-03 third session,
-# "Measured and not taken", then fourth session, "o_proj's whole weight tile before the PDL wait").
+# chain (bench/diagnostics/decode_chain.py, 2026-12-03): -14.1 / -13.8 us a step at 256 / 1,024
+# tokens; the same for the other GEMVs was slower or even (bench/RESULTS.md, 2026-12-03 third
+# session, "Measured and not taken", then fourth session, "o_proj's whole weight tile before the
+# PDL wait").
 # Up to this K (a program's whole tile of one-row FMA programs stays in registers): at
-# Qwen3-30B-A3B's o_proj (K = 4,096) the pipelined plain config was faster (bench/moe_chain.py,
-# one H200, 2026-12-04: -31 us a step); Qwen3-0.6B's (K = 2,048) keeps its -14 us.
+# Qwen3-30B-A3B's o_proj (K = 4,096) the pipelined plain config was faster
+# (bench/diagnostics/moe_chain.py, one H200, 2026-12-04: -31 us a step); Qwen3-0.6B's
+# (K = 2,048) keeps its -14 us.
 WHOLE_TILE_MAX_K = 2048
 
 

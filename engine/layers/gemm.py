@@ -3,9 +3,9 @@ decode-sized batches on the GPU.
 
 At M = 1 cuBLAS streams a Qwen3-0.6B projection at 0.7-3 TB/s (its split-K variants add a
 reduce kernel); the skinny kernel reaches 2-4.4 TB/s, which cut the GEMM time of a batch-1
-decode step from ~943 to ~546 us on an H200 (`python bench/skinny_gemm.py`). From M = 2 to 8 it
-wins only on narrow outputs (o_proj, down_proj, N <= 2048) and on the LM head; elsewhere cuBLAS's
-tensor-core tiles are as fast or faster, so those stay with F.linear.
+decode step from ~943 to ~546 us on an H200 (`python bench/diagnostics/skinny_gemm.py`). From
+M = 2 to 8 it wins only on narrow outputs (o_proj, down_proj, N <= 2048) and on the LM head;
+elsewhere cuBLAS's tensor-core tiles are as fast or faster, so those stay with F.linear.
 """
 from __future__ import annotations
 

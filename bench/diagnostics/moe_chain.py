@@ -1,7 +1,7 @@
-"""Where a Qwen3-30B-A3B batch-1 decode step's GPU time goes (bench/decode_chain.py for MoE).
+"""Where a Qwen3-30B-A3B batch-1 decode step's GPU time goes (bench/diagnostics/decode_chain.py for MoE).
 
-    python bench/moe_chain.py [--context 256] [--replays 20]
-    TRITON_INTERPRET=1 python bench/moe_chain.py --smoke   # CPU, tiny shapes: does it still run
+    python bench/diagnostics/moe_chain.py [--context 256] [--replays 20]
+    TRITON_INTERPRET=1 python bench/diagnostics/moe_chain.py --smoke   # CPU, tiny shapes: does it still run
 
 The engine's batch-1 MoE decode step, rebuilt from its own kernels at Qwen3-30B-A3B shapes (48
 layers, random bf16 weights generated on the GPU — ~58 GB of experts — and a paged KV cache of
@@ -20,11 +20,11 @@ import sys
 from pathlib import Path
 
 if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch
 
-from bench.decode_chain import chain_cli, one_sequence
+from bench.diagnostics.decode_chain import chain_cli, one_sequence
 from engine.kernels import decode_attention as DA
 from engine.kernels import moe_routing as MR
 from engine.kernels import skinny_gemm as SG

@@ -1,7 +1,7 @@
 """Where a batch-1 decode step's GPU time goes, now that its kernels overlap (PDL).
 
-    python bench/decode_chain.py [--context 256] [--replays 20]
-    TRITON_INTERPRET=1 python bench/decode_chain.py --smoke   # CPU, tiny shapes: does it still run
+    python bench/diagnostics/decode_chain.py [--context 256] [--replays 20]
+    TRITON_INTERPRET=1 python bench/diagnostics/decode_chain.py --smoke   # CPU, tiny shapes: does it still run
 
 The engine's batch-1 decode graph is ~200 kernels in a row, each launched with programmatic
 dependent launch, so a profiler's per-kernel durations overlap and no longer add up to the
@@ -27,7 +27,7 @@ import sys
 from pathlib import Path
 
 if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch
 import triton
@@ -184,7 +184,7 @@ def time_eager(fn, replays: int) -> float:
 
 
 def chain_cli(argv, description: str, shapes: dict, smoke_shapes: dict, build, run) -> None:
-    """The command line of both chain benches (this one, bench/moe_chain.py): on the GPU, `build`
+    """The command line of both chain benches (this one, bench/diagnostics/moe_chain.py): on the GPU, `build`
     (context, device, dtype) then `run`(args, chain, time_graph, smoke=False); with --smoke, the
     module's shape constants (`shapes`: its globals()) swapped for `smoke_shapes` for the run and
     restored after, on the CPU in fp32 and timed eagerly."""
