@@ -362,17 +362,6 @@ def test_moe_chain_runs_every_family_of_variants_tiny_and_restores_its_shapes(ca
     assert (moe_chain.LAYERS, moe_chain.HIDDEN, moe_chain.EXPERTS) == before
 
 
-def test_interventions_runs_tiny_on_cpu():
-    from bench.diagnostics import interventions
-    rows = interventions.main("qwen3-0.6b", "cpu", num_requests=3, tput_repeats=1, lat_repeats=1,
-                              tiny=True, floors=False)
-    _assert_no_errors(rows)
-    got = _by_metric(rows, "glassbox")
-    _assert_positive(got, ["ms_per_token[none]", "ms_per_token[ablate_heads]", "output_tok_s[none]",
-                           "output_tok_s[steer]"])
-    assert math.isfinite(got["decode_slowdown_pct[steer]"])
-
-
 def test_skinny_gemm_smoke_checks_its_configs_against_f_linear(capsys, triton_interpreter):
     from bench.diagnostics import skinny_gemm
     skinny_gemm.smoke()
