@@ -400,6 +400,8 @@ def build_engine(name: str, device: torch.device, dtype: torch.dtype | None = No
     llm = LLM(str(model_dir(name)), device=str(device), dtype=dtype, load_format=load_format,
               **kwargs)
     log(f"glassbox {name} ready in {time.perf_counter() - t0:.1f}s")
+    from engine.process_tuning import shorten_gil_switch_interval
+    shorten_gil_switch_interval()   # what a serving process opts into (engine/process_tuning.py)
     return llm
 
 
@@ -539,3 +541,36 @@ def finish_cli(rows: list[dict], title: str, json_path: str | None) -> None:
     print_rows(rows, title)
     if json_path:
         Path(json_path).write_text(json.dumps(rows, indent=2))
+
+
+# ---------------------------------------------------------------- Triton compiles
+
+class CompileLog:
+    """Triton's JIT hooks: every kernel compiled (or loaded from the disk cache) in-process."""
+
+    def __init__(self):
+        self.entries: list[tuple[str, float]] = []
+        self._started: dict[int, float] = {}
+        try:
+            from triton import knobs
+        except ImportError:         # a Triton without knobs: nothing is logged
+            return
+        knobs.runtime.jit_cache_hook = self._before
+        knobs.runtime.jit_post_compile_hook = self._after
+
+    def _before(self, *args, **kw):
+        self._started[id(kw.get("key"))] = time.perf_counter()
+        return False                # False: go on and compile
+
+    def _after(self, *args, **kw):
+        t = self._started.pop(id(kw.get("key")), None)
+        name = str(kw.get("repr") or kw.get("key")).split("[", 1)[0]
+        self.entries.append((name, time.perf_counter() - t if t is not None else 0.0))
+        return False
+
+    def close(self) -> None:
+        try:
+            from triton import knobs
+            knobs.runtime.jit_cache_hook = knobs.runtime.jit_post_compile_hook = None
+        except ImportError:
+            pass

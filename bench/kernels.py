@@ -21,7 +21,6 @@ import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.kernels import decode_attention  # noqa: E402
 from engine.kernels.activation import silu_and_mul, silu_and_mul_ref  # noqa: E402
 from engine.kernels.attention_probe import attention_probs, attention_probs_ref  # noqa: E402
 from engine.kernels.decode_attention import paged_decode_attention, paged_decode_attention_ref  # noqa: E402
@@ -86,14 +85,6 @@ def paged_kv(batch: int, context: int):
     return k_cache, v_cache, tables
 
 
-def _two_kernel_decode(*args, out):
-    decode_attention.MERGE_IN_KERNEL = False
-    try:
-        return paged_decode_attention(*args, out=out)
-    finally:
-        decode_attention.MERGE_IN_KERNEL = True
-
-
 def _torch_race(logits, temp, seeds, positions):
     """What engine.sampling.sample ran for plain temperature rows before the fused kernel."""
     probs = torch.softmax(logits / temp.clamp_min(1e-6)[:, None], dim=-1)
@@ -145,11 +136,6 @@ def cases():
                    lambda a=(q, k_cache, v_cache, tables, ctx, scale), o=out: paged_decode_attention(*a, out=o),
                    lambda a=(q, k_cache, v_cache, tables, ctx, scale): paged_decode_attention_ref(*a),
                    kv_bytes + 2 * q.numel() * E, 4 * batch * HQ * context * D)
-            if batch == 1:  # the split path: in-kernel merge (default) vs a second merge kernel
-                yield ("  same, 2-kernel merge", f"B={batch} ctx={context}",
-                       lambda a=(q, k_cache, v_cache, tables, ctx, scale), o=out: _two_kernel_decode(*a, out=o),
-                       lambda a=(q, k_cache, v_cache, tables, ctx, scale): paged_decode_attention_ref(*a),
-                       kv_bytes + 2 * q.numel() * E, 4 * batch * HQ * context * D)
             del k_cache, v_cache
 
     for q_len, context in ((1024, 1024), (128, 2048)):  # a 1k prompt; a chunk after a cached prefix

@@ -20,6 +20,7 @@ from triton.testing import do_bench, do_bench_cudagraph
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from engine.kernel_config import KernelConfig  # noqa: E402
 from engine.kernels.fused_moe import fused_moe, fused_moe_ref  # noqa: E402
 from engine.kernels.moe_align import _moe_align_torch, _moe_align_triton  # noqa: E402
 from engine.kernels.moe_configs import (MoEGemvConfig, config_dir, config_file_name,  # noqa: E402
@@ -61,7 +62,9 @@ def main(out_json: str | None = None, tp: int = 1, ref: bool = True) -> list[dic
     inter = I // tp
     bw, rate = measure_floors()
     dev = torch.device("cuda")
-    table = config_dir() / config_file_name(E, inter, H, torch.bfloat16, device_name(dev))
+    kernels = KernelConfig.build()      # as an engine started here would (its table directory)
+    table = config_dir(kernels.moe_config_dir) / config_file_name(E, inter, H, torch.bfloat16,
+                                                                  device_name(dev))
     print(f"device {torch.cuda.get_device_name()}: copy {bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} "
           f"TFLOP/s; TP={tp} (I={inter}); configs: {table.name if table.is_file() else 'defaults (no table)'}")
     layers = [((torch.randn(E, 2 * inter, H, device="cuda") / H**0.5).to(torch.bfloat16),
@@ -76,7 +79,7 @@ def main(out_json: str | None = None, tp: int = 1, ref: bool = True) -> list[dic
         logits = torch.randn(n, E, device="cuda").to(torch.bfloat16)
         _, w, ids = route(logits, K, True)
         out = torch.empty_like(x)
-        cfg = pick_config(n, K, E, inter, H, torch.bfloat16, dev)
+        cfg = pick_config(n, K, E, inter, H, torch.bfloat16, dev, kernels.moe_config_dir)
         used = int(torch.unique(ids).numel())
         floor_us = 1e6 * max((used * expert_bytes + 2 * x.numel() * x.element_size()) / bw,
                              2 * n * K * 3 * H * inter / rate)
@@ -88,7 +91,7 @@ def main(out_json: str | None = None, tp: int = 1, ref: bool = True) -> list[dic
             run()  # compile outside the graph
             return _median_ms(run, True) * 1e3 / COPIES
 
-        engine_us = graph_us(lambda w13, w2: fused_experts(x, w13, w2, w, ids))
+        engine_us = graph_us(lambda w13, w2: fused_experts(x, w13, w2, w, ids, kernels=kernels))
         gemv_cfg = cfg if isinstance(cfg, MoEGemvConfig) else default_gemv(2)
         gemv_us = graph_us(lambda w13, w2: fused_moe_gemv(x, w13, w2, w, ids, out=out, config=gemv_cfg)) \
             if n <= GEMV_MAX else float("nan")

@@ -233,7 +233,7 @@ class RunLedger:
     2026-12-03) is one of these or neither; these rows say which."""
 
     def __init__(self, llm):
-        from bench.first_run import CompileLog
+        from bench.common import CompileLog
         self.llm, self.compiles = llm, CompileLog()
         self.rows: list[tuple[str, int, float, int, str]] = []
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from .errors import InvalidArgumentError
+from .kernel_config import KernelConfig
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
            "fp16": torch.float16, "half": torch.float16, "bfloat16": torch.bfloat16,
@@ -56,6 +57,9 @@ class EngineConfig:
     max_traces: int = 64            # watched requests' traces kept (the newest)
     record_expert_load: bool = False    # MoE expert load per step (the playground turns it on)
     async_scheduling: bool | None = None    # overlap scheduling; None: on a GPU only
+    # kernel and fusion choices by name (engine/kernel_config.py: KernelConfig's fields); None
+    # or a name left out: the GLASSBOX_* environment variable, else the default
+    kernels: dict | None = None
 
     def __post_init__(self):
         self.device = resolve_device(self.device)
@@ -81,6 +85,9 @@ class EngineConfig:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise InvalidArgumentError("gpu_memory_utilization must be in (0, 1], got "
                                        f"{self.gpu_memory_utilization}", "gpu_memory_utilization")
+        if self.kernels is not None:
+            KernelConfig.parse_overrides(self.kernels)      # unknown names, bad values: raise now
+            self.kernels = dict(self.kernels)
         if self.load_format not in ("auto", "dummy"):
             raise InvalidArgumentError(f"load_format={self.load_format!r}; use 'auto' or 'dummy'",
                                        "load_format")

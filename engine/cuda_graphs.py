@@ -77,7 +77,8 @@ class DecodeGraphs:
         # key: (bucket, variant, cap); variant None = probes off, else
         # probes.buffers.graph_variant(plan); cap None = any context, else every context <= cap
         from .kernels.decode_attention import context_caps
-        self.caps = {b: context_caps(b, runner.num_kv_heads, self.max_blocks * bs, dev)
+        caps = runner.kernel_config.attn_context_caps
+        self.caps = {b: context_caps(b, runner.num_kv_heads, self.max_blocks * bs, dev, caps)
                      for b in self.buckets} if dev.type == "cuda" else {b: [] for b in self.buckets}
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.logits: dict[tuple, torch.Tensor] = {}

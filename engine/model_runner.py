@@ -17,6 +17,7 @@ import torch
 
 from .config import EngineConfig
 from .context import ForwardContext, set_context
+from .kernel_config import KernelConfig
 from .loader import init_dummy_weights, load_weights
 from .models.registry import model_class
 from .parallel_state import TPGroup, use_tp
@@ -36,10 +37,13 @@ class ModelRunner:
     fills_masks_late = True
 
     def __init__(self, config: EngineConfig, hf_config, model_path: str, max_model_len: int,
-                 tp: TPGroup | None = None):
+                 tp: TPGroup | None = None, kernel_config: KernelConfig | None = None):
         self.tp = tp or TPGroup()
         rank = self.tp.rank
         self.config, self.hf_config, self.rank = config, hf_config, rank
+        # the kernel and fusion choices every layer of this rank's model runs with
+        self.kernel_config = kernel_config if kernel_config is not None \
+            else KernelConfig.build(config)
         self.device = torch.device(config.device if not config.device.startswith("cuda")
                                    else f"cuda:{rank}" if config.device == "cuda" else config.device)
         self.dtype = config.torch_dtype
@@ -55,7 +59,8 @@ class ModelRunner:
             try:
                 with torch.device(self.device), use_tp(self.tp):
                     self.model = model_class(hf_config)(hf_config,
-                                                        max_model_len + config.block_size)
+                                                        max_model_len + config.block_size,
+                                                        self.kernel_config)
             finally:
                 torch.set_default_dtype(prev)
         for m in self.model.modules():      # the rotary table stays fp32 like HF's
@@ -216,7 +221,7 @@ class ModelRunner:
             return
         from .cuda_graphs import DecodeGraphs
         self.graphs = DecodeGraphs(self, max_num_seqs)
-        if os.environ.get("GLASSBOX_PREFILL_GRAPHS", "1") != "0":
+        if self.kernel_config.prefill_graphs:
             from .prefill_graphs import PrefillGraphs
             self.prefill_graphs = PrefillGraphs(self, self.config.max_num_batched_tokens)
 

@@ -5,9 +5,11 @@ own process group object (gloo on CPU, NCCL on GPU), so two engines never collid
 Rank 0 sends every command (profile, allocate, capture, step) to the workers through a
 shared-memory broadcast ring (shm_broadcast.py: no pickled queue, no feeder thread on the hot
 path) and runs it itself at the same time; the collectives inside the forward keep them in
-step. Every rank samples the same tokens from the gathered logits, so the next step's pending
-input ids are already on every device. The driver offers exactly the Runner protocol
-(engine/runner.py), and a worker runs only its commands listed in WORKER_COMMANDS.
+step. Workers get rank 0's KernelConfig with their start-up arguments, so every rank runs the
+same kernels whatever its environment. Every rank samples the same tokens from the gathered
+logits, so the next step's pending input ids are already on every device. The driver offers
+exactly the Runner protocol (engine/runner.py), and a worker runs only its commands listed in
+WORKER_COMMANDS.
 
 Failure handling: a worker reports an exception on a result queue; rank 0 checks the workers
 whenever it waits (start-up, a slot of the ring, the end of a step), so a worker that dies at
@@ -30,11 +32,17 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from .errors import WorkerDiedError
+from .kernel_config import KernelConfig
 from .model_runner import ModelRunner
 from .parallel_state import TPGroup
 from .shm_broadcast import ShmBroadcast
 
-_TIMEOUT = datetime.timedelta(seconds=int(os.environ.get("GLASSBOX_TP_TIMEOUT_S", "60")))
+TIMEOUT_S = 60    # the process group's collectives and store; GLASSBOX_TP_TIMEOUT_S overrides
+
+
+def group_timeout() -> datetime.timedelta:
+    """Read when a group is made (not at import), so a value set after `import engine` counts."""
+    return datetime.timedelta(seconds=int(os.environ.get("GLASSBOX_TP_TIMEOUT_S") or TIMEOUT_S))
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -45,15 +53,16 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def make_group(rank: int, size: int, port: int, device: str) -> tuple[TPGroup, object]:
-    store = dist.TCPStore("127.0.0.1", port, size, is_master=rank == 0, timeout=_TIMEOUT)
+    timeout = group_timeout()
+    store = dist.TCPStore("127.0.0.1", port, size, is_master=rank == 0, timeout=timeout)
     if device.startswith("cuda"):
         opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = _TIMEOUT
+        opts._timeout = timeout
         pg = dist.ProcessGroupNCCL(store, rank, size, opts)
         kind = "cuda"
     else:
         opts = dist.ProcessGroupGloo._Options()
-        opts._timeout = _TIMEOUT
+        opts._timeout = timeout
         opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
         pg = dist.ProcessGroupGloo(store, rank, size, opts)
         kind = "cpu"
@@ -94,8 +103,8 @@ def worker_command(cmd: str):
     return fn
 
 
-def _worker_main(rank, size, port, config, hf_config, model_path, max_model_len, handle,
-                 res_q, ppid, hooks=None):
+def _worker_main(rank, size, port, config, hf_config, model_path, max_model_len, kernel_config,
+                 handle, res_q, ppid, hooks=None):
     """A worker's life. `hooks`: None in production; tests install an object with
     started(rank) and received(rank, cmd) (tests/tp_hooks.py) to make a worker fail or hang."""
     threading.Thread(target=_exit_with_parent, args=(ppid,), daemon=True,
@@ -107,7 +116,7 @@ def _worker_main(rank, size, port, config, hf_config, model_path, max_model_len,
         if config.device.startswith("cuda"):
             torch.cuda.set_device(rank)
         tp, _store = make_group(rank, size, port, config.device)
-        runner = ModelRunner(config, hf_config, model_path, max_model_len, tp)
+        runner = ModelRunner(config, hf_config, model_path, max_model_len, tp, kernel_config)
         chan = ShmBroadcast.attach(handle)
         res_q.put(("ready", rank, None))
         while True:
@@ -144,8 +153,12 @@ class TPDriver:
     # be filled first (the engine core then drains the step in flight for guided requests)
     fills_masks_late = False
 
-    def __init__(self, config, hf_config, model_path: str, max_model_len: int):
+    def __init__(self, config, hf_config, model_path: str, max_model_len: int,
+                 kernel_config: KernelConfig | None = None):
         self.size = n = config.tensor_parallel_size
+        # settled here, on rank 0, and sent to every worker: the same kernels on every rank
+        self._kernels = kernels = kernel_config if kernel_config is not None \
+            else KernelConfig.build(config)
         self.procs: list = []
         self._results: list = []
         self.chan: ShmBroadcast | None = None
@@ -162,12 +175,13 @@ class TPDriver:
         for rank in range(1, n):
             p = ctx.Process(target=_worker_main, daemon=True, name=f"glassbox-tp{rank}",
                             args=(rank, n, port, config, hf_config, model_path, max_model_len,
-                                  self.chan.handle(), self.res_q, os.getpid(),
+                                  kernels, self.chan.handle(), self.res_q, os.getpid(),
                                   self.worker_hooks))
             p.start()
             self.procs.append(p)
         try:
-            self.local = self._build_rank0(config, hf_config, model_path, max_model_len, port)
+            self.local = self._build_rank0(config, hf_config, model_path, max_model_len, port,
+                                           kernels)
             ready = 0
             while ready < n - 1:
                 kind, _, _ = self._next_result()
@@ -176,7 +190,8 @@ class TPDriver:
             self.shutdown()
             raise
 
-    def _build_rank0(self, config, hf_config, model_path, max_model_len, port) -> ModelRunner:
+    def _build_rank0(self, config, hf_config, model_path, max_model_len, port,
+                     kernels: KernelConfig) -> ModelRunner:
         """Rank 0's group and runner, built on a thread while this one watches the workers: a
         worker that dies at start-up is reported at once, not after the store's timeout."""
         box: dict = {}
@@ -184,7 +199,8 @@ class TPDriver:
         def build():
             try:
                 tp, box["store"] = make_group(0, self.size, port, config.device)
-                box["runner"] = ModelRunner(config, hf_config, model_path, max_model_len, tp)
+                box["runner"] = ModelRunner(config, hf_config, model_path, max_model_len, tp,
+                                            kernels)
             except BaseException as e:      # noqa: BLE001 — re-raised on the caller's thread
                 box["error"] = e
         # not a daemon: when a worker dies at start-up this raises at once, but the thread may
@@ -214,6 +230,10 @@ class TPDriver:
     @property
     def device(self):
         return self.local.device
+
+    @property
+    def kernel_config(self) -> KernelConfig:
+        return self._kernels
 
     @property
     def num_params(self) -> int:

@@ -13,6 +13,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 import torch
 
+from .kernel_config import KernelConfig
 from .step_inputs import StepInputs
 from .step_output import StepOutput
 
@@ -27,6 +28,7 @@ class Runner(Protocol):
     # calls after launching the forward, so guided requests keep overlap scheduling; False: the
     # mask must be filled before execute_step (EngineCore drains the step in flight first)
     fills_masks_late: bool
+    kernel_config: KernelConfig         # the kernel choices every rank runs with
 
     @property
     def num_params(self) -> int:

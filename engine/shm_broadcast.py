@@ -20,7 +20,6 @@ sequence number with a release store and read it with an acquire load (a small C
 """
 from __future__ import annotations
 
-import os
 import pickle
 import platform
 import time
@@ -142,6 +141,3 @@ def _wait(ready, check, spin_s: float = 1e-3, check_every_s: float = 0.2) -> Non
             pause = min(2e-3, max(pause * 2, 20e-6))
         time.sleep(pause)
 
-
-def parent_alive(ppid: int) -> bool:
-    return os.getppid() == ppid

@@ -1,5 +1,6 @@
-"""Smoke test: every bench entry point runs end to end on a tiny model on the CPU in seconds, so the
-scripts never rot before the next GPU run. Speeds are not checked (that is bench/'s job), only that
+"""Smoke test: every bench entry point (the suite in bench/, the diagnostics in bench/diagnostics/)
+runs end to end on a tiny model on the CPU in seconds, so the scripts never rot before the next
+GPU run. Speeds are not checked (that is bench/'s job), only that
 each script measures and reports what it claims, and that run_all survives a failing section."""
 from __future__ import annotations
 
@@ -259,104 +260,88 @@ def test_a_section_past_its_time_limit_keeps_its_finished_figures():
     assert [r["metric"] for r in rows] == ["done_before_timeout", "error", "m"]
 
 
+# ---------------------------------------------------------------- bench/diagnostics
+
 def test_host_overhead_bench_runs_and_reports_a_positive_time():
-    from bench import host_overhead
+    from bench.diagnostics import host_overhead
     out = host_overhead.main(batch=8, steps=3)
     assert out["batch"] == 8 and out["host_ms_per_step"] > 0
 
 
 def test_sampling_extras_guided_runs_tiny_on_cpu_generate_and_streamed(capsys):
-    from bench import sampling_extras
+    from bench.diagnostics import sampling_extras
     res = sampling_extras.main(["--tiny", "--only", "guided", "--repeats", "1", "--tokens", "8"])
     for key in ("guided_cost_pct", "streamed_guided_cost_pct"):
         assert math.isfinite(res[key]), res
     assert res["streamed_ms_per_token"] > 0 and res["streamed_guided_ms_per_token"] > 0
 
 
-def test_prefill_graphs_bench_runs_tiny_on_cpu():
-    from bench import prefill_graphs
-    res = prefill_graphs.main(["--model", "tiny", "--lens", "16", "--repeats", "1"])
-    assert res["ttft_ms_16"]["graphs"] > 0 and res["ttft_ms_16"]["eager"] > 0
-    assert res["buckets"] == []          # the CPU captures no graphs: both runs are eager
-
-
 def test_attention_tune_checks_each_variant_against_the_reference(capsys, triton_interpreter):
-    from bench import attention_tune
+    from bench.diagnostics import attention_tune
     from engine.kernels import decode_attention as DA
     before = (dict(DA.DIRECT_LAUNCH), dict(DA.SPLIT_LAUNCH), DA.DIRECT_WIDE_PROGRAMS,
               DA.WIDE_FROM_PROGRAMS)
     attention_tune.main(["--smoke", "--batches", "2", "--contexts", "24", "--splits", "3"])
     out = capsys.readouterr().out
     assert "engine today" in out and "!!" not in out and "failed" not in out
-    # the sweep leaves the engine's launch tables as it found them
+    # the variants go to the kernel as arguments: the engine's launch tables are untouched
     assert (dict(DA.DIRECT_LAUNCH), dict(DA.SPLIT_LAUNCH), DA.DIRECT_WIDE_PROGRAMS,
             DA.WIDE_FROM_PROGRAMS) == before
 
 
-def test_attention_splits_checks_each_split_count_and_merge_and_restores_the_merge(capsys, triton_interpreter):
-    from bench import attention_splits
-    from engine.kernels import decode_attention as DA
-    before = DA.MERGE_HEADS_TOGETHER
-    attention_splits.main(["--smoke"])
-    out = capsys.readouterr().out
-    assert "| per head |" in out and "| heads together |" in out and "off by" not in out
-    assert DA.MERGE_HEADS_TOGETHER == before
-
-
 def test_decode_chain_runs_every_family_of_variants_tiny_and_restores_what_it_touched(capsys, triton_interpreter):
-    from bench import decode_chain
+    from bench.diagnostics import decode_chain
     from engine.kernels import decode_attention as DA
-    before = (dict(DA.SPLIT_LAUNCH), DA.SKIP_UNUSED_SPLITS, decode_chain.LAYERS, decode_chain.HIDDEN)
+    before = (dict(DA.SPLIT_LAUNCH), decode_chain.LAYERS, decode_chain.HIDDEN)
     decode_chain.main(["--smoke"])
     out = capsys.readouterr().out
     for row in ("whole chain:", "| attn |", "whole weight tile", "wider programs", "attention 2 splits",
-                "split tiles", "exit at once: False", "epilogue: False"):
+                "split tiles", "epilogue: False"):
         assert row in out, row
-    assert (dict(DA.SPLIT_LAUNCH), DA.SKIP_UNUSED_SPLITS, decode_chain.LAYERS, decode_chain.HIDDEN) == before
+    assert (dict(DA.SPLIT_LAUNCH), decode_chain.LAYERS, decode_chain.HIDDEN) == before
 
 
-def test_attention_ab_runs_tiny_on_cpu_and_restores_the_launch_table():
-    from bench import attention_ab
-    from engine.kernels import decode_attention as DA
-    before = dict(DA.DIRECT_LAUNCH), DA.DIRECT_WIDE_PROGRAMS, DA.WIDE_FROM_PROGRAMS
-    res = attention_ab.main(tiny=True, rounds=1)
-    assert all(len(v) == 1 and v[0] > 0 for v in res.values()) and len(res) == 3
-    assert (dict(DA.DIRECT_LAUNCH), DA.DIRECT_WIDE_PROGRAMS, DA.WIDE_FROM_PROGRAMS) == before
-
-
-def test_env_ab_alternates_variants_in_fresh_processes(tmp_path):
-    """bench/env_ab.py: each variant's environment reaches its own process (the engine reads its
-    switches at import), rounds alternate, and a failing variant becomes an error row with the
-    reason instead of stopping the others."""
-    from bench import env_ab
-    probe = tmp_path / "probe.py"  # a stand-in bench script: reports what it was given
+def test_kernel_ab_alternates_kernel_choices_in_fresh_processes(tmp_path):
+    """bench/diagnostics/kernel_ab.py: each variant's KernelConfig choices reach the engine
+    config its own process builds, rounds alternate, a failing run becomes an error row with the
+    reason instead of stopping the others, and a bad name or value is refused before any run."""
+    from bench.diagnostics import kernel_ab
+    probe = tmp_path / "probe.py"  # a stand-in bench script: reports the KernelConfig it gets
     probe.write_text(
-        "import json, os, sys\n"
+        "import json, sys\n"
+        f"sys.path.insert(0, {str(ROOT)!r})\n"
+        "from engine.kernel_config import KernelConfig\n"
         "out = sys.argv[sys.argv.index('--json') + 1]\n"
-        "v = os.environ['AB_VALUE']\n"
-        "if v == 'boom':\n"
-        "    raise SystemExit('ValueError: boom is not a value')\n"
-        "rows = [{'system': 'glassbox', 'metric': 'decode_tok_s', 'value': float(v)},\n"
+        "k = KernelConfig.build()\n"
+        "if not k.prefill_graphs:\n"
+        "    raise SystemExit('RuntimeError: boom without prefill graphs')\n"
+        "rows = [{'system': 'glassbox', 'metric': 'decode_tok_s', 'value': float(k.pdl)},\n"
+        "        {'system': 'glassbox', 'metric': 'ttft_ms_caps', 'value': float(len(k.attn_context_caps))},\n"
         "        {'system': 'hf', 'metric': 'decode_tok_s', 'value': -1.0},\n"
         "        {'system': 'glassbox', 'metric': 'unrelated', 'value': 3.0}]\n"
         "open(out, 'w').write(json.dumps(rows))\n")
-    variants = [env_ab.parse_variant("AB_VALUE=1.5"), env_ab.parse_variant("AB_VALUE=boom"),
-                env_ab.parse_variant("AB_VALUE=7,AB_OTHER=x")]
-    rows = env_ab.main(variants, [str(probe)], rounds=2, timeout=60)
-    assert [(r["variant"], r["round"]) for r in rows] == [
-        ("AB_VALUE=1.5", 1), ("AB_VALUE=boom", 1), ("AB_VALUE=7,AB_OTHER=x", 1),
-        ("AB_VALUE=1.5", 2), ("AB_VALUE=boom", 2), ("AB_VALUE=7,AB_OTHER=x", 2)]
-    assert [r["value"] for r in rows if r["metric"] == "decode_tok_s"] == [1.5, 7.0, 1.5, 7.0]
+    variants = [kernel_ab.parse_variant("pdl=1"), kernel_ab.parse_variant("prefill_graphs=0"),
+                kernel_ab.parse_variant("pdl=0,attn_context_caps=512")]
+    rows = kernel_ab.main(variants, [str(probe)], rounds=2, timeout=120)
+    labels = ["pdl=1", "prefill_graphs=0", "pdl=0,attn_context_caps=512"]
+    assert list(dict.fromkeys((r["variant"], r["round"]) for r in rows)) == \
+        [(v, r) for r in (1, 2) for v in labels]
+    assert [r["value"] for r in rows if r["metric"] == "decode_tok_s"] == [1.0, 0.0, 1.0, 0.0]
+    assert [r["value"] for r in rows if r["metric"] == "ttft_ms_caps"] == [4.0, 1.0, 4.0, 1.0]
     errors = [r for r in rows if r["metric"] == "error"]
-    assert len(errors) == 2 and all("boom is not a value" in r["value"] for r in errors)
-    md = env_ab.table(rows)
-    assert "| AB_VALUE=7,AB_OTHER=x | 7 | 7 |" in md
+    assert len(errors) == 2 and all("boom without prefill graphs" in r["value"] for r in errors)
+    md = kernel_ab.table(rows)
+    assert "| pdl=0,attn_context_caps=512 | 0 | 0 | 1 | 1 |" in md
     with pytest.raises(ValueError, match="NAME=VALUE"):
-        env_ab.parse_variant("no-equals-sign")
+        kernel_ab.parse_variant("no-equals-sign")
+    with pytest.raises(ValueError, match="valid names: pdl"):
+        kernel_ab.parse_variant("GLASSBOX_PDL=0")
+    with pytest.raises(ValueError, match="must be true or false"):
+        kernel_ab.parse_variant("pdl=maybe")
 
 
 def test_first_run_reports_each_repeat_with_its_compiles_on_cpu():
-    from bench import first_run
+    from bench.diagnostics import first_run
     rows = first_run.main("qwen3-0.6b", "cpu", num_requests=4, repeats=2, tiny=True)
     _assert_no_errors(rows)
     for r in ("repeat 0", "repeat 1"):
@@ -368,10 +353,26 @@ def test_first_run_reports_each_repeat_with_its_compiles_on_cpu():
 
 
 def test_moe_chain_runs_every_family_of_variants_tiny_and_restores_its_shapes(capsys, triton_interpreter):
-    from bench import moe_chain
+    from bench.diagnostics import moe_chain
     before = (moe_chain.LAYERS, moe_chain.HIDDEN, moe_chain.EXPERTS)
     moe_chain.main(["--smoke"])
     out = capsys.readouterr().out
     for row in ("whole chain:", "| router |", "its own launch", "router tile", "attention 2 splits"):
         assert row in out, row
     assert (moe_chain.LAYERS, moe_chain.HIDDEN, moe_chain.EXPERTS) == before
+
+
+def test_skinny_gemm_smoke_checks_its_configs_against_f_linear(capsys, triton_interpreter):
+    from bench.diagnostics import skinny_gemm
+    skinny_gemm.smoke()
+    assert "smoke ok" in capsys.readouterr().out
+
+
+def test_the_suite_stays_small_and_every_diagnostic_is_listed_in_the_readme():
+    """bench/ holds the suite (what run_all runs and the few scripts run standalone, at most 15
+    files); bench/diagnostics/ the rest, each with its line in bench/README.md."""
+    bench = ROOT / "bench"
+    assert len(list(bench.glob("*.py"))) <= 15
+    readme = (bench / "README.md").read_text()
+    for p in sorted((bench / "diagnostics").glob("*.py")) + sorted(bench.glob("*.py")):
+        assert f"`{p.name}`" in readme, p.name

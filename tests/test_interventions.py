@@ -279,7 +279,7 @@ def test_a_step_with_nothing_to_edit_has_no_plan():
 def test_interventions_bench_runs_tiny_on_cpu(model):
     import math
 
-    from bench import interventions
+    from bench.diagnostics import interventions
     rows = interventions.main(model, "cpu", num_requests=2, tput_repeats=1, lat_repeats=1,
                               tiny=True, floors=False)
     assert not [r for r in rows if r.get("error") or "error" in str(r.get("metric", ""))], rows

@@ -39,9 +39,3 @@ def test_every_eager_kernel_names_its_per_step_arguments():
     for name, (names, params) in found.items():
         assert names and set(names) <= set(params), (name, set(names) - set(params))
 
-
-def test_specialize_all_restores_the_default_key(monkeypatch):
-    monkeypatch.setattr(jit_keys, "SPECIALIZE_ALL", True)
-    assert jit_keys.varying("num_pairs") == ()
-    monkeypatch.setattr(jit_keys, "SPECIALIZE_ALL", False)
-    assert jit_keys.varying("num_pairs") == ("num_pairs",)

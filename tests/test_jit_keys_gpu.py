@@ -16,12 +16,6 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
-from engine.kernels import jit_keys  # noqa: E402
-
-if jit_keys.SPECIALIZE_ALL:
-    pytest.skip("GLASSBOX_TRITON_SPECIALIZE_ALL=1: Triton's default keys on purpose",
-                allow_module_level=True)
-
 
 def _compiled(kernel) -> int:
     """How many binaries this JITFunction holds for the current device (all its keys)."""

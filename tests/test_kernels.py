@@ -463,10 +463,8 @@ def test_decode_ref_matches_dense_attention(block_size, hq, hkv, d, dtype):
         torch.testing.assert_close(ref[b].double(), want, **TOL[dtype])
 
 
-@pytest.mark.parametrize("merge_in_kernel", [True, False])
-def test_decode_kernel_reusing_its_workspace_call_after_call_matches_ref(monkeypatch, merge_in_kernel):
+def test_decode_kernel_reusing_its_workspace_call_after_call_matches_ref():
     # the split merge's arrival counters must be back at zero for the next call / graph replay
-    monkeypatch.setattr(decode, "MERGE_IN_KERNEL", merge_in_kernel)
     q, k_cache, v_cache, tables, ctx, _, _ = _decode_inputs(5, 4, 2, 32, torch.float32)
     for _ in range(3):
         q = torch.randn_like(q)
@@ -527,14 +525,12 @@ def test_decode_launch_choice_by_programs_and_context_bound(monkeypatch):
 
 
 @pytest.mark.parametrize("hq,hkv", [(16, 2), (6, 2), (7, 1), (2, 2)])  # GQA 8, 3, 7 (Qwen2.5), MHA
-@pytest.mark.parametrize("merge_heads", [True, False])
 @pytest.mark.parametrize("num_splits,chunk_elems", [(3, 8192), (6, 8192), (6, 64), (32, 2048)])
-def test_decode_merge_of_a_query_head_group_matches_ref(monkeypatch, hq, hkv, merge_heads,
-                                                        num_splits, chunk_elems):
-    """The last split to arrive merges every query head of its KV head: all heads at once in
-    chunks of splits (chunk_elems 64: one split a chunk, so several chunks), or one head after
-    another; group sizes that are not powers of two leave rows of the merge tile masked."""
-    monkeypatch.setattr(decode, "MERGE_HEADS_TOGETHER", merge_heads)
+def test_decode_merge_of_a_query_head_group_matches_ref(monkeypatch, hq, hkv, num_splits,
+                                                        chunk_elems):
+    """The last split to arrive merges every query head of its KV head at once, in chunks of
+    splits (chunk_elems 64: one split a chunk, so several chunks); group sizes that are not
+    powers of two leave rows of the merge tile masked."""
     monkeypatch.setattr(decode, "MERGE_CHUNK_ELEMS", chunk_elems)
     torch.manual_seed(hq * 100 + num_splits)
     q, k_cache, v_cache, tables, ctx, _, _ = _decode_inputs(5, hq, hkv, 32, torch.float32)
@@ -707,11 +703,10 @@ def test_cpu_store_kvcache_equals_reference():
     torch.testing.assert_close(caches[0], caches[1], rtol=0, atol=0)
 
 
-def test_pdl_is_never_used_on_the_cpu_or_when_turned_off(monkeypatch):
+def test_pdl_is_never_used_on_the_cpu_or_when_turned_off():
     """The interpreter has no griddepcontrol: a CPU tensor never asks for PDL, whatever the
-    switch says; on a GPU, GLASSBOX_PDL=0 (ENABLED False) turns it off before any device query."""
+    launcher is told; on a GPU, pdl=False (KernelConfig.pdl) turns it off before any device query."""
     from engine.kernels import pdl
     assert not pdl.use_pdl(torch.randn(3))
-    monkeypatch.setattr(pdl, "ENABLED", False)
     fake_cuda = type("T", (), {"is_cuda": True})()  # must not reach the capability query
-    assert not pdl.use_pdl(fake_cuda)
+    assert not pdl.use_pdl(fake_cuda, enabled=False)

@@ -240,9 +240,7 @@ DECODE_CTXS = [1, 2, 15, 17, 31, 33, 100, 257, 400, 0, 1000, 2047, 4095, 4096]  
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
 @pytest.mark.parametrize("num_q_heads,num_kv_heads", HEADS)
 @pytest.mark.parametrize("num_splits", [None, 1, 8])
-@pytest.mark.parametrize("merge_in_kernel", [True, False])
-def test_decode_attention_matches_ref(block_size, num_q_heads, num_kv_heads, num_splits, merge_in_kernel, monkeypatch):
-    monkeypatch.setattr(decode_attention, "MERGE_IN_KERNEL", merge_in_kernel)
+def test_decode_attention_matches_ref(block_size, num_q_heads, num_kv_heads, num_splits):
     k_cache, v_cache, tables = paged_cache(DECODE_CTXS, block_size, num_kv_heads)
     ctx = torch.tensor(DECODE_CTXS, dtype=torch.int32)
     q = torch.randn(len(DECODE_CTXS), num_q_heads, HEAD_DIM, dtype=BF16)
@@ -255,14 +253,12 @@ def test_decode_attention_matches_ref(block_size, num_q_heads, num_kv_heads, num
 
 
 @pytest.mark.parametrize("num_q_heads,num_kv_heads", HEADS + [(28, 4)])  # + Qwen2.5-7B: GQA 7
-@pytest.mark.parametrize("merge_heads", [True, False])
 @pytest.mark.parametrize("num_splits,bound", [(32, None), (17, None), (None, 512), (None, 256)])
-def test_decode_attention_merge_and_context_bound_match_ref(num_q_heads, num_kv_heads, merge_heads,
-                                                            num_splits, bound, monkeypatch):
-    """The in-kernel merge of a query-head group (all heads at once, in chunks of splits, or one
-    head after another) with many splits, and the split count a graph's context bound picks,
-    in bf16 against the reference; contexts up to the bound (bound None: up to 4,096)."""
-    monkeypatch.setattr(decode_attention, "MERGE_HEADS_TOGETHER", merge_heads)
+def test_decode_attention_merge_and_context_bound_match_ref(num_q_heads, num_kv_heads,
+                                                            num_splits, bound):
+    """The in-kernel merge of a query-head group (all heads at once, in chunks of splits) with
+    many splits, and the split count a graph's context bound picks, in bf16 against the
+    reference; contexts up to the bound (bound None: up to 4,096)."""
     ctxs = [c for c in DECODE_CTXS if bound is None or c <= bound]
     k_cache, v_cache, tables = paged_cache(ctxs, 16, num_kv_heads)
     tables = torch.nn.functional.pad(tables, (0, 257 - tables.shape[1]), value=0)  # the graph width

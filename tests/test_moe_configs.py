@@ -9,6 +9,7 @@ import torch
 from engine.kernels import fused_moe as fm
 from engine.kernels import moe_configs as mc
 from engine.kernels.moe_configs import KernelTile, MoEGemvConfig, MoEKernelConfig
+from engine.kernel_config import KernelConfig
 from engine.kernels.moe_routing import route
 from engine.layers import moe as moe_layer
 
@@ -68,22 +69,21 @@ def test_without_a_table_small_batches_take_gemv_and_large_ones_grouped():
         == "grouped"
 
 
-def test_a_table_is_read_and_the_nearest_tuned_token_count_wins(tmp_path, monkeypatch):
-    monkeypatch.setenv(mc.CONFIG_DIR_ENV, str(tmp_path))
+def test_a_table_is_read_and_the_nearest_tuned_token_count_wins(tmp_path):
     other = MoEKernelConfig(32, KernelTile(32, 16), KernelTile(32, 16))
     _write(tmp_path, {1: GEMV, 8: GROUPED, 64: other})
-    pick = lambda m: mc.pick_config(m, K, E, I, H, torch.float32, torch.device("cpu"))  # noqa: E731
+    pick = lambda m: mc.pick_config(m, K, E, I, H, torch.float32, torch.device("cpu"), tmp_path)  # noqa: E731
     assert [pick(m) for m in (1, 4, 5, 8, 30, 40, 1000)] == [GEMV, GEMV, GROUPED, GROUPED, GROUPED, other, other]
-    # another shape or dtype has no table: defaults
-    assert mc.pick_config(1, K, E, I, H, torch.float16, None) == mc.default_config(1, K, E, 2)
+    # another shape or dtype has no table: defaults; nor has the shipped directory this shape
+    assert mc.pick_config(1, K, E, I, H, torch.float16, None, tmp_path) == mc.default_config(1, K, E, 2)
+    assert mc.pick_config(1, K, E, I, H, torch.float32, torch.device("cpu")) == mc.default_config(1, K, E, 4)
 
 
-def test_an_unreadable_table_names_the_file(tmp_path, monkeypatch):
-    monkeypatch.setenv(mc.CONFIG_DIR_ENV, str(tmp_path))
+def test_an_unreadable_table_names_the_file(tmp_path):
     path = tmp_path / mc.config_file_name(E, I, H, torch.float32, "cpu")
     path.write_text('{"configs": {"1": {"path": "gemv"}}}')
     with pytest.raises(ValueError, match="unreadable"):
-        mc.pick_config(1, K, E, I, H, torch.float32, torch.device("cpu"))
+        mc.pick_config(1, K, E, I, H, torch.float32, torch.device("cpu"), tmp_path)
 
 
 def _spy(monkeypatch):
@@ -104,11 +104,10 @@ def _spy(monkeypatch):
 
 @pytest.mark.parametrize("n,path", [(1, "gemv"), (3, "gemv"), (6, "grouped"), (11, "grouped")])
 def test_dispatcher_takes_the_tuned_path_on_each_side_of_the_threshold(n, path, tmp_path, monkeypatch):
-    monkeypatch.setenv(mc.CONFIG_DIR_ENV, str(tmp_path))
     _write(tmp_path, {1: GEMV, 8: GROUPED})  # the split falls between 4 and 5 tokens
     calls = _spy(monkeypatch)
     x, w13, w2, w, ids = _inputs(n, seed=n)
-    got = moe_layer.fused_experts(x, w13, w2, w, ids)
+    got = moe_layer.fused_experts(x, w13, w2, w, ids, kernels=KernelConfig(moe_config_dir=tmp_path))
     assert calls == [path]
     torch.testing.assert_close(got, fm.fused_moe_ref(x, w13, w2, w, ids), rtol=1e-5, atol=1e-5)
 
@@ -138,14 +137,13 @@ def test_tuner_smoke_writes_a_table_the_dispatcher_uses(tmp_path, monkeypatch):
     assert res["tables"]["1"][1]["path"] == one["path"]
     table = mc.load_table(str(out / name))
     assert [m for m, _ in table] == [1, 40]
-    # the engine reads it from its config dir
-    monkeypatch.setenv(mc.CONFIG_DIR_ENV, str(out))
+    # the engine reads it from its KernelConfig's table directory
     g = torch.Generator().manual_seed(3)
     x = torch.randn(1, sm["H"], generator=g)
     w13 = torch.randn(sm["E"], 2 * sm["I"], sm["H"], generator=g) / sm["H"] ** 0.5
     w2 = torch.randn(sm["E"], sm["H"], sm["I"], generator=g) / sm["I"] ** 0.5
     _, w, ids = route(torch.randn(1, sm["E"], generator=g), sm["top_k"], True)
     calls = _spy(monkeypatch)
-    got = moe_layer.fused_experts(x, w13, w2, w, ids)
+    got = moe_layer.fused_experts(x, w13, w2, w, ids, kernels=KernelConfig(moe_config_dir=out))
     assert calls == [one["path"]]
     torch.testing.assert_close(got, fm.fused_moe_ref(x, w13, w2, w, ids), rtol=1e-5, atol=1e-5)

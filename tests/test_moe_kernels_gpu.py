@@ -301,23 +301,9 @@ def test_route_kernel_on_tied_and_masked_logits_is_a_stable_sort(n, experts, top
             torch.testing.assert_close(probs, torch.softmax(logits.float(), -1), rtol=1e-5, atol=1e-7)
 
 
-@pytest.mark.parametrize("n", [1, 64, 128, 256])
-def test_route_kernel_selects_exactly_what_the_kernel_it_replaced_did(n):
-    from bench.router_baseline import route_old
-    g = torch.Generator(device="cuda").manual_seed(800 + n)
-    for logits in (torch.randn(n, E, device="cuda", generator=g).to(torch.bfloat16),
-                   torch.randint(-3, 3, (n, E), device="cuda", generator=g).to(torch.bfloat16),
-                   100 * torch.randn(n, E, device="cuda", generator=g)):   # underflowed probabilities
-        _, w, ids = route(logits, K, True)
-        _, w_old, ids_old = route_old(logits, K, True)
-        assert torch.equal(ids, ids_old)
-        torch.testing.assert_close(w, w_old, rtol=1e-6, atol=1e-7)
-
-
 @pytest.mark.parametrize("tile", [None, (1, 2, 4), (2, 2, 2), (2, 4, 1), (4, 2, 4), (8, 2, 4), (2, 8, 2)])
 @pytest.mark.parametrize("n", [1, 2, 7, 64])
 def test_route_hidden_every_tile_on_gpu(n, tile):
-    from bench.router_baseline import route_hidden_old
     g = torch.Generator(device="cuda").manual_seed(900 + n)
     x = torch.randn(n, H, device="cuda", generator=g).to(torch.bfloat16)
     gate = (torch.randn(E, H, device="cuda", generator=g) / H**0.5).to(torch.bfloat16)
@@ -328,12 +314,6 @@ def test_route_hidden_every_tile_on_gpu(n, tile):
     kth = probs_r.sort(-1, descending=True).values[:, K - 1:K]
     assert bool((probs_r.gather(1, ids.long()) >= kth * (1 - 2e-2)).all())
     assert bool((counts == 0).all())
-    # against the kernel it replaced: the same experts but where a different reduction order
-    # rounds a bf16 logit the other way at the top-k boundary (rare)
-    if tile is None or tile[0] * tile[1] <= 16:     # BLOCK_K 512, as the old kernel's
-        _, w_old, ids_old = route_hidden_old(x, gate, K, True, route_counts("cuda"))
-        same = (ids == ids_old).all(-1).float().mean().item()
-        assert same >= 0.95, same
 
 
 @pytest.mark.parametrize("n", [1, 2, 8, 33, 64])

@@ -4,13 +4,14 @@ their predecessor's output, eagerly and replayed from a CUDA graph.
 A decode layer's chain (fused add + RMSNorm -> skinny GEMM -> SiLU*mul -> skinny GEMM, split-K
 included) runs 28 times back to back, each kernel reading what the one before it wrote a
 moment earlier; a kernel that read its input before its wait, or stored before it, would read
-stale or half-written rows and the result would drift from the same chain with PDL off."""
+stale or half-written rows and the result would drift from the same chain with PDL off
+(`pdl=False`, what KernelConfig(pdl=False) gives every launcher)."""
 import pytest
 import torch
 
-from engine.kernels import pdl
 from engine.kernels.activation import silu_and_mul
 from engine.kernels.rmsnorm import fused_add_rms_norm
+from engine.kernels.pdl import use_pdl
 from engine.kernels.skinny_gemm import SkinnyConfig, skinny_linear
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -26,29 +27,33 @@ def _weights(seed):
             for _ in range(LAYERS)]
 
 
-def _chain(x, residual, weights, split_down):
+def _chain(x, residual, weights, split_down, pdl=True):
     down_cfg = SkinnyConfig(2, 512, 3, 4, 3) if split_down else None  # split-K: a reduce launch too
     for norm_w, gate_up, down in weights:
-        h, residual = fused_add_rms_norm(x, residual, norm_w, 1e-6)
-        x = skinny_linear(silu_and_mul(skinny_linear(h, gate_up)), down, config=down_cfg)
+        h, residual = fused_add_rms_norm(x, residual, norm_w, 1e-6, pdl=pdl)
+        x = skinny_linear(silu_and_mul(skinny_linear(h, gate_up, pdl=pdl), pdl), down,
+                          config=down_cfg, pdl=pdl)
     return x, residual
 
 
+def _skip_without_pdl():
+    if not use_pdl(torch.empty(1, device="cuda")):
+        pytest.skip("PDL needs sm_90+")
+
+
 @pytest.mark.parametrize("split_down", [False, True])
-def test_pdl_chain_matches_the_chain_without_pdl(monkeypatch, split_down):
-    if not pdl.use_pdl(torch.empty(1, device="cuda")):
-        pytest.skip("PDL needs sm_90+ (and GLASSBOX_PDL not 0)")
+def test_pdl_chain_matches_the_chain_without_pdl(split_down):
+    _skip_without_pdl()
     weights = _weights(1)
     x0 = torch.randn(1, H, device="cuda").to(torch.bfloat16)
     r0 = torch.randn(1, H, device="cuda").to(torch.bfloat16)
     with_pdl = _chain(x0, r0, weights, split_down)
-    monkeypatch.setattr(pdl, "ENABLED", False)
-    without = _chain(x0, r0, weights, split_down)
+    without = _chain(x0, r0, weights, split_down, pdl=False)
     torch.testing.assert_close(with_pdl[0], without[0], rtol=0, atol=0)
     torch.testing.assert_close(with_pdl[1], without[1], rtol=0, atol=0)
 
 
-def test_pdl_chain_replays_from_a_cuda_graph_with_new_inputs(monkeypatch):
+def test_pdl_chain_replays_from_a_cuda_graph_with_new_inputs():
     weights = _weights(2)
     x = torch.randn(1, H, device="cuda").to(torch.bfloat16)
     r = torch.randn(1, H, device="cuda").to(torch.bfloat16)
@@ -56,13 +61,12 @@ def test_pdl_chain_replays_from_a_cuda_graph_with_new_inputs(monkeypatch):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out, res = _chain(x, r, weights, True)
-    monkeypatch.setattr(pdl, "ENABLED", False)
     for seed in range(3):
         g = torch.Generator(device="cuda").manual_seed(100 + seed)
         x.copy_(torch.randn(1, H, generator=g, device="cuda"))
         r.copy_(torch.randn(1, H, generator=g, device="cuda"))
         graph.replay()
-        want = _chain(x, r, weights, True)  # eager, PDL off
+        want = _chain(x, r, weights, True, pdl=False)  # eager, PDL off
         torch.testing.assert_close(out, want[0], rtol=0, atol=0)
         torch.testing.assert_close(res, want[1], rtol=0, atol=0)
 
@@ -141,21 +145,20 @@ def _moe_weights(seed):
              _bf16(g, MOE_E, MOE_H, MOE_I, scale=MOE_I ** -0.5)) for _ in range(MOE_LAYERS)]
 
 
-def _moe_chain(x, residual, weights, counts):
+def _moe_chain(x, residual, weights, counts, pdl=True):
     from engine.kernels.moe_gemv import fused_moe_gemv
     from engine.kernels.moe_routing import route_hidden
     for norm_w, gate, w13, w2 in weights:
-        h, residual = fused_add_rms_norm(x, residual, norm_w, 1e-6)
-        _, topk_w, topk_ids = route_hidden(h, gate, MOE_K, True, counts)
-        x = fused_moe_gemv(h, w13, w2, topk_w, topk_ids)
+        h, residual = fused_add_rms_norm(x, residual, norm_w, 1e-6, pdl=pdl)
+        _, topk_w, topk_ids = route_hidden(h, gate, MOE_K, True, counts, pdl=pdl)
+        x = fused_moe_gemv(h, w13, w2, topk_w, topk_ids, pdl=pdl)
     return x, residual
 
 
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
-def test_pdl_moe_chain_matches_the_chain_without_pdl(monkeypatch, graph):
+def test_pdl_moe_chain_matches_the_chain_without_pdl(graph):
     from engine.kernels.moe_routing import route_counts
-    if not pdl.use_pdl(torch.empty(1, device="cuda")):
-        pytest.skip("PDL needs sm_90+ (and GLASSBOX_PDL not 0)")
+    _skip_without_pdl()
     weights, counts = _moe_weights(3), route_counts("cuda")
     g = torch.Generator(device="cuda").manual_seed(7)
     x, r = _bf16(g, 1, MOE_H), _bf16(g, 1, MOE_H)
@@ -164,13 +167,12 @@ def test_pdl_moe_chain_matches_the_chain_without_pdl(monkeypatch, graph):
         cuda_graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(cuda_graph):
             got = _moe_chain(x, r, weights, counts)
-    monkeypatch.setattr(pdl, "ENABLED", False)
     for seed in range(3 if graph else 1):
         if graph:  # new inputs each replay: different experts every layer
             x.copy_(_bf16(g, 1, MOE_H))
             r.copy_(_bf16(g, 1, MOE_H))
             cuda_graph.replay()
-        want = _moe_chain(x, r, weights, counts)
+        want = _moe_chain(x, r, weights, counts, pdl=False)
         torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
         torch.testing.assert_close(got[1], want[1], rtol=0, atol=0)
 
@@ -183,12 +185,11 @@ ATT_HQ, ATT_HKV, ATT_D, ATT_LAYERS, ATT_PAGE = 16, 8, 128, 8, 16
 
 
 @pytest.mark.parametrize("batch,num_splits", [(1, None), (1, 1), (3, None), (3, 4)])
-def test_pdl_attention_sees_the_newest_token_written_just_before(monkeypatch, batch, num_splits):
+def test_pdl_attention_sees_the_newest_token_written_just_before(batch, num_splits):
     from engine.kernels.decode_attention import paged_decode_attention
     from engine.kernels.qk_norm_rope_store import qk_norm_rope_store
     from engine.kernels.rotary import build_cos_sin_cache
-    if not pdl.use_pdl(torch.empty(1, device="cuda")):
-        pytest.skip("PDL needs sm_90+ (and GLASSBOX_PDL not 0)")
+    _skip_without_pdl()
     g = torch.Generator(device="cuda").manual_seed(11 + batch)
     width, width_qkv = 64, (ATT_HQ + 2 * ATT_HKV) * ATT_D
     num_blocks = batch * width + 3
@@ -203,12 +204,14 @@ def test_pdl_attention_sees_the_newest_token_written_just_before(monkeypatch, ba
     slots = torch.empty(batch, dtype=torch.int64, device="cuda")
     qkv0 = _bf16(g, batch, width_qkv)
 
-    def chain():
+    def chain(pdl=True):
         qkv = qkv0
         for (kc, vc), w in zip(caches, proj):
-            q = qk_norm_rope_store(qkv, positions, cos_sin, kc, vc, slots, ATT_HQ, ATT_HKV, *norms, 1e-6)
-            o = paged_decode_attention(q, kc, vc, tables, lens, ATT_D ** -0.5, num_splits=num_splits)
-            qkv = skinny_linear(o.view(batch, -1), w)
+            q = qk_norm_rope_store(qkv, positions, cos_sin, kc, vc, slots, ATT_HQ, ATT_HKV, *norms, 1e-6,
+                                   pdl=pdl)
+            o = paged_decode_attention(q, kc, vc, tables, lens, ATT_D ** -0.5, num_splits=num_splits,
+                                       pdl=pdl)
+            qkv = skinny_linear(o.view(batch, -1), w, pdl=pdl)
         return qkv
 
     def set_step(ctx: torch.Tensor):  # the host's inputs for a step, garbage in the newest slots
@@ -232,8 +235,6 @@ def test_pdl_attention_sees_the_newest_token_written_just_before(monkeypatch, ba
         set_step(ctx)
         graph.replay()
         got = out.clone()
-        with monkeypatch.context() as m:
-            m.setattr(pdl, "ENABLED", False)
-            set_step(ctx)
-            want = chain()
+        set_step(ctx)
+        want = chain(pdl=False)
         torch.testing.assert_close(got, want, rtol=0, atol=0)

@@ -29,7 +29,7 @@ def public_members(cls) -> set[str]:
 
 def test_the_protocol_names_what_the_engine_calls():
     assert protocol_members() == {
-        "model", "kv_cache", "device", "num_params", "moe_layers", "bytes_per_block",
+        "model", "kv_cache", "device", "kernel_config", "num_params", "moe_layers", "bytes_per_block",
         "tp_layout", "read_kv_block", "profile_num_blocks", "allocate_kv_cache",
         "capture_graphs", "execute_step", "check_workers", "shutdown", "fills_masks_late"}
 

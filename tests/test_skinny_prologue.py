@@ -126,10 +126,9 @@ def test_gated_rejects_what_it_cannot_fuse():
 
 def test_one_row_fused_norm_takes_the_wide_programs_and_matches(monkeypatch):
     """At M = 1 the ungated fused-norm GEMV (the decoder's QKV) picks pick_config's wide
-    programs by default (skinny_gemm.WIDE_M1); against the unfused ops at K that makes the
-    wide chunk shrink (K < 1024) and at K with two chunks."""
+    programs (up to WIDE_MAX_K); against the unfused ops at K that makes the wide chunk shrink
+    (K < 1024) and at K with two chunks."""
     from engine.kernels import skinny_gemm as SG
-    assert SG.WIDE_M1 == "norm"
     assert SG.pick_config(1, 4096, 1024, wide=True) == SG.SkinnyConfig(8, 1024, 1, 4, 3)
     assert SG.pick_config(1, 4096, 1024) != SG.pick_config(1, 4096, 1024, wide=True)
     # past WIDE_MAX_K (Qwen3-30B-A3B's QKV, K = 2,048) the narrow programs

@@ -1,7 +1,7 @@
 """A byte-level BPE tokenizer of Qwen's vocabulary size, trained offline on this machine's
 CPython sources: a stand-in for the real Qwen tokenizer (which cannot be downloaded here) where
 a benchmark's cost depends on the vocabulary's size and structure, e.g. a grammar's token mask
-(bench/sampling_extras.py --shape qwen3-0.6b --tokenizer DIR).
+(bench/diagnostics/sampling_extras.py --shape qwen3-0.6b --tokenizer DIR).
 
     python tools/make_bpe_tokenizer.py OUT_DIR [--vocab-size 151643]
 """

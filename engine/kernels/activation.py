@@ -22,7 +22,7 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, inter, stride_x, stride_o, BLOCK: tl.co
     tl.store(out_ptr + row * stride_o + cols, out.to(gate.dtype), mask=mask)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [N, 2I] -> [N, I]
+def silu_and_mul(x: torch.Tensor, pdl: bool = True) -> torch.Tensor:  # [N, 2I] -> [N, I]
     num_rows, two_inter = x.shape
     inter = two_inter // 2
     out = torch.empty(num_rows, inter, dtype=x.dtype, device=x.device)
@@ -31,7 +31,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [N, 2I] -> [N, I]
     if x.stride(-1) != 1:
         x = x.contiguous()
     block = min(1024, triton.next_power_of_2(inter))
-    pdl = use_pdl(x)
+    pdl = use_pdl(x, pdl)
     _silu_and_mul_kernel[(num_rows, triton.cdiv(inter, block))](
         x, out, inter, x.stride(0), out.stride(0), BLOCK=block, USE_PDL=pdl, num_warps=4,
         launch_pdl=pdl,

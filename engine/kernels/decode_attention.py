@@ -3,10 +3,11 @@
 Flash-decoding: the grid is (batch, kv_head, split). One program holds every query head that
 shares a KV head (GQA packing, padded to 16 rows so tl.dot applies), walks its slice of the
 context through the block table, and writes a partial output plus its log-sum-exp; the split
-that finishes last for its (sequence, kv head) merges them (MERGE_IN_KERNEL; else a second
-kernel does). The split count depends on shapes only (batch, KV heads, block-table width, SM
-count), never on context values, so the call can be captured in a CUDA graph; each split then
-takes an equal share of the *runtime* context length, rounded to whole tiles.
+that finishes last for its (sequence, kv head) merges them, all of the KV head's query heads at
+once, with no second launch. The split count depends on shapes only (batch, KV heads,
+block-table width, SM count), never on context values, so the call can be captured in a CUDA
+graph; each split then takes an equal share of the *runtime* context length, rounded to whole
+tiles.
 
 Scratch (fp32 partial outputs + lse, int32 arrival counters) lives in a module-level cache keyed
 by (device, batch, num_q_heads, num_kv_heads, head_dim, num_splits): allocated on first use (also
@@ -15,7 +16,6 @@ and step. Calls sharing a key must run on one stream, one after another (as laye
 """
 import functools
 import math
-import os
 
 import torch
 import torch.nn.functional as F
@@ -25,8 +25,8 @@ import triton.language as tl
 from .pdl import use_pdl, wait_prior
 
 MAX_SPLITS = 32
-# launch parameters (bench/attention_tune.py sweeps them on the GPU): the direct path (one
-# program per sequence and KV head walks the whole context) and the split path
+# launch parameters (bench/diagnostics/attention_tune.py sweeps them on the GPU): the direct
+# path (one program per sequence and KV head walks the whole context) and the split path
 # (one H200, Qwen3-0.6B shapes, 2026-12-03: three stages instead of two and 128-token tiles
 # past 1,024 programs made a call 4-10 % faster at batch 64-256 and 1,024 tokens of context, the
 # KV read at 3.3-4.1 TB/s; the throughput workload end to end +0.2 %, inside its noise:
@@ -38,25 +38,17 @@ SPLIT_LAUNCH = dict(BLOCK_N=32, num_warps=4, num_stages=2)
 WAVES = 2           # choose_num_splits: programs for about this many waves of the GPU's SMs
 # From this many programs (batch x KV heads) on, one wave instead of WAVES and 128-token tiles:
 # the direct path from one program per SM, and a split path whose splits hold >= 512 tokens of
-# the context bound. One H200, contexts 512-1,536 (bench/attention_tune.py, 2026-12-04,
-# an earlier session's run whose raw logs did not survive): Qwen3-30B-A3B shapes (32/4 heads)
-# batch 32 / 64 / 128, 32.5 / 49.5 / 90.1 -> 22.5 / 40.3 / 77.7 us a call; Qwen3-0.6B batch 32,
-# 46.3 -> 38.0. Below it (batch 1..) nothing changes.
+# the context bound. One H200, contexts 512-1,536 (bench/diagnostics/attention_tune.py,
+# 2026-12-04, an earlier session's run whose raw logs did not survive): Qwen3-30B-A3B shapes
+# (32/4 heads) batch 32 / 64 / 128, 32.5 / 49.5 / 90.1 -> 22.5 / 40.3 / 77.7 us a call;
+# Qwen3-0.6B batch 32, 46.3 -> 38.0. Below it (batch 1..) nothing changes.
 WIDE_FROM_PROGRAMS = 128
 SPLIT_WIDE_LAUNCH = dict(BLOCK_N=128, num_warps=4, num_stages=3)
 SPLIT_WIDE_MIN_TOKENS = 512     # context bound per split from which a split takes SPLIT_WIDE_LAUNCH
-MIN_SPLIT_TOKENS = int(os.environ.get("GLASSBOX_ATTN_MIN_SPLIT_TOKENS", "32"))  # one split tile
-# context bounds decode graphs are captured at (context_caps); GLASSBOX_ATTN_CONTEXT_CAPS="" none
-CONTEXT_CAPS = tuple(int(c) for c in os.environ.get("GLASSBOX_ATTN_CONTEXT_CAPS", "256,512,1024,2048").split(",") if c)
-# True: the last split to finish merges (one launch; saves a graph node per layer at batch 1).
-# False: a second kernel merges (the plain flash-decoding shape).
-MERGE_IN_KERNEL = True
-# Splits past a short context exit at once (before the PDL wait) instead of running masked;
-# GLASSBOX_ATTN_SKIP_UNUSED=0 runs them (bench A/B).
-SKIP_UNUSED_SPLITS = os.environ.get("GLASSBOX_ATTN_SKIP_UNUSED", "1") != "0"
-# The merging program combines all of a KV head's query heads at once (one chunked pass over
-# the splits) instead of one head after another; GLASSBOX_ATTN_MERGE_HEADS=0 merges per head.
-MERGE_HEADS_TOGETHER = os.environ.get("GLASSBOX_ATTN_MERGE_HEADS", "1") != "0"
+# A split holds at least one split tile (32 tokens; 64 before 2026-12-03's fourth session,
+# where the context-bounded graphs came in: bench/RESULTS.md, "Decode graphs bounded to a
+# shorter context").
+MIN_SPLIT_TOKENS = 32
 MERGE_CHUNK_ELEMS = 8192    # fp32 partials a merge chunk holds (64 a thread at 4 warps)
 _WORKSPACES: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
@@ -80,9 +72,8 @@ def _decode_split_kernel(
     scale_log2, num_splits,
     stride_qb, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt, stride_ob, stride_oh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, MERGE_IN_KERNEL: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr,
     BLOCK_S: tl.constexpr, DOT_PREC: tl.constexpr, USE_PDL: tl.constexpr,
-    SKIP_UNUSED: tl.constexpr = True, MERGE_HEADS_TOGETHER: tl.constexpr = True,
     MERGE_G: tl.constexpr = 2, CHUNK_S: tl.constexpr = 1,
 ):
     b = tl.program_id(0)
@@ -104,20 +95,10 @@ def _decode_split_kernel(
     # only the splits that hold tokens (one when the context is empty: it writes the zeros).
     # (One H200, Qwen3-0.6B batch-1 decode chain at 256 tokens: 32 splits of which 8 hold tokens;
     # leaving the other 24 out of the merge took 780 -> 749 us a step, their exiting at once
-    # before the wait another 9 us: bench/decode_chain.py, bench/results/2026-12-03c-*.)
-    if MERGE_IN_KERNEL:
-        n_used = tl.maximum(tl.cdiv(tiles, tl.maximum(tiles_per_split, 1)), 1)
-    else:  # the combine kernel reads every split's partials
-        n_used = num_splits
-    used = split < n_used
-    used_rows = split + tl.zeros([BLOCK_G], tl.int32) < n_used  # (a vector: the interpreter's masks)
-
+    # before the wait another 9 us: bench/diagnostics/decode_chain.py, bench/results/2026-12-03c-*.)
+    n_used = tl.maximum(tl.cdiv(tiles, tl.maximum(tiles_per_split, 1)), 1)
     # the splits past the context exit here, before the wait: they hold no tokens
-    if SKIP_UNUSED:
-        go = used
-    else:
-        go = split >= 0
-    if go:
+    if split < n_used:
         g = tl.arange(0, BLOCK_G)
         d = tl.arange(0, BLOCK_D)
         heads = kvh * GROUP + g
@@ -171,68 +152,47 @@ def _decode_split_kernel(
         else:
             # workspace [B, Hq, S, D] and [B, Hq, S], contiguous
             row = (b * (tl.num_programs(1) * GROUP) + heads).to(tl.int64) * num_splits + split
-            tl.store(part_out_ptr + row[:, None] * HEAD_DIM + d[None, :], o, mask=out_mask & used_rows[:, None])
-            tl.store(part_lse_ptr + row, m_i + tl.log2(l_i), mask=row_mask & used_rows)  # -inf when empty
-            if MERGE_IN_KERNEL:
-                # Merge without a second launch: the split that finishes last for this (sequence,
-                # kv head) merges them all. The CTA barrier + acq_rel atomic publish every thread's
-                # partials before the count; .cg loads then read them from L2, past this SM's L1.
-                tl.debug_barrier()
-                counter = counters_ptr + b * tl.num_programs(1) + kvh
-                arrived = tl.atomic_add(counter, 1, mask=used, sem="acq_rel")
-                if used & (arrived == n_used - 1):
-                    tl.store(counter, 0)  # ready for the next launch or graph replay
-                    # (fresh names only inside this runtime `if`: Triton would try to merge rebinds)
-                    if MERGE_HEADS_TOGETHER:
-                        # Every query head of the group at once: one load of their lse rows, then
-                        # the used splits' partials in chunks of [heads, CHUNK_S, D], so the merge
-                        # costs a round trip per chunk, not one per head (GQA-8 had 8 in a row).
-                        mg = tl.arange(0, MERGE_G)
-                        mg_ok = mg < GROUP
-                        mg_heads = kvh * GROUP + mg
-                        mbase = (b * (tl.num_programs(1) * GROUP) + mg_heads).to(tl.int64) * num_splits
-                        all_s = tl.arange(0, BLOCK_S)
-                        lse_all = tl.load(part_lse_ptr + mbase[:, None] + all_s[None, :],
-                                          mask=mg_ok[:, None] & (all_s < n_used)[None, :],
-                                          other=float("-inf"), cache_modifier=".cg")  # [MERGE_G, BLOCK_S]
-                        m_all = tl.max(lse_all, axis=1)
-                        m_all = tl.where(m_all == float("-inf"), 0.0, m_all)
-                        den = tl.sum(tl.exp2(lse_all - m_all[:, None]), axis=1)  # 0 for empty rows
-                        den = tl.where(den == 0.0, 1.0, den)
-                        acc_m = tl.zeros([MERGE_G, BLOCK_D], dtype=tl.float32)
-                        for c0 in range(0, n_used, CHUNK_S):
-                            sc = c0 + tl.arange(0, CHUNK_S)
-                            c_ok = mg_ok[:, None] & (sc < n_used)[None, :]  # [MERGE_G, CHUNK_S]
-                            c_rows = mbase[:, None] + sc[None, :]
-                            lse_c = tl.load(part_lse_ptr + c_rows, mask=c_ok, other=float("-inf"),
-                                            cache_modifier=".cg")
-                            w_c = tl.exp2(lse_c - m_all[:, None])  # 0 where masked or empty
-                            parts = tl.load(part_out_ptr + c_rows[:, :, None] * HEAD_DIM + d[None, None, :],
-                                            mask=c_ok[:, :, None] & d_mask[None, None, :], other=0.0,
-                                            cache_modifier=".cg")  # [MERGE_G, CHUNK_S, BLOCK_D]
-                            acc_m += tl.sum(parts * w_c[:, :, None], axis=1)
-                        tl.store(out_ptr + b * stride_ob + mg_heads[:, None] * stride_oh + d[None, :],
-                                 (acc_m / den[:, None]).to(out_ptr.dtype.element_ty),
-                                 mask=mg_ok[:, None] & d_mask[None, :])
-                    else:  # one head after another (the form before; GLASSBOX_ATTN_MERGE_HEADS=0)
-                        split_ids = tl.arange(0, BLOCK_S)
-                        split_mask = split_ids < n_used
-                        for gi in tl.static_range(GROUP):
-                            head = kvh * GROUP + gi
-                            base = (b * (tl.num_programs(1) * GROUP) + head).to(tl.int64) * num_splits
-                            lse = tl.load(part_lse_ptr + base + split_ids, mask=split_mask,
-                                          other=float("-inf"), cache_modifier=".cg")
-                            m = tl.max(lse, axis=0)
-                            m = tl.where(m == float("-inf"), 0.0, m)
-                            w = tl.exp2(lse - m)  # [BLOCK_S]; 0 for empty splits
-                            denom = tl.sum(w, axis=0)
-                            denom = tl.where(denom == 0.0, 1.0, denom)
-                            parts = tl.load(part_out_ptr + (base + split_ids)[:, None] * HEAD_DIM + d[None, :],
-                                            mask=split_mask[:, None] & d_mask[None, :], other=0.0,
-                                            cache_modifier=".cg")
-                            merged = tl.sum(parts * w[:, None], axis=0) / denom  # [BLOCK_D]
-                            tl.store(out_ptr + b * stride_ob + head * stride_oh + d,
-                                     merged.to(out_ptr.dtype.element_ty), mask=d_mask)
+            tl.store(part_out_ptr + row[:, None] * HEAD_DIM + d[None, :], o, mask=out_mask)
+            tl.store(part_lse_ptr + row, m_i + tl.log2(l_i), mask=row_mask)  # -inf when empty
+            # Merge without a second launch: the split that finishes last for this (sequence,
+            # kv head) merges them all. The CTA barrier + acq_rel atomic publish every thread's
+            # partials before the count; .cg loads then read them from L2, past this SM's L1.
+            tl.debug_barrier()
+            counter = counters_ptr + b * tl.num_programs(1) + kvh
+            arrived = tl.atomic_add(counter, 1, sem="acq_rel")
+            if arrived == n_used - 1:
+                tl.store(counter, 0)  # ready for the next launch or graph replay
+                # (fresh names only inside this runtime `if`: Triton would try to merge rebinds)
+                # Every query head of the group at once: one load of their lse rows, then
+                # the used splits' partials in chunks of [heads, CHUNK_S, D], so the merge
+                # costs a round trip per chunk, not one per head (GQA-8 had 8 in a row).
+                mg = tl.arange(0, MERGE_G)
+                mg_ok = mg < GROUP
+                mg_heads = kvh * GROUP + mg
+                mbase = (b * (tl.num_programs(1) * GROUP) + mg_heads).to(tl.int64) * num_splits
+                all_s = tl.arange(0, BLOCK_S)
+                lse_all = tl.load(part_lse_ptr + mbase[:, None] + all_s[None, :],
+                                  mask=mg_ok[:, None] & (all_s < n_used)[None, :],
+                                  other=float("-inf"), cache_modifier=".cg")  # [MERGE_G, BLOCK_S]
+                m_all = tl.max(lse_all, axis=1)
+                m_all = tl.where(m_all == float("-inf"), 0.0, m_all)
+                den = tl.sum(tl.exp2(lse_all - m_all[:, None]), axis=1)  # 0 for empty rows
+                den = tl.where(den == 0.0, 1.0, den)
+                acc_m = tl.zeros([MERGE_G, BLOCK_D], dtype=tl.float32)
+                for c0 in range(0, n_used, CHUNK_S):
+                    sc = c0 + tl.arange(0, CHUNK_S)
+                    c_ok = mg_ok[:, None] & (sc < n_used)[None, :]  # [MERGE_G, CHUNK_S]
+                    c_rows = mbase[:, None] + sc[None, :]
+                    lse_c = tl.load(part_lse_ptr + c_rows, mask=c_ok, other=float("-inf"),
+                                    cache_modifier=".cg")
+                    w_c = tl.exp2(lse_c - m_all[:, None])  # 0 where masked or empty
+                    parts = tl.load(part_out_ptr + c_rows[:, :, None] * HEAD_DIM + d[None, None, :],
+                                    mask=c_ok[:, :, None] & d_mask[None, None, :], other=0.0,
+                                    cache_modifier=".cg")  # [MERGE_G, CHUNK_S, BLOCK_D]
+                    acc_m += tl.sum(parts * w_c[:, :, None], axis=1)
+                tl.store(out_ptr + b * stride_ob + mg_heads[:, None] * stride_oh + d[None, :],
+                         (acc_m / den[:, None]).to(out_ptr.dtype.element_ty),
+                         mask=mg_ok[:, None] & d_mask[None, :])
 
 
 @triton.jit
@@ -258,10 +218,12 @@ def _combine_splits_kernel(
     tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
-def combine_splits(part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor) -> None:
-    """Merge split partials [R, H, S, D] + lse [R, H, S] (log2 domain) into out [R, H, D]."""
+def combine_splits(part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor,
+                   pdl: bool = True) -> None:
+    """Merge split partials [R, H, S, D] + lse [R, H, S] (log2 domain) into out [R, H, D] (the
+    prefill kernel's splits; decode merges inside its own kernel)."""
     rows, heads, splits, head_dim = part_out.shape
-    pdl = use_pdl(out)
+    pdl = use_pdl(out, pdl)
     _combine_splits_kernel[(rows * heads,)](
         part_out, part_lse, out, splits, heads, out.stride(0), out.stride(1),
         HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
@@ -273,7 +235,7 @@ def combine_splits(part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Te
 def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
     """Enough programs for ~2 waves on the GPU (one from WIDE_FROM_PROGRAMS pairs), but no split
     shorter than MIN_SPLIT_TOKENS.
-    max_context bounds every row's context: the block table's width, or a graph's CONTEXT_CAPS."""
+    max_context bounds every row's context: the block table's width, or a graph's context cap."""
     programs = max(1, batch * num_kv_heads)
     waves = 1 if programs >= WIDE_FROM_PROGRAMS else WAVES
     want = triton.cdiv(waves * num_sms(device), programs)
@@ -292,16 +254,18 @@ def launch_config(programs: int, num_splits: int, bound: int) -> dict:
     return dict(SPLIT_LAUNCH)
 
 
-def context_caps(batch: int, num_kv_heads: int, max_context: int, device: torch.device) -> list[int]:
-    """The context bounds below max_context that would launch fewer splits at this batch, the
-    largest one per split count, ascending. A decode graph is captured once per bound (plus the
+def context_caps(batch: int, num_kv_heads: int, max_context: int, device: torch.device,
+                 caps: tuple[int, ...]) -> list[int]:
+    """Of `caps` (KernelConfig.attn_context_caps, ascending), the context bounds below
+    max_context that would launch fewer splits at this batch, the largest one per split count,
+    ascending. A decode graph is captured once per bound (plus the
     unbounded one) and a step replays the smallest that holds its longest context: the grid is
     fixed inside a graph, and at a short context most of a long context's splits hold nothing
     yet still cost their launch (one H200, batch 1, 256 tokens: 32 splits 5.1 us a layer at
     Qwen3-0.6B shapes and 13.3 at Qwen3-30B-A3B's, 8 splits 4.0 and 8.1)."""
     full = choose_num_splits(batch, num_kv_heads, max_context, device)
     by_splits: dict[int, int] = {}
-    for cap in CONTEXT_CAPS:
+    for cap in caps:
         n = choose_num_splits(batch, num_kv_heads, cap, device)
         if cap < max_context and n < full:
             by_splits[n] = cap
@@ -330,6 +294,8 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,  # [B, Hq, D]
     num_splits: int | None = None,    # None: chosen from shapes (tests force a value)
     max_context: int | None = None,   # a bound on every context_lens value (graphs: the capture's cap)
+    launch: dict | None = None,       # None: launch_config's; else BLOCK_N, num_warps, num_stages
+    pdl: bool = True,                 # launch with PDL where the GPU has it (KernelConfig.pdl)
 ) -> torch.Tensor:
     batch, num_q_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
@@ -351,8 +317,9 @@ def paged_decode_attention(
         part_out = part_lse = counters = out  # unused
     else:
         part_out, part_lse, counters = _workspace(q.device, batch, num_q_heads, num_kv_heads, head_dim, num_splits)
-    launch = launch_config(batch * num_kv_heads, num_splits, bound)
-    pdl = use_pdl(q)
+    if launch is None:
+        launch = launch_config(batch * num_kv_heads, num_splits, bound)
+    pdl = use_pdl(q, pdl)
     block_d = max(16, triton.next_power_of_2(head_dim))
     merge_g = max(2, triton.next_power_of_2(group))
     chunk_s = max(1, min(triton.next_power_of_2(num_splits), MERGE_CHUNK_ELEMS // (merge_g * block_d)))
@@ -364,14 +331,10 @@ def paged_decode_attention(
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         PAGE_SIZE=page_size, BLOCK_N=launch["BLOCK_N"], DIRECT=direct,
-        MERGE_IN_KERNEL=MERGE_IN_KERNEL, BLOCK_S=triton.next_power_of_2(num_splits),
-        DOT_PREC=dot_precision(q.dtype), USE_PDL=pdl, SKIP_UNUSED=SKIP_UNUSED_SPLITS,
-        MERGE_HEADS_TOGETHER=MERGE_HEADS_TOGETHER, MERGE_G=merge_g, CHUNK_S=chunk_s,
-        num_warps=launch["num_warps"],
+        BLOCK_S=triton.next_power_of_2(num_splits), DOT_PREC=dot_precision(q.dtype), USE_PDL=pdl,
+        MERGE_G=merge_g, CHUNK_S=chunk_s, num_warps=launch["num_warps"],
         num_stages=launch["num_stages"], launch_pdl=pdl,
     )
-    if not direct and not MERGE_IN_KERNEL:
-        combine_splits(part_out, part_lse, out)
     return out
 
 

@@ -6,19 +6,14 @@ eager steps (prefill attention, sampling, MoE alignment and grouped GEMMs) take 
 every step (pairs, splits, block-table width) and int32/int64 vectors sliced from the step's
 staging buffer at offsets that depend on the batch. Each new combination compiled inside a
 serving run: 5 compiles, 1.8 s in the first 256-request run of Qwen3-0.6B and 10, 4.8 s at
-Qwen3-30B-A3B on an H200 (bench/RESULTS.md, 2026-12-03 fifth session) — the "first run of every
-process is slower" dip. Arguments named here are left unspecialized: they feed scalar loads,
-masks along non-contiguous axes and address arithmetic, where the hint buys nothing.
-
-`GLASSBOX_TRITON_SPECIALIZE_ALL=1` restores Triton's default (the bench's A/B).
+Qwen3-30B-A3B on an H200 (bench/RESULTS.md, 2026-12-03 fifth session, "The first-run dip found") —
+the "first run of every process is slower" dip; with these keys none, and batch-1 decode the same
+as with Triton's default keys. Arguments named here are left unspecialized: they feed scalar
+loads, masks along non-contiguous axes and address arithmetic, where the hint buys nothing.
 """
 from __future__ import annotations
-
-import os
-
-SPECIALIZE_ALL = os.environ.get("GLASSBOX_TRITON_SPECIALIZE_ALL", "0") == "1"
 
 
 def varying(*names: str) -> tuple[str, ...]:
     """`@triton.jit(do_not_specialize=varying(...))`: the per-step arguments of an eager kernel."""
-    return () if SPECIALIZE_ALL else names
+    return names

@@ -10,13 +10,13 @@ Two paths compute the same experts (engine/layers/moe.py picks one per call):
 A table file is named like vLLM's fused-MoE configs, by what changes the best launch:
 `moe_E=128_N=768_H=2048_bf16_NVIDIA_H200.json` (N = the per-rank intermediate size, so TP=2 of
 Qwen3-30B-A3B reads N=384). Its "configs" map a token count M to a config; a call at M uses the
-entry of the nearest tuned M. The directory is engine/kernels/configs/, or $GLASSBOX_MOE_CONFIG_DIR.
+entry of the nearest tuned M. The directory is engine/kernels/configs/, or the engine's
+KernelConfig.moe_config_dir (`GLASSBOX_MOE_CONFIG_DIR`), passed in by the MoE layer.
 """
 from __future__ import annotations
 
 import functools
 import json
-import os
 import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -24,7 +24,6 @@ from pathlib import Path
 import torch
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
-CONFIG_DIR_ENV = "GLASSBOX_MOE_CONFIG_DIR"
 # Untuned default: the GEMV path up to this many (token, k) pairs (M = 4 at top-8). On an H200
 # the grouped path already reads ~90 % of its floor from M = 8 (bench/RESULTS.md, 2026-11-29).
 DEFAULT_GEMV_MAX_PAIRS = 32
@@ -109,8 +108,9 @@ def config_file_name(num_experts: int, inter_size: int, hidden: int, dtype: torc
     return f"moe_E={num_experts}_N={inter_size}_H={hidden}_{_DTYPE_NAMES.get(dtype, str(dtype))}_{dev}.json"
 
 
-def config_dir() -> Path:
-    return Path(os.environ.get(CONFIG_DIR_ENV) or CONFIG_DIR)
+def config_dir(directory: str | Path | None = None) -> Path:
+    """The table directory: `directory` (KernelConfig.moe_config_dir), or the tables shipped."""
+    return Path(directory) if directory else CONFIG_DIR
 
 
 @functools.lru_cache(maxsize=None)
@@ -162,9 +162,12 @@ def default_config(num_tokens: int, top_k: int, num_experts: int, elem_size: int
 
 
 def pick_config(num_tokens: int, top_k: int, num_experts: int, inter_size: int, hidden: int,
-                dtype: torch.dtype, device: torch.device | None) -> MoEConfig:
-    """The tuned config for this shape and device at the nearest token count, else the default."""
-    table = _table_for(num_experts, inter_size, hidden, dtype, device_name(device), str(config_dir()))
+                dtype: torch.dtype, device: torch.device | None,
+                directory: str | Path | None = None) -> MoEConfig:
+    """The tuned config for this shape and device at the nearest token count, else the default.
+    `directory`: where the tables are (None: engine/kernels/configs/)."""
+    table = _table_for(num_experts, inter_size, hidden, dtype, device_name(device),
+                       str(config_dir(directory)))
     if table is None:
         return default_config(num_tokens, top_k, num_experts, dtype.itemsize)
     return nearest(table, num_tokens)

@@ -129,7 +129,7 @@ def _block(block: int, dim: int) -> int:
 
 
 def gemv_w13_silu(x: torch.Tensor, w13: torch.Tensor, topk_ids: torch.Tensor, tile: KernelTile,
-                  inter: torch.Tensor | None = None) -> torch.Tensor:
+                  inter: torch.Tensor | None = None, pdl: bool = True) -> torch.Tensor:
     """inter [M*k, I] (x.dtype) = silu(x_t G_e^T) * (x_t U_e^T) for every pair (t, j), e = topk_ids[t, j].
     x [M, H] and w13 [E, 2I, H] contiguous; topk_ids [M, k] int."""
     num_tokens, hidden = x.shape
@@ -141,7 +141,7 @@ def gemv_w13_silu(x: torch.Tensor, w13: torch.Tensor, topk_ids: torch.Tensor, ti
     if num_pairs == 0:
         return inter
     bn, bk = _block(tile.block_n, inter_size), _block(tile.block_k, hidden)
-    pdl = use_pdl(x)
+    pdl = use_pdl(x, pdl)
     _gemv_w13_silu_kernel[(num_pairs * triton.cdiv(inter_size, bn),)](
         x, w13, ids, inter, num_pairs, x.stride(0), w13.stride(0), w13.stride(1), inter.stride(0),
         H=hidden, I=inter_size, TOP_K=topk_ids.shape[1], BLOCK_N=bn, BLOCK_K=bk, USE_PDL=pdl,
@@ -151,7 +151,8 @@ def gemv_w13_silu(x: torch.Tensor, w13: torch.Tensor, topk_ids: torch.Tensor, ti
 
 
 def gemv_w2_sum(inter: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                topk_ids: torch.Tensor, tile: KernelTile, out: torch.Tensor) -> torch.Tensor:
+                topk_ids: torch.Tensor, tile: KernelTile, out: torch.Tensor,
+                pdl: bool = True) -> torch.Tensor:
     """out [M, H] = sum_j weight[t, j] * inter[(t, j)] W2_e^T, summed in the order j = 0..k-1.
     inter [M*k, I] and w2 [E, H, I] contiguous; topk_weights, topk_ids [M, k]."""
     num_tokens, top_k = topk_ids.shape
@@ -159,7 +160,7 @@ def gemv_w2_sum(inter: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tenso
     if num_tokens == 0:
         return out
     bn, bk = _block(tile.block_n, hidden), _block(tile.block_k, inter_size)
-    pdl = use_pdl(inter)
+    pdl = use_pdl(inter, pdl)
     _gemv_w2_sum_kernel[(num_tokens * triton.cdiv(hidden, bn),)](
         inter, w2, topk_ids.reshape(-1), topk_weights.reshape(-1), out,
         num_tokens, inter.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
@@ -177,9 +178,11 @@ def fused_moe_gemv(
     topk_ids: torch.Tensor,
     out: torch.Tensor | None = None,
     config: MoEGemvConfig | None = None,
+    pdl: bool = True,
 ) -> torch.Tensor:
     """Same contract as fused_moe.fused_moe (x [M, H], w13 [E, 2I, H], w2 [E, H, I], topk_* [M, k];
-    fp32 routing weights are rounded to x.dtype in the kernel), in two launches."""
+    fp32 routing weights are rounded to x.dtype in the kernel), in two launches (with PDL where
+    `pdl` and the GPU allow: KernelConfig.pdl)."""
     check_shapes(x, w13, w2, topk_weights, topk_ids)
     if out is None:
         out = torch.empty_like(x)
@@ -188,5 +191,5 @@ def fused_moe_gemv(
     cfg = config or default_gemv(x.element_size())
     x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
     topk_ids, topk_weights = topk_ids.contiguous(), topk_weights.contiguous()
-    inter = gemv_w13_silu(x, w13, topk_ids, cfg.w13)
-    return gemv_w2_sum(inter, w2, topk_weights, topk_ids, cfg.w2, out)
+    inter = gemv_w13_silu(x, w13, topk_ids, cfg.w13, pdl=pdl)
+    return gemv_w2_sum(inter, w2, topk_weights, topk_ids, cfg.w2, out, pdl=pdl)

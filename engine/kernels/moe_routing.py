@@ -3,8 +3,8 @@
 The kernels route one token a program (the fused router: one or two) and find the top-k by k
 passes of max-and-mask over the E logits: at a decode batch of 128 that is 128 programs of one
 warp each, every reduction inside the warp, instead of 8 programs ranking 16 x 128 x 128 pairs
-(127 µs a layer on an H200, bench/RESULTS.md 2026-12-01). The kernel that ranked every pair is
-kept as bench/router.py's baseline in bench/router_baseline.py; both select the same experts."""
+(127 µs a layer on an H200, bench/RESULTS.md 2026-12-01; the old kernel against this one at
+128 tokens, 59.6 -> 8.4 µs a layer, in bench/RESULTS.md 2026-12-02)."""
 
 import torch
 import triton
@@ -134,7 +134,7 @@ def _alloc_out(num_tokens: int, num_experts: int, top_k: int, dev, out):
 def _route_triton(router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool, out=None,
                   block_t: int = 1, num_warps: int | None = None):
     """One program per `block_t` tokens (1 by default: a batch of 128 is 128 programs, not 8).
-    `block_t` / `num_warps` are knobs for bench/router.py; the engine takes the defaults."""
+    `block_t` / `num_warps` are knobs for tests and benches; the engine takes the defaults."""
     num_tokens, num_experts = router_logits.shape
     probs, weights, ids = _alloc_out(num_tokens, num_experts, top_k, router_logits.device, out)
     if num_tokens == 0:
@@ -207,7 +207,7 @@ def router_tile(num_tokens: int) -> tuple[int, int, int]:
     64 is routed by 32 programs side by side instead of 8. One warp: the tail's 2k reductions
     are then warp shuffles (at 4 warps each one also crosses shared memory behind a barrier,
     ~30 barriers a tail), and a [2, 2, 512] GEMV tile is 64 accumulators a thread.
-    bench/router.py --sweep times the alternatives."""
+    bench/diagnostics/moe_chain.py times other tiles in the batch-1 MoE step."""
     return (1 if num_tokens == 1 else 2), 2, 1
 
 
@@ -308,7 +308,7 @@ def _router_route_kernel(
 def route_hidden(
     x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, norm_topk_prob: bool,
     counts: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-    bias: torch.Tensor | None = None, tile: tuple[int, int, int] | None = None,
+    bias: torch.Tensor | None = None, tile: tuple[int, int, int] | None = None, pdl: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """route(F.linear(x, gate_weight), ...) in one launch for decode batches (N <= FUSED_MAX_TOKENS):
     programs over (expert rows, token tiles) compute the logits, and the last program to finish
@@ -316,15 +316,16 @@ def route_hidden(
     GEMM's own launch per MoE layer. x [N, H], gate_weight [E, H] (unit stride along H).
     Graph-safe: fixed grid, no host sync; the counts reset themselves. `bias` [N, E] fp32
     (contiguous) is added to the logits before the softmax (interventions mask experts).
-    `tile` = (tokens, experts, warps) a program overrides router_tile (bench/router.py only)."""
-    return _route_hidden(x, gate_weight, top_k, norm_topk_prob, counts, out, bias, tile)[:3]
+    `tile` = (tokens, experts, warps) a program overrides router_tile (benches only). `pdl`:
+    launch with PDL where the GPU has it (KernelConfig.pdl)."""
+    return _route_hidden(x, gate_weight, top_k, norm_topk_prob, counts, out, bias, tile, pdl)[:3]
 
 
 def norm_route_hidden(
     hidden: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
     gate_weight: torch.Tensor, top_k: int, norm_topk_prob: bool, counts: torch.Tensor,
     out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-    bias: torch.Tensor | None = None, tile: tuple[int, int, int] | None = None,
+    bias: torch.Tensor | None = None, tile: tuple[int, int, int] | None = None, pdl: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The post-attention norm and the router in one launch: (probs, topk weights, topk ids,
     normed, residual_out) with normed, residual_out = fused_add_rms_norm(hidden, residual,
@@ -336,11 +337,11 @@ def norm_route_hidden(
                          f"(dtype and unit stride along H)")
     if norm_weight.shape != (hidden.shape[1],) or not norm_weight.is_contiguous():
         raise ValueError(f"norm_weight must be contiguous [{hidden.shape[1]}]")
-    return _route_hidden(hidden, gate_weight, top_k, norm_topk_prob, counts, out, bias, tile,
+    return _route_hidden(hidden, gate_weight, top_k, norm_topk_prob, counts, out, bias, tile, pdl,
                          (residual, norm_weight, float(eps)))
 
 
-def _route_hidden(x, gate_weight, top_k, norm_topk_prob, counts, out, bias, tile, norm=None):
+def _route_hidden(x, gate_weight, top_k, norm_topk_prob, counts, out, bias, tile, pdl, norm=None):
     """route_hidden, with the post-attention norm folded in when `norm` = (residual, weight, eps)."""
     num_tokens, hidden = x.shape
     num_experts = gate_weight.shape[0]
@@ -362,7 +363,7 @@ def _route_hidden(x, gate_weight, top_k, norm_topk_prob, counts, out, bias, tile
         raise ValueError(f"bias must be contiguous fp32 [{num_tokens}, {num_experts}]")
     logits = torch.empty(num_tokens, num_experts, dtype=torch.float32, device=dev)
     e_p2 = triton.next_power_of_2(num_experts)
-    pdl = use_pdl(x)
+    pdl = use_pdl(x, pdl)
     # the GEMV accumulator [BLOCK_E, BLOCK_T, BLOCK_K] stays within 8192 fp32 (64 a thread at 4 warps)
     block_k = min(512 if x.element_size() <= 2 else 256, 8192 // (block_e * block_t),
                   triton.next_power_of_2(hidden))

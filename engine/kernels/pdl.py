@@ -14,20 +14,16 @@ the chain overlap, and ordering stays transitive (a kernel's wait returns only a
 previous kernel finished, which itself waited for the one before). A kernel launched without
 the attribute (torch ops, cuBLAS, MoE kernels) waits for its predecessor in full, as ever.
 
-`GLASSBOX_PDL=0` turns it off (the bench's A/B); the interpreter and pre-Hopper GPUs never use it.
+Each launcher takes `pdl` (KernelConfig.pdl: off for debugging); the interpreter and pre-Hopper
+GPUs never use it.
 """
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
-
-ENABLED = os.environ.get("GLASSBOX_PDL", "1") != "0"
-# the skinny GEMM issues its first weight chunk's loads before the wait (weights are constant)
-PREFETCH_WEIGHTS = os.environ.get("GLASSBOX_PDL_PREFETCH", "1") != "0"
 
 
 @functools.lru_cache(maxsize=None)
@@ -36,9 +32,9 @@ def _capable(device_index: int) -> bool:
     return torch.version.hip is None and torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
-def use_pdl(t: torch.Tensor) -> bool:
-    """Launch this call's kernels with PDL? (a CUDA tensor on sm_90+, and not turned off)"""
-    if not (ENABLED and t.is_cuda):
+def use_pdl(t: torch.Tensor, enabled: bool = True) -> bool:
+    """Launch this call's kernels with PDL? (`enabled`, a CUDA tensor, sm_90+)"""
+    if not (enabled and t.is_cuda):
         return False
     index = t.device.index if t.device.index is not None else torch.cuda.current_device()
     return _capable(index)

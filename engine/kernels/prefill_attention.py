@@ -118,6 +118,7 @@ def paged_prefill_attention(
     scale: float,
     max_seqlen_q: int,
     num_splits: int | None = None,  # None: chosen from shapes (tests force a value)
+    pdl: bool = True,               # the split merge launches with PDL where the GPU has it
 ) -> torch.Tensor:               # [Nq, Hq, D]
     num_tokens, num_q_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
@@ -152,7 +153,7 @@ def paged_prefill_attention(
         SPLIT=split, DOT_PREC=dot_precision(q.dtype), num_warps=4, num_stages=2,
     )
     if split:
-        combine_splits(part_out, part_lse, out)
+        combine_splits(part_out, part_lse, out, pdl)
     return out
 
 

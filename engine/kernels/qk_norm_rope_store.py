@@ -148,6 +148,7 @@ def qk_norm_rope_store(
     probe_rows: torch.Tensor | None = None,  # [R] int64 on the device: token rows to copy, -1 = none
     probe_q: torch.Tensor | None = None,     # [R, Hq, D]: receives q of those rows
     q_out: torch.Tensor | None = None,       # [N, Hq, D] to write into; a new tensor by default
+    pdl: bool = True,             # launch with PDL where the GPU has it (KernelConfig.pdl)
 ) -> torch.Tensor:                # [N, Hq, D] q, normed and rotated; K/V are in the cache
     num_tokens = qkv.shape[0]
     head_dim = cos_sin_cache.shape[-1]
@@ -164,7 +165,7 @@ def qk_norm_rope_store(
     has_norm = q_norm_weight is not None
     num_probe_rows = 0 if probe_rows is None else probe_rows.numel()
     half = head_dim // 2
-    pdl = use_pdl(qkv)
+    pdl = use_pdl(qkv, pdl)
     _qk_norm_rope_store_kernel[(num_tokens,)](
         qkv, positions, cos_sin_cache, slot_mapping,
         q_norm_weight if has_norm else cos_sin_cache, k_norm_weight if has_norm else cos_sin_cache,

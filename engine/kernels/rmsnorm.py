@@ -39,7 +39,7 @@ def _rms_norm_kernel(
     tl.store(out_ptr + rows * stride_o + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _launch(x, residual, weight, eps, sumsq=None):
+def _launch(x, residual, weight, eps, sumsq=None, pdl=True):
     shape = x.shape
     hidden = shape[-1]
     x3 = x if x.dim() == 3 else x.reshape(-1, 1, hidden)  # [A, inner, H]
@@ -63,7 +63,7 @@ def _launch(x, residual, weight, eps, sumsq=None):
     block_rows = max(1, min(16, 4096 // block_h))
     num_warps = 8 if block_h >= 4096 else 4 if block_h * block_rows >= 1024 else 2
     grid = (triton.cdiv(num_rows, block_rows),)
-    pdl = use_pdl(x)
+    pdl = use_pdl(x, pdl)
     if sumsq is not None and (sumsq.dtype != torch.float32 or sumsq.stride(0) != 1
                               or sumsq.shape[0] < num_rows):
         raise ValueError(f"sumsq must be a contiguous fp32 buffer of >= {num_rows} rows")
@@ -81,8 +81,9 @@ def rms_norm(
     weight: torch.Tensor,  # [H]
     eps: float,
     sumsq: torch.Tensor | None = None,  # [>= N] fp32: also store sum(x^2) per row (probes)
+    pdl: bool = True,      # launch with PDL where the GPU has it (KernelConfig.pdl)
 ) -> torch.Tensor:         # [N, H], x.dtype
-    return _launch(x, None, weight, eps, sumsq)[0]
+    return _launch(x, None, weight, eps, sumsq, pdl)[0]
 
 
 def fused_add_rms_norm(
@@ -91,8 +92,9 @@ def fused_add_rms_norm(
     weight: torch.Tensor,    # [H]
     eps: float,
     sumsq: torch.Tensor | None = None,  # [>= N] fp32: also store sum((x + residual)^2) per row
+    pdl: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (rms_norm(x + residual), x + residual), both new tensors
-    return _launch(x, residual, weight, eps, sumsq)
+    return _launch(x, residual, weight, eps, sumsq, pdl)
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,

@@ -32,7 +32,6 @@ the dense MLP's activation with no launch of its own (`rms_norm_linear(..., gate
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
@@ -40,21 +39,18 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .pdl import PREFETCH_WEIGHTS, use_pdl, wait_prior
+from .pdl import use_pdl, wait_prior
 from .skinny_prologue import X_PLAIN, X_RMSNORM, X_RMSNORM_FACTORED, row_rstd, x_chunk
 
-# Wider one-row programs (pick_config's `wide`): `norm` (the default) for the fused-norm GEMV
-# without the SwiGLU epilogue (the decoder's QKV projection at batch 1), `1` for every one-row
-# GEMV, `0` for none. One H200, Qwen3-0.6B, batch-1 decode chain rebuilt in one graph
-# (bench/decode_chain.py, 2026-12-03): the wider QKV programs -35.6 us a step of 723; for
-# gate_up (gated), down_proj and o_proj they were slower or even, and all together -11
-# (engine: 1,317 -> 1,308 tok/s with all).
-WIDE_M1 = os.environ.get("GLASSBOX_SKINNY_WIDE", "norm")
-if WIDE_M1 not in ("0", "1", "norm"):
-    raise ValueError(f"GLASSBOX_SKINNY_WIDE must be 0, 1 or norm, not {WIDE_M1!r}")
-# ... `norm` only where K (the hidden size) is at most this: at Qwen3-30B-A3B's QKV (K = 2,048)
-# the narrow programs were faster (bench/moe_chain.py, one H200, 2026-12-04: 2,510 -> 2,450 us a
-# step; an earlier session's device run whose raw log did not survive).
+# Wider one-row programs (pick_config's `wide`) for the fused-norm GEMV without the SwiGLU
+# epilogue only (the decoder's QKV projection at batch 1). One H200, Qwen3-0.6B, batch-1 decode
+# chain rebuilt in one graph (bench/diagnostics/decode_chain.py, 2026-12-03): the wider QKV
+# programs -35.6 us a step of 723; for gate_up (gated), down_proj and o_proj they were slower or
+# even, and all together -11 (engine: 1,317 -> 1,308 tok/s with all; bench/RESULTS.md, 2026-12-03
+# third session). ... and only where K (the hidden size) is at most this: at Qwen3-30B-A3B's QKV
+# (K = 2,048) the narrow programs were faster (bench/diagnostics/moe_chain.py, one H200,
+# 2026-12-04: 2,510 -> 2,450 us a step; an earlier session's device run whose raw log did not
+# survive).
 WIDE_MAX_K = 1024
 MAX_M = 16  # the DOT path pads x to 16 rows; beyond that an ordinary GEMM tiling is the right tool
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -91,8 +87,9 @@ def fma_acc_regs(cfg: SkinnyConfig, M: int) -> int:
 
 def pick_config(M: int, N: int, K: int, elem_size: int = 2, num_sms: int = 132,
                 wide: bool = False) -> SkinnyConfig:
-    """Heuristic for an H200 (132 SMs, ~4.1 TB/s copy), read off `bench/skinny_gemm.py --wide` at
-    the Qwen3 decode shapes (N 1024..151936, K 1024..4096) for M = 1, 2, 4, 8 in bf16.
+    """Heuristic for an H200 (132 SMs, ~4.1 TB/s copy), read off
+    `bench/diagnostics/skinny_gemm.py --wide` at the Qwen3 decode shapes (N 1024..151936,
+    K 1024..4096) for M = 1, 2, 4, 8 in bf16.
 
     A weight stream needs ~4 MB in flight chip-wide (Little's law: ~4 TB/s x ~1 us), i.e. tens
     of KB per SM. The FMA path gets there with many small programs (no shared memory, several per
@@ -100,14 +97,14 @@ def pick_config(M: int, N: int, K: int, elem_size: int = 2, num_sms: int = 132,
     bytes it can keep in flight per SM shrink as 1/M, and past M = 2..4 it falls behind the
     tensor-core path, whose cp.async pipeline keeps 2-3 stages of 16-32 KB in flight per program.
 
-    `wide` (M = 1): 4-warp programs of 4-8 rows, a half to a quarter as many, for the GEMVs
-    measured faster so (WIDE_M1 above).
+    `wide` (M = 1, K <= WIDE_MAX_K): 4-warp programs of 4-8 rows, a half to a quarter as many,
+    for the GEMVs measured faster so (WIDE_MAX_K above).
     """
     bm = triton.next_power_of_2(M)
     scale = max(1, elem_size // 2)  # sizes below are for 2-byte types; fp32 halves BLOCK_K (same bytes)
     fma = bm == 1 or (bm == 2 and N <= 5120) or (bm == 4 and N <= 1024)
     if fma:
-        if bm == 1 and ((wide and K <= WIDE_MAX_K) or WIDE_M1 == "1") and WIDE_M1 != "0":
+        if bm == 1 and wide and K <= WIDE_MAX_K:
             # fewer, wider programs: 128 threads and 4-8 rows each
             block_n, block_k, warps = (8, 1024, 4) if N >= 4096 else (4, 1024, 4)
         elif N >= 4096 and bm <= 2:
@@ -144,12 +141,14 @@ def pick_config(M: int, N: int, K: int, elem_size: int = 2, num_sms: int = 132,
 
 # The GEMV after decode attention (o_proj) requests its whole weight tile before the PDL wait:
 # attention's tail (its merge) is long enough to hide it. One H200, Qwen3-0.6B batch-1 decode
-# chain (bench/decode_chain.py, 2026-12-03): -14.1 / -13.8 us a step at 256 / 1,024 tokens; the
-# same for the other GEMVs was slower or even. GLASSBOX_SKINNY_WHOLE_TILE=0 turns it off.
-WHOLE_TILE_AFTER_ATTENTION = os.environ.get("GLASSBOX_SKINNY_WHOLE_TILE", "1") != "0"
+# chain (bench/diagnostics/decode_chain.py, 2026-12-03): -14.1 / -13.8 us a step at 256 / 1,024
+# tokens; the same for the other GEMVs was slower or even (bench/RESULTS.md, 2026-12-03 third
+# session, "Measured and not taken", then fourth session, "o_proj's whole weight tile before the
+# PDL wait").
 # Up to this K (a program's whole tile of one-row FMA programs stays in registers): at
-# Qwen3-30B-A3B's o_proj (K = 4,096) the pipelined plain config was faster (bench/moe_chain.py,
-# one H200, 2026-12-04: -31 us a step); Qwen3-0.6B's (K = 2,048) keeps its -14 us.
+# Qwen3-30B-A3B's o_proj (K = 4,096) the pipelined plain config was faster
+# (bench/diagnostics/moe_chain.py, one H200, 2026-12-04: -31 us a step); Qwen3-0.6B's
+# (K = 2,048) keeps its -14 us.
 WHOLE_TILE_MAX_K = 2048
 
 
@@ -188,7 +187,7 @@ def _skinny_kernel(
     M, N, K, k_per_split, stride_xm, stride_wn, stride_om, stride_rm, stride_rom, eps,
     HAS_BIAS: tl.constexpr, IS_SPLIT: tl.constexpr, USE_DOT: tl.constexpr, IEEE_DOT: tl.constexpr,
     EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    USE_PDL: tl.constexpr, PREFETCH: tl.constexpr,
+    USE_PDL: tl.constexpr,
     X_MODE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, WRITE_SUMSQ: tl.constexpr,
     GATED: tl.constexpr = False,
 ):
@@ -231,19 +230,15 @@ def _skinny_kernel(
     # of its rows (the up projection's) and the epilogue stores silu(gate) * up, so the
     # activation needs no launch of its own.
     up_off = N * stride_wn
-    # The first chunk is peeled off the loop so that, under PDL, its weights can be requested
-    # before the wait for the previous kernel (W is constant; x is that kernel's output). Every
-    # program has >= 1 chunk: the host never launches an empty K slice.
+    # The first chunk is peeled off the loop so that, under PDL, its weights are requested
+    # before the wait for the previous kernel (W is constant; x is that kernel's output): one
+    # H200, batch-1 decode 1,167 -> 1,203 tok/s (bench/RESULTS.md, 2026-12-03 second session).
+    # Every program has >= 1 chunk: the host never launches an empty K slice.
     k_ok = kk < k_hi  # (unused when EVEN_K)
-    if PREFETCH:
-        w = _load_chunk(w_ptrs, k_ok, EVEN_K)
-        if GATED:
-            w_up = _load_chunk(w_ptrs + up_off, k_ok, EVEN_K)
+    w = _load_chunk(w_ptrs, k_ok, EVEN_K)
+    if GATED:
+        w_up = _load_chunk(w_ptrs + up_off, k_ok, EVEN_K)
     wait_prior(USE_PDL)
-    if not PREFETCH:
-        w = _load_chunk(w_ptrs, k_ok, EVEN_K)
-        if GATED:
-            w_up = _load_chunk(w_ptrs + up_off, k_ok, EVEN_K)
     rstd = 1.0
     if X_MODE == 1:  # RMSNorm needs the whole row's sum of squares first
         rstd_m, sq = row_rstd(x_ptr, res_ptr, rows_m, stride_xm, stride_rm, K, eps,
@@ -368,7 +363,7 @@ def gated_config(cfg: SkinnyConfig) -> SkinnyConfig:
 
 
 def _launch(x2, weight, bias, config, mode=X_PLAIN, residual=None, norm_weight=None, eps=0.0,
-            residual_out=None, sumsq=None, gated=False, wide=False) -> torch.Tensor:
+            residual_out=None, sumsq=None, gated=False, wide=False, pdl=True) -> torch.Tensor:
     """out [M, N] = prologue(x2) @ weight^T (+ bias); x2 is [M, K]. gated: weight is [2N, K]
     and out = silu(prologue(x2) @ weight[:N]^T) * (prologue(x2) @ weight[N:]^T)."""
     N, K = weight.shape
@@ -401,7 +396,7 @@ def _launch(x2, weight, bias, config, mode=X_PLAIN, residual=None, norm_weight=N
     b = bias if bias is not None else out  # placeholder pointers, never read
     res = residual if residual is not None else x2
     res_out = residual_out if residual_out is not None else x2
-    pdl = use_pdl(x2)
+    pdl = use_pdl(x2, pdl)
     _skinny_kernel[grid](
         x2, weight, b, out, ws, res, norm_weight if norm_weight is not None else x2, res_out,
         sumsq if sumsq is not None else ws,
@@ -410,7 +405,7 @@ def _launch(x2, weight, bias, config, mode=X_PLAIN, residual=None, norm_weight=N
         HAS_BIAS=bias is not None, IS_SPLIT=split > 1, USE_DOT=cfg.use_dot,
         IEEE_DOT=x2.dtype == torch.float32, EVEN_K=K % cfg.block_k == 0,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        USE_PDL=pdl, PREFETCH=pdl and PREFETCH_WEIGHTS,
+        USE_PDL=pdl,
         X_MODE=mode, HAS_RESIDUAL=residual is not None, WRITE_SUMSQ=sumsq is not None,
         GATED=gated, num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
     )
@@ -433,10 +428,11 @@ def skinny_linear(
     weight: torch.Tensor,  # [N, K], unit stride along K (row slices and column slices are fine)
     bias: torch.Tensor | None = None,  # [N]
     config: SkinnyConfig | None = None,  # None: pick_config(M, N, K)
+    pdl: bool = True,      # launch with PDL where the GPU has it (KernelConfig.pdl)
 ) -> torch.Tensor:         # [..., N], x.dtype
     _check_operands(x, weight, bias, weight.shape[1] if weight.dim() == 2 else -1)
     N, K = weight.shape
-    out = _launch(_rows(x, K), weight, bias, config)
+    out = _launch(_rows(x, K), weight, bias, config, pdl=pdl)
     if K == 0:  # empty sum: the bias alone
         _empty_k(out, bias)
     return out.reshape(*x.shape[:-1], N)
@@ -453,6 +449,7 @@ def rms_norm_linear(
     config: SkinnyConfig | None = None,
     factored: bool = False,  # scale the product by 1/rms instead of x (skinny_prologue.py)
     gated: bool = False,     # weight is a merged [2N, K] gate_up: return silu(gate) * up [M, N]
+    pdl: bool = True,        # launch with PDL where the GPU has it (KernelConfig.pdl)
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual) @ weight^T + bias, x + residual) in one launch (two with split-K):
     fused_add_rms_norm followed by skinny_linear, without the normed rows ever in memory. With
@@ -483,7 +480,7 @@ def rms_norm_linear(
                         bias), residual_out
     out = _launch(x2, weight, bias, config, X_RMSNORM_FACTORED if factored else X_RMSNORM, r2, norm_weight.contiguous(), eps,
                   residual_out if r2 is not None else None, sumsq, gated,
-                  wide=not gated and WIDE_M1 == "norm")
+                  wide=not gated, pdl=pdl)
     return out, residual_out
 
 

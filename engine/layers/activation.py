@@ -6,6 +6,6 @@ import torch
 from ..kernels import activation as k
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """[N, 2I] -> [N, I]"""
-    return (k.silu_and_mul if x.is_cuda else k.silu_and_mul_ref)(x)
+def silu_and_mul(x: torch.Tensor, pdl: bool = True) -> torch.Tensor:
+    """[N, 2I] -> [N, I]; pdl: the GPU kernel launches with PDL where it can (KernelConfig.pdl)"""
+    return k.silu_and_mul(x, pdl) if x.is_cuda else k.silu_and_mul_ref(x)

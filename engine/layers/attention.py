@@ -9,14 +9,16 @@ import torch
 from torch import nn
 
 from ..context import get_context
+from ..kernel_config import DEFAULT_KERNELS, KernelConfig
 from ..kernels import decode_attention, prefill_attention, qk_norm_rope_store, store_kvcache
 
 
 class Attention(nn.Module):
     def __init__(self, layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                 scale: float):
+                 scale: float, kernels: KernelConfig = DEFAULT_KERNELS):
         super().__init__()
         self.layer_idx = layer_idx
+        self.kernels = kernels    # the engine's kernel choices (PDL)
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
         self.k_cache = self.v_cache = torch.empty(0)   # bound by the model runner
@@ -40,7 +42,8 @@ class Attention(nn.Module):
         q = qk_norm_rope_store.qk_norm_rope_store(
             qkv, positions, cos_sin_cache, self.k_cache, self.v_cache, ctx.slot_mapping,
             self.num_heads, self.num_kv_heads, q_norm_weight, k_norm_weight, eps,
-            probe_rows=rows[0] if rows else None, probe_q=rows[1] if rows else None)
+            probe_rows=rows[0] if rows else None, probe_q=rows[1] if rows else None,
+            pdl=self.kernels.pdl)
         return self.attend(q, ctx, q_written=rows is not None)
 
     def attend(self, q: torch.Tensor, ctx, q_written: bool = False) -> torch.Tensor:
@@ -52,15 +55,18 @@ class Attention(nn.Module):
             if cuda:
                 o = decode_attention.paged_decode_attention(
                     q, self.k_cache, self.v_cache, ctx.block_tables, ctx.context_lens, self.scale,
-                    max_context=ctx.max_context_len)
+                    max_context=ctx.max_context_len, pdl=self.kernels.pdl)
             else:
                 o = decode_attention.paged_decode_attention_cpu(
                     q, self.k_cache, self.v_cache, ctx.block_tables, ctx.context_lens, self.scale)
+        elif cuda:
+            o = prefill_attention.paged_prefill_attention(
+                q, self.k_cache, self.v_cache, ctx.cu_seqlens_q, ctx.context_lens,
+                ctx.block_tables, self.scale, ctx.max_seqlen_q, pdl=self.kernels.pdl)
         else:
-            fn = (prefill_attention.paged_prefill_attention if cuda
-                  else prefill_attention.paged_prefill_attention_ref)
-            o = fn(q, self.k_cache, self.v_cache, ctx.cu_seqlens_q, ctx.context_lens,
-                   ctx.block_tables, self.scale, ctx.max_seqlen_q)
+            o = prefill_attention.paged_prefill_attention_ref(
+                q, self.k_cache, self.v_cache, ctx.cu_seqlens_q, ctx.context_lens,
+                ctx.block_tables, self.scale, ctx.max_seqlen_q)
         if ctx.interventions is not None:   # clamped heads: recomputed over their chosen keys
             o = ctx.interventions.clamp(self.layer_idx, q, o, self.k_cache, self.v_cache, ctx,
                                         self.scale)

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernel_config import DEFAULT_KERNELS, KernelConfig
 from ..parallel_state import get_tp
 from .gemm import linear
 from .linear import copy_checked, materialize, narrow, shape_of
@@ -45,8 +46,12 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """logits = hidden @ W^T, gathered over ranks and cut back to the true vocabulary."""
 
+    def __init__(self, vocab_size: int, hidden_size: int, kernels: KernelConfig = DEFAULT_KERNELS):
+        super().__init__(vocab_size, hidden_size)
+        self.kernels = kernels    # the engine's kernel choices (PDL)
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = linear(hidden, self.weight)                # [n, vocab_per_rank]
+        logits = linear(hidden, self.weight, pdl=self.kernels.pdl)    # [n, vocab_per_rank]
         if self.tp.size > 1:
             logits = self.tp.all_gather_dim(logits, -1)[:, :self.vocab_size]
         return logits

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..kernel_config import DEFAULT_KERNELS, KernelConfig
 from ..parallel_state import divide, get_tp, get_tp_rank, get_tp_size
 from .gemm import linear
 
@@ -50,8 +51,10 @@ def copy_checked(param: torch.Tensor, value: torch.Tensor, name: str = "") -> No
 
 
 class LinearBase(nn.Module):
-    def __init__(self, in_features: int, out_features: int, bias: bool, tp_dim: int | None):
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp_dim: int | None,
+                 kernels: KernelConfig = DEFAULT_KERNELS):
         super().__init__()
+        self.kernels = kernels    # the engine's kernel choices (PDL)
         self.tp, self.tp_dim = get_tp(), tp_dim
         self.tp_rank, self.tp_size = self.tp.rank, self.tp.size
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
@@ -70,28 +73,31 @@ class LinearBase(nn.Module):
         copy_checked(param, materialize(loaded))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, pdl=self.kernels.pdl)
 
 
 class ReplicatedLinear(LinearBase):
-    def __init__(self, in_features: int, out_features: int, bias: bool = False):
-        super().__init__(in_features, out_features, bias, None)
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 kernels: KernelConfig = DEFAULT_KERNELS):
+        super().__init__(in_features, out_features, bias, None, kernels)
 
 
 class ColumnParallelLinear(LinearBase):
     """Output features split across ranks; no communication."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 kernels: KernelConfig = DEFAULT_KERNELS):
         super().__init__(in_features, divide(out_features, get_tp_size(), "out_features"),
-                         bias, 0)
+                         bias, 0, kernels)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel outputs in one matmul (gate_proj + up_proj -> gate_up_proj)."""
 
-    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False):
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False,
+                 kernels: KernelConfig = DEFAULT_KERNELS):
         self.output_sizes = output_sizes
-        super().__init__(in_features, sum(output_sizes), bias)
+        super().__init__(in_features, sum(output_sizes), bias, kernels)
         for p in self.parameters():
             p.shard_keys = set(range(len(output_sizes)))
 
@@ -108,7 +114,7 @@ class QKVParallelLinear(ColumnParallelLinear):
     tensor_parallel_size > num_kv_heads (each rank then holds the KV head its queries use)."""
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
-                 bias: bool = False):
+                 bias: bool = False, kernels: KernelConfig = DEFAULT_KERNELS):
         tp = get_tp_size()
         self.head_dim = head_dim
         self.total_heads, self.total_kv_heads = num_heads, num_kv_heads
@@ -121,7 +127,7 @@ class QKVParallelLinear(ColumnParallelLinear):
             self.num_kv_heads = 1
             self.kv_head_start = get_tp_rank() * num_kv_heads // tp
         out = (self.num_heads + 2 * self.num_kv_heads) * head_dim
-        LinearBase.__init__(self, hidden_size, out, bias, 0)
+        LinearBase.__init__(self, hidden_size, out, bias, 0, kernels)
         for p in self.parameters():
             p.shard_keys = {"q", "k", "v"}
 
@@ -143,9 +149,9 @@ class RowParallelLinear(LinearBase):
     The bias is added once, after the reduction."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
-                 after_attention: bool = False):
+                 after_attention: bool = False, kernels: KernelConfig = DEFAULT_KERNELS):
         super().__init__(divide(in_features, get_tp_size(), "in_features"), out_features,
-                         bias, 1)
+                         bias, 1, kernels)
         self.after_attention = after_attention  # o_proj: see gemm.linear
 
     def weight_loader(self, param, loaded, shard_id=None) -> None:
@@ -155,6 +161,6 @@ class RowParallelLinear(LinearBase):
         super().weight_loader(param, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.weight, after_attention=self.after_attention)
+        y = linear(x, self.weight, after_attention=self.after_attention, pdl=self.kernels.pdl)
         y = self.tp.all_reduce(y)
         return y + self.bias if self.bias is not None else y

@@ -11,12 +11,11 @@ engine/kernels/configs/ (bench/tune_moe.py), with defaults where none was tuned.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import nn
 
 from ..context import get_context
+from ..kernel_config import DEFAULT_KERNELS, KernelConfig
 from ..kernels import fused_moe as fm
 from ..kernels import moe_configs, moe_cpu, moe_routing
 from ..kernels.moe_gemv import fused_moe_gemv
@@ -24,15 +23,12 @@ from ..parallel_state import divide, get_tp_rank, get_tp_size
 from .gemm import linear
 from .linear import copy_checked, expect_size, materialize, narrow
 
-# the post-attention RMSNorm inside the router's launch at decode batches (forward_norm);
-# 0 keeps it its own launch (the A/B of bench/moe.py)
-FOLD_NORM = os.environ.get("GLASSBOX_MOE_FOLD_NORM", "1") != "0"
-
 
 class FusedMoE(nn.Module):
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
-                 norm_topk_prob: bool):
+                 norm_topk_prob: bool, kernels: KernelConfig = DEFAULT_KERNELS):
         super().__init__()
+        self.kernels = kernels    # PDL, the tuned tables' directory
         tp = get_tp_size()
         self.num_experts, self.top_k, self.norm_topk_prob = num_experts, top_k, norm_topk_prob
         self.inter = divide(intermediate_size, tp, "moe_intermediate_size")
@@ -76,8 +72,9 @@ class FusedMoE(nn.Module):
 
     def can_fold_norm(self, hidden: torch.Tensor) -> bool:
         """May the post-attention norm run inside the router's launch (forward_norm)? Decode
-        batches on the GPU, where the fused router runs (`GLASSBOX_MOE_FOLD_NORM=0`: never)."""
-        return FOLD_NORM and self._fused_router(hidden)
+        batches on the GPU, where the fused router runs. (One H200, Qwen3-30B-A3B batch-1 decode:
+        381.4 -> 387.5 tok/s; bench/RESULTS.md, 2026-12-03 fifth session.)"""
+        return self._fused_router(hidden)
 
     def forward_norm(self, hidden: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
                      eps: float, gate_weight: torch.Tensor, layer_idx: int):
@@ -86,7 +83,7 @@ class FusedMoE(nn.Module):
         out, bias = self._route_args(layer_idx, hidden.shape[0])
         probs, topk_w, topk_ids, x, residual = moe_routing.norm_route_hidden(
             hidden, residual, norm_weight, eps, gate_weight, self.top_k, self.norm_topk_prob,
-            self.route_counts, out, bias=bias)
+            self.route_counts, out, bias=bias, pdl=self.kernels.pdl)
         return _experts(self, x, probs, topk_w, topk_ids, layer_idx, None), residual
 
     def _route_args(self, layer_idx: int, n: int):
@@ -112,8 +109,9 @@ class FusedMoE(nn.Module):
         linear (skinny GEMM or cuBLAS), then the routing kernel (route_ref on the CPU: HF's ops)."""
         if self._fused_router(x):
             return moe_routing.route_hidden(x, gate_weight, self.top_k, self.norm_topk_prob,
-                                            self.route_counts, out, bias=bias)
-        logits = linear(x, gate_weight)
+                                            self.route_counts, out, bias=bias,
+                                            pdl=self.kernels.pdl)
+        logits = linear(x, gate_weight, pdl=self.kernels.pdl)
         if bias is not None:        # + 0 leaves a logit as it is; + -inf masks the expert
             logits = logits + bias
         return moe_routing.route(logits, self.top_k, self.norm_topk_prob, out)
@@ -126,7 +124,7 @@ def _experts(moe: FusedMoE, x, probs, topk_w, topk_ids, layer_idx, shared_gate):
     if probes is not None:
         probes.on_router(layer_idx, probs, topk_ids, topk_w, shared_gate)
     if x.is_cuda:   # the kernels round the fp32 weights to x.dtype themselves: no cast launch
-        return fused_experts(x, moe.w13, moe.w2, topk_w, topk_ids)
+        return fused_experts(x, moe.w13, moe.w2, topk_w, topk_ids, kernels=moe.kernels)
     # each token's output independent of the step's other tokens (moe_cpu.py says why)
     return moe_cpu.fused_moe_cpu(x, moe.w13, moe.w2, topk_w, topk_ids)
 
@@ -137,13 +135,15 @@ def _fused_router_fits(x: torch.Tensor) -> bool:
 
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                  topk_ids: torch.Tensor, config: moe_configs.MoEConfig | None = None) -> torch.Tensor:
+                  topk_ids: torch.Tensor, config: moe_configs.MoEConfig | None = None,
+                  kernels: KernelConfig = DEFAULT_KERNELS) -> torch.Tensor:
     """x [N, H], w13 [E, 2I, H], w2 [E, H, I], topk_* [N, k] -> [N, H], by the path the config
-    names: the tuned one for (E, I, H, dtype, device) at the nearest tuned N unless given.
-    The choice depends only on shapes, so a CUDA graph captures one path per batch bucket."""
+    names: the tuned one for (E, I, H, dtype, device) at the nearest tuned N unless given (the
+    tables of kernels.moe_config_dir, else engine/kernels/configs/). The choice depends only on
+    shapes, so a CUDA graph captures one path per batch bucket."""
     if config is None:
         config = moe_configs.pick_config(x.shape[0], topk_ids.shape[1], w13.shape[0], w2.shape[2],
-                                         x.shape[1], x.dtype, x.device)
+                                         x.shape[1], x.dtype, x.device, kernels.moe_config_dir)
     if config.path == "gemv":
-        return fused_moe_gemv(x, w13, w2, topk_weights, topk_ids, config=config)
+        return fused_moe_gemv(x, w13, w2, topk_weights, topk_ids, config=config, pdl=kernels.pdl)
     return fm.fused_moe(x, w13, w2, topk_weights, topk_ids, config=config)

@@ -5,19 +5,17 @@ and hold up the one after; folded into the skinny GEMM (engine/kernels/skinny_pr
 normed row never goes through memory and the chain is two launches shorter per layer.
 Everywhere else (the CPU, prefill, batches > 1) these are the unfused modules' calls.
 
-`GLASSBOX_FUSE_NORM` picks the fold: `factored` (the default: the 1/rms scale applied to the
-product, one pass over x), `prepass` (HF's rounding points: a pass for the sum of squares
-first), or `0` (off). One H200, Qwen3-0.6B batch-1 decode under PDL, two alternating rounds
-(bench/results/2026-12-03b-fusion-ab.txt): off 1,223 / 1,221 tok/s, factored 1,238 / 1,239,
+The fold is `factored`: the 1/rms scale applied to the product, one pass over x (the `prepass`
+form, HF's rounding points, is only the split-K fallback inside the kernel). One H200, Qwen3-0.6B
+batch-1 decode under PDL, two alternating rounds (bench/RESULTS.md, 2026-12-03 second session,
+"the norms folded into the projections"): unfused 1,223 / 1,221 tok/s, factored 1,238 / 1,239,
 prepass 1,196 / 1,196. SiLU * up folded into down_proj the same way measured slower
 (1,209 / 1,206) and was not kept; folded into gate_up's epilogue instead (`gated`: each program
 streams its gate rows and the matching up rows and stores the activation), it saves the
 activation's launch without a prologue after the wait: 1,258 -> 1,310 tok/s, the rebuilt decode
-chain 749 -> 730 us a step (bench/results/2026-12-03c-*; `GLASSBOX_FUSE_SWIGLU=0` turns it off).
+chain 749 -> 730 us a step (2026-12-03 third session, "Batch-1 decode (#26): what changed").
 """
 from __future__ import annotations
-
-import os
 
 import torch
 
@@ -25,17 +23,10 @@ from .activation import silu_and_mul
 from .linear import LinearBase
 from .norm import RMSNorm
 
-FUSE_NORM = os.environ.get("GLASSBOX_FUSE_NORM", "factored")
-if FUSE_NORM not in ("0", "prepass", "factored"):
-    raise ValueError(f"GLASSBOX_FUSE_NORM must be 0, prepass or factored, not {FUSE_NORM!r}")
-# the dense MLP's SiLU * up in gate_up's epilogue when its norm is folded in (`gated` below)
-FUSE_SWIGLU = os.environ.get("GLASSBOX_FUSE_SWIGLU", "1") != "0"
 
-
-def fuses(x: torch.Tensor, layer: LinearBase, enabled: bool = True) -> bool:
+def fuses(x: torch.Tensor, layer: LinearBase) -> bool:
     """One row on the GPU, in the weights' dtype: the skinny GEMM's batch-1 case."""
-    return (enabled and x.is_cuda and x.dim() == 2 and x.shape[0] == 1
-            and x.dtype == layer.weight.dtype)
+    return x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and x.dtype == layer.weight.dtype
 
 
 def norm_linear(norm: RMSNorm, layer: LinearBase, x: torch.Tensor,
@@ -45,16 +36,16 @@ def norm_linear(norm: RMSNorm, layer: LinearBase, x: torch.Tensor,
     embedding entering layer 0). `layer` must need no communication on its input side
     (replicated or column-parallel), as qkv_proj and gate_up_proj are. gated: `layer` is the
     merged gate_up projection and the first value is silu_and_mul of its output."""
-    if fuses(x, layer, FUSE_NORM != "0"):
+    if fuses(x, layer):
         from ..kernels.skinny_gemm import rms_norm_linear
-        swiglu = gated and FUSE_SWIGLU and layer.bias is None
+        swiglu = gated and layer.bias is None
+        pdl = layer.kernels.pdl
         out, residual = rms_norm_linear(x, layer.weight, norm.weight, norm.eps, residual, layer.bias,
-                                        sumsq, factored=FUSE_NORM == "factored", gated=swiglu)
-        return (silu_and_mul(out) if gated and not swiglu else out), residual
+                                        sumsq, factored=True, gated=swiglu, pdl=pdl)
+        return (silu_and_mul(out, pdl) if gated and not swiglu else out), residual
     if residual is None:
         out, residual = layer(norm(x, sumsq=sumsq)), x
     else:
         h, residual = norm(x, residual, sumsq)
         out = layer(h)
-    return (silu_and_mul(out) if gated else out), residual
-
+    return (silu_and_mul(out, layer.kernels.pdl) if gated else out), residual

@@ -3,6 +3,7 @@
 One token's path: embed -> N x [RMSNorm -> QKV -> (q/k norm) -> RoPE -> paged attention ->
 o_proj -> RMSNorm -> MLP] -> final norm -> LM head. Residual adds are fused into the norms;
 the residual each fused norm returns is the true residual stream, which the probes read.
+Every layer that launches a kernel is given the engine's KernelConfig (`kernels`).
 """
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 from torch import nn
 
 from ..context import get_context
+from ..kernel_config import DEFAULT_KERNELS, KernelConfig
 from ..layers.activation import silu_and_mul
 from ..layers.attention import Attention
 from ..layers.embed_head import ParallelLMHead, VocabParallelEmbedding
@@ -34,23 +36,24 @@ def fused_qkv_path(qkv: torch.Tensor) -> bool:
 
 
 class QwenAttention(nn.Module):
-    def __init__(self, config, layer_idx: int, rotary_emb: RotaryEmbedding):
+    def __init__(self, config, layer_idx: int, rotary_emb: RotaryEmbedding,
+                 kernels: KernelConfig = DEFAULT_KERNELS):
         super().__init__()
         d = head_dim_of(config)
         qwen3 = "Qwen3" in config.architectures[0]
         bias = getattr(config, "attention_bias", False) if qwen3 else True
         self.qkv_proj = QKVParallelLinear(config.hidden_size, d, config.num_attention_heads,
-                                          config.num_key_value_heads, bias=bias)
+                                          config.num_key_value_heads, bias=bias, kernels=kernels)
         self.num_heads, self.num_kv_heads, self.head_dim = (
             self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, d)
         self.o_proj = RowParallelLinear(config.num_attention_heads * d, config.hidden_size,
-                                        bias=False, after_attention=True)
+                                        bias=False, after_attention=True, kernels=kernels)
         self.qk_norm = qwen3
         if qwen3:
-            self.q_norm = RMSNorm(d, config.rms_norm_eps)
-            self.k_norm = RMSNorm(d, config.rms_norm_eps)
+            self.q_norm = RMSNorm(d, config.rms_norm_eps, kernels)
+            self.k_norm = RMSNorm(d, config.rms_norm_eps, kernels)
         self.rotary_emb = rotary_emb  # one table per model, shared by every layer
-        self.attn = Attention(layer_idx, self.num_heads, self.num_kv_heads, d, d ** -0.5)
+        self.attn = Attention(layer_idx, self.num_heads, self.num_kv_heads, d, d ** -0.5, kernels)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         return self.attend(positions, self.qkv_proj(x))
@@ -82,22 +85,26 @@ class QwenAttention(nn.Module):
 
 
 class QwenMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int):
+    def __init__(self, hidden_size: int, intermediate_size: int,
+                 kernels: KernelConfig = DEFAULT_KERNELS):
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2)
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size)
+        self.kernels = kernels
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2,
+                                                       kernels=kernels)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, kernels=kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x), self.kernels.pdl))
 
 
 class QwenDecoderLayer(nn.Module):
-    def __init__(self, config, layer_idx: int, rotary_emb: RotaryEmbedding, mlp: nn.Module):
+    def __init__(self, config, layer_idx: int, rotary_emb: RotaryEmbedding, mlp: nn.Module,
+                 kernels: KernelConfig = DEFAULT_KERNELS):
         super().__init__()
         self.layer_idx = layer_idx
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = QwenAttention(config, layer_idx, rotary_emb)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
+        self.self_attn = QwenAttention(config, layer_idx, rotary_emb, kernels)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
         self.mlp = mlp
 
     def forward(self, positions, hidden, residual):
@@ -127,16 +134,17 @@ class QwenDecoderLayer(nn.Module):
 
 
 class QwenModel(nn.Module):
-    def __init__(self, config, max_positions: int, make_mlp):
+    def __init__(self, config, max_positions: int, make_mlp,
+                 kernels: KernelConfig = DEFAULT_KERNELS):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         # one cos/sin table for all layers: [max_positions, D] fp32 (one per layer was
         # 28 x 20 MiB at Qwen3-0.6B shapes); modules() visits the shared module once
         self.rotary_emb = RotaryEmbedding(head_dim_of(config), max_positions, rope_theta(config))
         self.layers = nn.ModuleList(
-            QwenDecoderLayer(config, i, self.rotary_emb, make_mlp(config, i))
+            QwenDecoderLayer(config, i, self.rotary_emb, make_mlp(config, i, kernels), kernels)
             for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None
@@ -151,8 +159,8 @@ class QwenModel(nn.Module):
         return hidden
 
 
-def dense_mlp(config, layer_idx: int) -> nn.Module:
-    return QwenMLP(config.hidden_size, config.intermediate_size)
+def dense_mlp(config, layer_idx: int, kernels: KernelConfig = DEFAULT_KERNELS) -> nn.Module:
+    return QwenMLP(config.hidden_size, config.intermediate_size, kernels)
 
 
 class QwenForCausalLM(nn.Module):
@@ -163,11 +171,12 @@ class QwenForCausalLM(nn.Module):
     }
     make_mlp = staticmethod(dense_mlp)
 
-    def __init__(self, config, max_positions: int):
+    def __init__(self, config, max_positions: int, kernels: KernelConfig = DEFAULT_KERNELS):
         super().__init__()
         self.config = config
-        self.model = QwenModel(config, max_positions, self.make_mlp)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        self.kernels = kernels      # the engine's kernel choices, given to every layer
+        self.model = QwenModel(config, max_positions, self.make_mlp, kernels)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, kernels)
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
         if self.tied:
             self.lm_head.weight = self.model.embed_tokens.weight

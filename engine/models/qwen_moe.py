@@ -8,6 +8,7 @@ import re
 import torch
 from torch import nn
 
+from ..kernel_config import DEFAULT_KERNELS, KernelConfig
 from ..layers.linear import ReplicatedLinear
 from ..layers.moe import FusedMoE
 from ..parallel_state import get_tp
@@ -21,19 +22,19 @@ def is_moe_layer(config, i: int) -> bool:
 
 
 class QwenSparseMoeBlock(nn.Module):
-    def __init__(self, config, layer_idx: int):
+    def __init__(self, config, layer_idx: int, kernels: KernelConfig = DEFAULT_KERNELS):
         super().__init__()
         self.layer_idx = layer_idx
         self.tp = get_tp()
-        self.gate = ReplicatedLinear(config.hidden_size, config.num_experts)
+        self.gate = ReplicatedLinear(config.hidden_size, config.num_experts, kernels=kernels)
         self.experts = FusedMoE(config.num_experts, config.num_experts_per_tok,
                                 config.hidden_size, config.moe_intermediate_size,
-                                bool(getattr(config, "norm_topk_prob", False)))
+                                bool(getattr(config, "norm_topk_prob", False)), kernels)
         shared = getattr(config, "shared_expert_intermediate_size", 0) or 0
         self.shared_expert = self.shared_expert_gate = None
         if shared:
-            self.shared_expert = QwenSharedExpert(config.hidden_size, shared)
-            self.shared_expert_gate = ReplicatedLinear(config.hidden_size, 1)
+            self.shared_expert = QwenSharedExpert(config.hidden_size, shared, kernels)
+            self.shared_expert_gate = ReplicatedLinear(config.hidden_size, 1, kernels=kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate = None
@@ -62,14 +63,14 @@ class QwenSharedExpert(QwenMLP):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from ..layers.activation import silu_and_mul
-        return torch.nn.functional.linear(silu_and_mul(self.gate_up_proj(x)),
+        return torch.nn.functional.linear(silu_and_mul(self.gate_up_proj(x), self.kernels.pdl),
                                           self.down_proj.weight)
 
 
-def moe_or_dense(config, i: int) -> nn.Module:
+def moe_or_dense(config, i: int, kernels: KernelConfig = DEFAULT_KERNELS) -> nn.Module:
     if is_moe_layer(config, i):
-        return QwenSparseMoeBlock(config, i)
-    return QwenMLP(config.hidden_size, config.intermediate_size)
+        return QwenSparseMoeBlock(config, i, kernels)
+    return QwenMLP(config.hidden_size, config.intermediate_size, kernels)
 
 
 _EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
@@ -80,8 +81,8 @@ _PIECE = {"gate_proj": 0, "up_proj": 1, "down_proj": 2}
 class QwenMoeForCausalLM(QwenForCausalLM):
     make_mlp = staticmethod(moe_or_dense)
 
-    def __init__(self, config, max_positions: int):
-        super().__init__(config, max_positions)
+    def __init__(self, config, max_positions: int, kernels: KernelConfig = DEFAULT_KERNELS):
+        super().__init__(config, max_positions, kernels)
         self.moe_layers = [i for i in range(config.num_hidden_layers) if is_moe_layer(config, i)]
 
     def map_checkpoint_name(self, name: str):

@@ -4,7 +4,7 @@ the real API routes to bench/serve_client.py in another process. The engine's st
 with the clients streaming, against the engine alone, is the share of the GIL the server takes;
 also reported: the server process's CPU time per token beyond the engine's own.
 
-    python bench/serve_host.py --streams 64 --max-tokens 600
+    python bench/diagnostics/serve_host.py --streams 64 --max-tokens 600
 
 This models the mechanism behind bench/serve.py's GPU overhead (on a 2-core machine the
 client process also competes for the cores, so read differences between versions, not absolute
@@ -25,11 +25,11 @@ import time
 from pathlib import Path
 
 if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from engine.sequence import TokenEvent
 
-CLIENT = Path(__file__).resolve().parent / "serve_client.py"
+CLIENT = Path(__file__).resolve().parents[1] / "serve_client.py"   # bench/serve_client.py
 
 
 class FakeLLM:

@@ -2,7 +2,7 @@
 full-batch decode step (torch profiler), and, for the `throughput` workload, the engine's own
 StepTraces grouped by step kind (graph-replayed decode, eager decode, mixed, prefill-only).
 
-    python bench/step_profile.py [--model qwen3-0.6b] [--num-requests 256]
+    python bench/diagnostics/step_profile.py [--model qwen3-0.6b] [--num-requests 256]
 
 A diagnostic, not a benchmark: it prints tables, it does not write RESULTS.md.
 """
@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch
 

@@ -6,9 +6,9 @@ decode graphs, so launch overhead from Python is excluded. Each call in the grap
 copy of the weight, and the copies together span >= 2x the L2, so no call finds its weight still
 cached by the previous ones (a real forward reads each layer's weights once per token).
 
-    python bench/skinny_gemm.py              # table: torch, heuristic, best of the sweep (< 90 s on an H200)
-    python bench/skinny_gemm.py --no-sweep   # torch and heuristic only
-    python bench/skinny_gemm.py --smoke      # CPU (Triton interpreter) or GPU: tiny correctness pass
+    python bench/diagnostics/skinny_gemm.py              # table: torch, heuristic, best of the sweep (< 90 s on an H200)
+    python bench/diagnostics/skinny_gemm.py --no-sweep   # torch and heuristic only
+    python bench/diagnostics/skinny_gemm.py --smoke      # CPU (Triton interpreter) or GPU: tiny correctness pass
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ import torch
 if not torch.cuda.is_available():  # before triton is imported: CPU runs use the interpreter
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from engine.kernels.skinny_gemm import SkinnyConfig, fma_acc_regs, pick_config, skinny_linear, skinny_linear_ref  # noqa: E402
 

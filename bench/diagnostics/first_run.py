@@ -4,8 +4,8 @@ time of decode and mixed steps, host schedule / prepare / launch / wait / postpr
 what else can make a first run slow: Triton compiling inside it (its compile hooks), GC, page
 faults, the caching allocator, the GPU's clocks.
 
-    python bench/first_run.py [--model qwen3-30b-a3b] [--repeats 3] [--no-gc]
-    TRITON_CACHE_DIR=$(mktemp -d) python bench/first_run.py    # as a fresh machine compiles
+    python bench/diagnostics/first_run.py [--model qwen3-30b-a3b] [--repeats 3] [--no-gc]
+    TRITON_CACHE_DIR=$(mktemp -d) python bench/diagnostics/first_run.py    # as a fresh machine compiles
 
 It found the dip of 2026-12-03 (bench/RESULTS.md, fifth session): 5 / 10 Triton compiles inside
 the first run (1.8 s at Qwen3-0.6B, 4.8 s at Qwen3-30B-A3B), fixed by engine/kernels/jit_keys.py
@@ -22,42 +22,11 @@ import time
 from pathlib import Path
 
 if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench.common import (TINY_OF, base_parser, build_engine, finish_cli, log, make_workload,
-                          resolve_device, row, sampling, shutdown_engine, sync)
+from bench.common import (TINY_OF, CompileLog, base_parser, build_engine, finish_cli, log,
+                          make_workload, resolve_device, row, sampling, shutdown_engine, sync)
 from bench.throughput import warmup_glassbox, workload_kwargs
-
-
-class CompileLog:
-    """Triton's JIT hooks: every kernel compiled (or loaded from the disk cache) in-process."""
-
-    def __init__(self):
-        self.entries: list[tuple[str, float]] = []
-        self._started: dict[int, float] = {}
-        try:
-            from triton import knobs
-        except ImportError:         # a Triton without knobs: nothing is logged
-            return
-        knobs.runtime.jit_cache_hook = self._before
-        knobs.runtime.jit_post_compile_hook = self._after
-
-    def _before(self, *args, **kw):
-        self._started[id(kw.get("key"))] = time.perf_counter()
-        return False                # False: go on and compile
-
-    def _after(self, *args, **kw):
-        t = self._started.pop(id(kw.get("key")), None)
-        name = str(kw.get("repr") or kw.get("key")).split("[", 1)[0]
-        self.entries.append((name, time.perf_counter() - t if t is not None else 0.0))
-        return False
-
-    def close(self) -> None:
-        try:
-            from triton import knobs
-            knobs.runtime.jit_cache_hook = knobs.runtime.jit_post_compile_hook = None
-        except ImportError:
-            pass
 
 
 class GCClock:

@@ -1,14 +1,14 @@
-"""Where a Qwen3-30B-A3B batch-1 decode step's GPU time goes (bench/decode_chain.py for MoE).
+"""Where a Qwen3-30B-A3B batch-1 decode step's GPU time goes (bench/diagnostics/decode_chain.py for MoE).
 
-    python bench/moe_chain.py [--context 256] [--replays 20]
-    TRITON_INTERPRET=1 python bench/moe_chain.py --smoke   # CPU, tiny shapes: does it still run
+    python bench/diagnostics/moe_chain.py [--context 256] [--replays 20]
+    TRITON_INTERPRET=1 python bench/diagnostics/moe_chain.py --smoke   # CPU, tiny shapes: does it still run
 
 The engine's batch-1 MoE decode step, rebuilt from its own kernels at Qwen3-30B-A3B shapes (48
 layers, random bf16 weights generated on the GPU — ~58 GB of experts — and a paged KV cache of
 the engine's block-table width) and captured in one CUDA graph, PDL-chained as the engine runs
 it. It times the whole chain, the chain with one kind of kernel left out (its marginal cost:
 what the step would gain if that kernel were free) and each kind alone, then variants: the
-post-attention norm as its own launch (GLASSBOX_MOE_FOLD_NORM=0's path), other router tiles,
+post-attention norm as its own launch (the path before the fold), other router tiles,
 attention split counts. The 400 tok/s target (#26) is 2.5 ms a step.
 
 A diagnostic: it prints tables and changes nothing; left-out kernels' consumers read stale
@@ -20,11 +20,11 @@ import sys
 from pathlib import Path
 
 if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch
 
-from bench.decode_chain import chain_cli, one_sequence
+from bench.diagnostics.decode_chain import chain_cli, one_sequence
 from engine.kernels import decode_attention as DA
 from engine.kernels import moe_routing as MR
 from engine.kernels import skinny_gemm as SG
@@ -74,8 +74,7 @@ class MoEChain:
         self.fold_norm = True           # the post-attention norm inside the router (the engine)
         self.router_tile = None         # None: moe_routing.router_tile's choice
         self.num_splits: int | None = None
-        self.o_config = SG.whole_tile_config(HIDDEN, HQ * D) if SG.WHOLE_TILE_AFTER_ATTENTION \
-            else None
+        self.o_config = SG.whole_tile_config(HIDDEN, HQ * D)
         self.qkv_config = None          # None: the engine's pick (pick_config, wide)
 
     def step(self, skip: frozenset = frozenset(), only: str | None = None) -> None:
@@ -136,7 +135,7 @@ def _run(a, c: MoEChain, timer, smoke: bool) -> None:
     print("| --- | --- | --- |")
     c.fold_norm = False
     t = timer(c.step, a.replays)
-    print(f"| post-attention norm as its own launch (GLASSBOX_MOE_FOLD_NORM=0) | {t:.1f} | {t - base:+.1f} |")
+    print(f"| post-attention norm as its own launch (no fold) | {t:.1f} | {t - base:+.1f} |")
     c.fold_norm = True
     engine_tile = MR.router_tile(1)
     for tile in (((1, 4, 1),) if smoke else ((1, 1, 1), (1, 4, 1), (1, 2, 2), (1, 8, 2))):
@@ -154,7 +153,7 @@ def _run(a, c: MoEChain, timer, smoke: bool) -> None:
     # the dense GEMVs' tiles: (rows, K chunk, split-K, warps, stages), one-row FMA programs
     C = SG.SkinnyConfig
     qkv_n = (HQ + 2 * HKV) * D
-    engine_qkv = SG.pick_config(1, qkv_n, HIDDEN, wide=SG.WIDE_M1 == "norm")
+    engine_qkv = SG.pick_config(1, qkv_n, HIDDEN, wide=True)
     qkv_tiles = ((C(4, 256, 1, 1, 3),) if smoke else
                  (C(4, 512, 1, 2, 3), C(4, 1024, 1, 4, 3), C(8, 2048, 1, 8, 3), C(4, 2048, 1, 8, 3),
                   C(2, 1024, 1, 4, 3), C(8, 1024, 1, 4, 4), C(16, 1024, 1, 8, 3), C(2, 2048, 1, 4, 1),

@@ -2,7 +2,7 @@
 sampling bookkeeping, postprocessing and the step trace — the Python work that runs serially
 with the GPU. Runs anywhere (no GPU, no weights).
 
-    python bench/host_overhead.py --batch 256
+    python bench/diagnostics/host_overhead.py --batch 256
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from engine.block_manager import BlockManager  # noqa: E402
 from engine.engine_core import EngineCore  # noqa: E402

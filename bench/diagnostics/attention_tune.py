@@ -1,13 +1,13 @@
 """Sweep the paged decode-attention kernel's launch parameters at serving batch sizes.
 
-    python bench/attention_tune.py [--batches 64 128 256] [--contexts 512 1024] [--heads 32 4]
+    python bench/diagnostics/attention_tune.py [--batches 64 128 256] [--contexts 512 1024] [--heads 32 4]
                                    [--splits 2 4]
 
 At Qwen3-0.6B shapes (16 query / 8 KV heads, head_dim 128; --heads 32 4 for Qwen3-30B-A3B's, 16-token blocks scattered over a
 large cache, as a busy engine's are), per (batch, context): µs per call and the KV bytes read
 per second for the split count the engine picks and for the others, and for each launch
-config; each variant checked against the torch reference first. A diagnostic: it prints a
-table and the best config per shape, it changes nothing.
+config (passed to the kernel as `launch=`); each variant checked against the torch reference
+first. A diagnostic: it prints a table and the best config per shape, it changes nothing.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch
 
@@ -75,8 +75,6 @@ def main(argv=None) -> None:
     hq, hkv = a.heads
     dev, dtype = ("cpu", torch.float32) if a.smoke else ("cuda", torch.bfloat16)
     gen = torch.Generator().manual_seed(0)
-    direct0, split0 = dict(DA.DIRECT_LAUNCH), dict(DA.SPLIT_LAUNCH)
-    wide0, wide_from0 = DA.DIRECT_WIDE_PROGRAMS, DA.WIDE_FROM_PROGRAMS
     variants = []
     for bn, w, st in itertools.product((32, 64, 128), (4, 8), (2, 3, 4)):
         variants.append((1, dict(BLOCK_N=bn, num_warps=w, num_stages=st)))
@@ -94,25 +92,16 @@ def main(argv=None) -> None:
         picked = DA.choose_num_splits(batch, hkv, tables.shape[1] * BS, q.device)
         rows = []
         for splits, cfg in variants:
-            DA.DIRECT_WIDE_PROGRAMS = DA.WIDE_FROM_PROGRAMS = 1 << 62  # each variant exactly as listed
-            if splits == 1:
-                DA.DIRECT_LAUNCH.update(cfg)
-            else:
-                DA.SPLIT_LAUNCH.update(cfg)
             out = torch.empty_like(q)
             try:
                 fn = lambda: DA.paged_decode_attention(q, k, v, tables, lens, scale, out=out,  # noqa: E731
-                                                       num_splits=splits)
+                                                       num_splits=splits, launch=cfg)
                 fn()
                 err = float((out.float() - ref).abs().max())
                 us = time_us(fn)
             except Exception as e:   # noqa: BLE001 — a config that does not compile or fit
                 print(f"{batch:>5} {context:>5} {splits:>6} {str(cfg):<28} failed: {e!r}"[:160])
                 continue
-            finally:
-                DA.DIRECT_LAUNCH.clear(); DA.DIRECT_LAUNCH.update(direct0)
-                DA.SPLIT_LAUNCH.clear(); DA.SPLIT_LAUNCH.update(split0)
-                DA.DIRECT_WIDE_PROGRAMS, DA.WIDE_FROM_PROGRAMS = wide0, wide_from0
             rows.append((us, splits, cfg, err))
         # the engine's own choice today
         out = torch.empty_like(q)

@@ -2,11 +2,11 @@
 slower than without) and offline throughput with presence / frequency / repetition penalties
 on every request (target <= 3 %). Prints one JSON object.
 
-    python bench/sampling_extras.py --model Qwen/Qwen3-0.6B          # a GPU
-    python bench/sampling_extras.py --shape qwen3-0.6b --only penalties   # its shapes, dummy
-    python bench/sampling_extras.py --shape qwen3-0.6b --tokenizer DIR    # + a tokenizer
+    python bench/diagnostics/sampling_extras.py --model Qwen/Qwen3-0.6B          # a GPU
+    python bench/diagnostics/sampling_extras.py --shape qwen3-0.6b --only penalties   # its shapes, dummy
+    python bench/diagnostics/sampling_extras.py --shape qwen3-0.6b --tokenizer DIR    # + a tokenizer
                                    # (tools/make_bpe_tokenizer.py DIR: a Qwen-sized BPE)
-    python bench/sampling_extras.py --tiny                           # CPU smoke run
+    python bench/diagnostics/sampling_extras.py --tiny                           # CPU smoke run
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from engine import LLM, SamplingParams  # noqa: E402
 
@@ -37,7 +37,7 @@ def _timed(fn, repeats: int) -> float:
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser()
-    p.add_argument("--model", default=str(Path(__file__).resolve().parents[1] / "assets" /
+    p.add_argument("--model", default=str(Path(__file__).resolve().parents[2] / "assets" /
                                           "demo-qwen3"))
     p.add_argument("--tiny", action="store_true", help="few tokens, few requests (CPU)")
     p.add_argument("--repeats", type=int, default=3)
@@ -80,10 +80,7 @@ def _shape_with_tokenizer(shape: str, tok_dir: str):
     """The named shape's config (dummy weights) beside the given tokenizer's files."""
     import shutil
     import tempfile
-    try:
-        from bench.common import default_dtype, model_dir, resolve_device
-    except ImportError:         # run as a script: bench/ is on the path
-        from common import default_dtype, model_dir, resolve_device
+    from bench.common import default_dtype, model_dir, resolve_device
     d = Path(tempfile.mkdtemp(prefix="glassbox-shape-"))
     shutil.copy(Path(model_dir(shape)) / "config.json", d / "config.json")
     for f in Path(tok_dir).iterdir():

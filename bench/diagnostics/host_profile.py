@@ -2,7 +2,7 @@
 probe, and watched without attention capture — ms/token of each, then a cProfile of the engine
 thread's steps (only that thread: the caller's stream loop is not in it).
 
-    python bench/host_profile.py [--model qwen3-0.6b] [--new-tokens 256] [--top 30]
+    python bench/diagnostics/host_profile.py [--model qwen3-0.6b] [--new-tokens 256] [--top 30]
 
 A diagnostic, not a benchmark: it prints tables, it does not write RESULTS.md.
 """
@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.common import (TINY_OF, base_parser, build_engine, log, random_prompt, resolve_device,
                           sampling, shutdown_engine)
@@ -94,7 +94,7 @@ def main(argv=None) -> None:
 
 
 def guided_profile(a) -> None:
-    from bench.sampling_extras import SCHEMA, _shape_with_tokenizer
+    from bench.diagnostics.sampling_extras import SCHEMA, _shape_with_tokenizer
     llm = _shape_with_tokenizer(a.model, a.tokenizer)
     try:
         prompt = llm.tokenizer("Write numbers:").input_ids

@@ -1,13 +1,16 @@
-"""A/B of the engine's switches: one bench script run under each environment setting in turn,
-alternating for several rounds, each run in a fresh process (the switches are read at import:
-GLASSBOX_PDL, GLASSBOX_PDL_PREFETCH, GLASSBOX_FUSE_NORM, GLASSBOX_FUSE_SWIGLU,
-GLASSBOX_SKINNY_WIDE, GLASSBOX_ATTN_SKIP_UNUSED, GLASSBOX_PREFILL_GRAPHS), and the glassbox rows of every run in one table. Alternating keeps a slow first run or a drifting host
-from landing on one variant (BENCH.md: before and after in one call).
+"""A/B of the engine's kernel choices (engine/kernel_config.py: KernelConfig's fields): one bench
+script run under each setting in turn, alternating for several rounds, each run in a fresh
+process, and the glassbox rows of every run in one table. Alternating keeps a slow first run or
+a drifting host from landing on one variant (BENCH.md: before and after in one call).
 
-    python bench/env_ab.py --variant GLASSBOX_PDL=0 --variant GLASSBOX_PDL=1 --rounds 2 \\
+    python bench/diagnostics/kernel_ab.py --variant pdl=0 --variant pdl=1 --rounds 2 \\
         -- bench/latency.py --no-hf --no-floors --repeats 3
 
-A variant sets one or more variables: `--variant GLASSBOX_PDL=1,GLASSBOX_FUSE_NORM=0`.
+A variant names KernelConfig fields: `--variant pdl=0,attn_context_caps=`. Every variant is
+checked by KernelConfig before anything runs (an unknown name or a bad value stops here, not
+after a round of runs measured with the defaults), then reaches the run's engine through
+KernelConfig's environment names (GLASSBOX_PDL, ...), which KernelConfig.build reads when the
+script builds its engine: any bench script works, with no flag of its own.
 """
 from __future__ import annotations
 
@@ -17,26 +20,42 @@ import os
 import subprocess
 import sys
 import tempfile
+from dataclasses import fields
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from engine.kernel_config import KernelConfig  # noqa: E402
+
 DEFAULT_METRICS = ("decode_tok_s", "ms_per_token", "ttft_ms", "output_tok_s")  # name prefixes
 
 
 def parse_variant(text: str) -> dict[str, str]:
-    env = {}
+    """'pdl=0,prefill_graphs=1' -> {name: value}, the names and values checked by KernelConfig
+    (ValueError, its message naming the field and the valid names or values)."""
+    choices = {}
     for part in filter(None, (p.strip() for p in text.split(","))):
         name, eq, value = part.partition("=")
         if not eq or not name.isidentifier():
             raise ValueError(f"a variant is NAME=VALUE[,NAME=VALUE...], got {text!r}")
-        env[name] = value
-    if not env:
+        choices[name] = value
+    if not choices:
         raise ValueError("an empty variant: give NAME=VALUE")
-    return env
+    KernelConfig.parse_overrides(choices)      # InvalidArgumentError is a ValueError
+    return choices
+
+
+def variant_environ(choices: dict[str, str]) -> dict[str, str]:
+    """The environment that gives a run's engine these choices (KernelConfig's names for them)."""
+    env = {f.name: f.metadata["env"] for f in fields(KernelConfig)}
+    return {env[name]: value for name, value in choices.items()}
 
 
 def run_once(script: list[str], env: dict[str, str], timeout: float) -> list[dict]:
-    """The script's rows (its --json output) under env, or one error row."""
+    """The script's rows (its --json output) with `env` added to its environment, or one error
+    row."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "rows.json"
         cmd = [sys.executable, *script, "--json", str(out)]
@@ -57,9 +76,9 @@ def main(variants: list[dict[str, str]], script: list[str], rounds: int = 2,
          metrics=DEFAULT_METRICS, timeout: float = 600.0) -> list[dict]:
     results = []
     for r in range(1, rounds + 1):
-        for env in variants:
-            rows = run_once(script, env, timeout)
-            label = ",".join(f"{k}={v}" for k, v in env.items())
+        for choices in variants:
+            rows = run_once(script, variant_environ(choices), timeout)
+            label = ",".join(f"{k}={v}" for k, v in choices.items())
             for row in rows:
                 if row.get("system") != "glassbox":
                     continue
@@ -69,7 +88,7 @@ def main(variants: list[dict[str, str]], script: list[str], rounds: int = 2,
                 elif row["metric"].startswith(tuple(metrics)):
                     results.append({"variant": label, "round": r, "metric": row["metric"],
                                     "value": row["value"], "note": row.get("note", "")})
-            print(f"[env_ab] round {r} {label}: "
+            print(f"[kernel_ab] round {r} {label}: "
                   + ", ".join(f"{x['metric']} {x['value']}" for x in results
                               if x["variant"] == label and x["round"] == r), flush=True)
     return results
@@ -92,10 +111,11 @@ def table(results: list[dict]) -> str:
 def cli(argv=None) -> list[dict]:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--" not in argv:
-        raise SystemExit("usage: env_ab.py --variant A=1 --variant A=0 [--rounds N] -- SCRIPT [ARGS...]")
+        raise SystemExit("usage: kernel_ab.py --variant pdl=1 --variant pdl=0 [--rounds N] -- SCRIPT [ARGS...]")
     split = argv.index("--")
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--variant", action="append", required=True, help="NAME=VALUE[,NAME=VALUE...]")
+    p.add_argument("--variant", action="append", required=True,
+                   help=f"NAME=VALUE[,NAME=VALUE...], NAME one of {', '.join(KernelConfig.names())}")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--metric", action="append", default=None,
                    help=f"metric name prefixes to keep (default: {', '.join(DEFAULT_METRICS)})")

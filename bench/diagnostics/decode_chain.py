@@ -1,7 +1,7 @@
 """Where a batch-1 decode step's GPU time goes, now that its kernels overlap (PDL).
 
-    python bench/decode_chain.py [--context 256] [--replays 20]
-    TRITON_INTERPRET=1 python bench/decode_chain.py --smoke   # CPU, tiny shapes: does it still run
+    python bench/diagnostics/decode_chain.py [--context 256] [--replays 20]
+    TRITON_INTERPRET=1 python bench/diagnostics/decode_chain.py --smoke   # CPU, tiny shapes: does it still run
 
 The engine's batch-1 decode graph is ~200 kernels in a row, each launched with programmatic
 dependent launch, so a profiler's per-kernel durations overlap and no longer add up to the
@@ -14,8 +14,8 @@ split counts are the engine's) and captures it in one CUDA graph, then times:
     step would gain if that kernel were free);
   * each kind of kernel alone, 28 in a row (its cost when it only overlaps itself);
   * launch variants the engine could pick (each GEMV's whole weight tile requested before the
-    PDL wait, wider GEMV programs, attention split counts and split tiles, the idle splits run
-    instead of exiting, SiLU*up in gate_up's epilogue or not).
+    PDL wait, wider GEMV programs, attention split counts and split tiles, SiLU*up in gate_up's
+    epilogue or not), each passed to the kernels' launchers as an argument.
 
 A diagnostic, like attention_tune.py: it prints tables and changes nothing. The outputs are
 not checked (the kernels' tests do that); left-out kernels' consumers read stale buffers.
@@ -27,7 +27,7 @@ import sys
 from pathlib import Path
 
 if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch
 import triton
@@ -37,7 +37,6 @@ from engine.kernels import skinny_gemm as SG
 from engine.kernels.activation import silu_and_mul
 from engine.kernels.qk_norm_rope_store import qk_norm_rope_store
 from engine.kernels.rmsnorm import rms_norm
-from engine.layers import norm_linear as NL
 
 # Qwen3-0.6B
 LAYERS, HIDDEN, HQ, HKV, D, INTER, VOCAB = 28, 1024, 16, 8, 128, 3072, 151936
@@ -94,14 +93,14 @@ class Chain:
         self.h_buf = rnd(1, HIDDEN, scale=1.0)
         self.configs: dict[str, SG.SkinnyConfig | None] = self.engine_configs()
         self.num_splits: int | None = None
-        self.swiglu = NL.FUSE_SWIGLU  # SiLU * up in gate_up's epilogue, as the engine runs it
+        self.attn_launch: dict | None = None   # None: decode_attention.launch_config's
+        self.swiglu = True  # SiLU * up in gate_up's epilogue, as the engine runs it
 
     @staticmethod
     def engine_configs() -> dict[str, SG.SkinnyConfig | None]:
         """None: the kernel's own pick_config; o_proj's whole tile as gemm.linear asks for it."""
         cfg: dict[str, SG.SkinnyConfig | None] = {k: None for k in KINDS}
-        if SG.WHOLE_TILE_AFTER_ATTENTION:
-            cfg["o"] = SG.whole_tile_config(HIDDEN, HQ * D)
+        cfg["o"] = SG.whole_tile_config(HIDDEN, HQ * D)
         return cfg
 
     def step(self, skip: frozenset = frozenset(), only: str | None = None) -> None:
@@ -119,7 +118,8 @@ class Chain:
             a = self.attn_buf
             if run("attn"):
                 a = DA.paged_decode_attention(q, L["k_cache"], L["v_cache"], self.block_table,
-                                              self.context_lens, D ** -0.5, num_splits=self.num_splits)
+                                              self.context_lens, D ** -0.5, num_splits=self.num_splits,
+                                              launch=self.attn_launch)
             h = self.h_buf
             if run("o"):
                 h = SG.skinny_linear(a.view(1, HQ * D), L["o"], config=self.configs["o"])
@@ -184,7 +184,7 @@ def time_eager(fn, replays: int) -> float:
 
 
 def chain_cli(argv, description: str, shapes: dict, smoke_shapes: dict, build, run) -> None:
-    """The command line of both chain benches (this one, bench/moe_chain.py): on the GPU, `build`
+    """The command line of both chain benches (this one, bench/diagnostics/moe_chain.py): on the GPU, `build`
     (context, device, dtype) then `run`(args, chain, time_graph, smoke=False); with --smoke, the
     module's shape constants (`shapes`: its globals()) swapped for `smoke_shapes` for the run and
     restored after, on the CPU in fp32 and timed eagerly."""
@@ -212,8 +212,8 @@ def _run(a, c: Chain, timer, smoke: bool) -> None:
     torch.manual_seed(0)
     base = timer(c.step, a.replays)
     print(f"# decode chain, Qwen3-0.6B shapes, batch 1, context {c.context}, PDL "
-          f"{'on' if SG.use_pdl(c.x) else 'off'}, fused norms (factored), unused attention splits "
-          f"exit at once: {DA.SKIP_UNUSED_SPLITS}" + (" (--smoke: tiny shapes, CPU)" if smoke else ""))
+          f"{'on' if SG.use_pdl(c.x) else 'off'}, fused norms (factored)"
+          + (" (--smoke: tiny shapes, CPU)" if smoke else ""))
     print(f"whole chain: {base:.1f} us/step  ({1e6 / base:,.0f} steps/s); SiLU*up in gate_up's "
           f"epilogue: {c.swiglu}")
     print("\n| kind | left out: step us | marginal us (per layer) | alone x28 us (per call) |")
@@ -270,26 +270,13 @@ def _run(a, c: Chain, timer, smoke: bool) -> None:
         t = timer(c.step, a.replays)
         print(f"| attention {s} splits (engine: {engine_splits}) | {t:.1f} | {t - base:+.1f} |")
     c.num_splits = None
-    split0 = dict(DA.SPLIT_LAUNCH)
-    try:
-        for bn, w in (((16, 2),) if smoke else ((16, 2), (32, 2))):
-            DA.SPLIT_LAUNCH.update(BLOCK_N=bn, num_warps=w)
-            c.num_splits = 2 if smoke else None  # (the smoke shapes' engine choice is 1 split)
-            t = timer(c.step, a.replays)
-            print(f"| attention split tiles BLOCK_N={bn} num_warps={w} (engine: {split0}) | {t:.1f} | "
-                  f"{t - base:+.1f} |")
-    finally:
-        c.num_splits = None
-        DA.SPLIT_LAUNCH.clear()
-        DA.SPLIT_LAUNCH.update(split0)
-    skip0 = DA.SKIP_UNUSED_SPLITS
-    try:
-        DA.SKIP_UNUSED_SPLITS = not skip0
+    for bn, w in (((16, 2),) if smoke else ((16, 2), (32, 2))):
+        c.attn_launch = dict(DA.SPLIT_LAUNCH, BLOCK_N=bn, num_warps=w)
+        c.num_splits = 2 if smoke else None  # (the smoke shapes' engine choice is 1 split)
         t = timer(c.step, a.replays)
-        print(f"| attention: splits past the context exit at once: {DA.SKIP_UNUSED_SPLITS} | {t:.1f} | "
-              f"{t - base:+.1f} |")
-    finally:
-        DA.SKIP_UNUSED_SPLITS = skip0
+        print(f"| attention split tiles BLOCK_N={bn} num_warps={w} (engine: {DA.SPLIT_LAUNCH}) | "
+              f"{t:.1f} | {t - base:+.1f} |")
+    c.num_splits = c.attn_launch = None
     c.swiglu = not c.swiglu
     t = timer(c.step, a.replays)
     print(f"| SiLU*up in gate_up's epilogue: {c.swiglu} | {t:.1f} | {t - base:+.1f} |")

@@ -5,8 +5,8 @@ intervention <= 1 % slower than before this feature (compare `ms_per_token[none]
 `output_tok_s[none]` with bench/latency.py and bench/throughput.py on the parent commit, same
 GPU), an intervened batch-1 request <= 10 % slower than an untouched one.
 
-    python bench/interventions.py --model qwen3-0.6b          # H200; --tiny: a CPU smoke run
-    python bench/interventions.py --model qwen3-30b-a3b
+    python bench/diagnostics/interventions.py --model qwen3-0.6b          # H200; --tiny: a CPU smoke run
+    python bench/diagnostics/interventions.py --model qwen3-30b-a3b
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.common import (base_parser, build_engine, error_row, finish_cli, free_memory, log,
                           make_workload, measure_floors, median, parse_dtype, random_prompt,
