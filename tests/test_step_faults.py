@@ -5,128 +5,87 @@ the launch, the wait for the device, the postprocess, the step's trace) while th
 requests run beside a poisoned one; afterwards the engine serves again with the same tokens."""
 from __future__ import annotations
 
-import threading
-
 import pytest
 
 from engine import LLM, Intervention, SamplingParams
 from engine.errors import RequestFailedError
+from engine.sequence import Sequence
 from test_generate_vs_hf import random_prompts
+from test_isolation import POISON, _concurrent, _poison_forward
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-POISON = 7          # a prompt starting with this id is the poisoned request
 
 
 def _poisoned(seqs) -> bool:
     return any(s.token_ids and s.token_ids[0] == POISON for s in seqs)
 
 
-def _run_all(llm, prompts, ids):
-    results, errors = {}, {}
-    barrier = threading.Barrier(len(prompts))
+def _wrap(owner, name: str, fault):
+    """Replace owner.name with a call that first runs fault(*args) (which may raise)."""
+    real = getattr(owner, name)
 
-    def run(i):
-        try:
-            barrier.wait()
-            results[i] = [e.token_id for e in llm.stream(prompts[i], GREEDY, request_id=ids[i])
-                          if e.token_id is not None]
-        except Exception as e:      # noqa: BLE001
-            errors[i] = e
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    return results, errors
+    def call(*args):
+        fault(*args)
+        return real(*args)
+    setattr(owner, name, call)
 
 
-def _plant(llm, stage: str):
-    """Make `stage` raise for any step holding the poisoned request (attributable stages), or
-    once (the stages no request's data explains). Returns True for an attributable stage."""
-    core = llm.core
+def _poison(error):
+    """A fault raising `error` when the call's first argument holds the poisoned request (a
+    Sequence: once it has a few output tokens, so the fault hits mid-reply)."""
+    def fault(entries, *rest):
+        if isinstance(entries, Sequence):
+            hit = _poisoned([entries]) and entries.num_output_tokens > 2
+        else:
+            hit = _poisoned([e.seq for e in entries])
+        if hit:
+            raise error
+    return fault
+
+
+def _once_after_a_few_steps(core, error):
+    """A fault no request explains: it fires once, mid-run."""
     fired = []
 
-    def once() -> bool:
-        if fired:
-            return False
-        fired.append(1)
-        return True
-    if stage == "probe_plan":
-        real = core.probes.plan
+    def fault(*_):
+        if core.step_id > 3 and not fired:
+            fired.append(1)
+            raise error
+    return fault
 
-        def plan(scheduled):
-            if _poisoned([s.seq for s in scheduled]):
-                raise IndexError("probe plan (injected)")
-            return real(scheduled)
-        core.probes.plan = plan
-        return True
-    if stage == "intervention_plan":
-        real = core.interventions.plan
 
-        def iplan(scheduled):
-            if _poisoned([s.seq for s in scheduled]):
-                raise OverflowError("intervention plan (injected)")
-            return real(scheduled)
-        core.interventions.plan = iplan
-        return True
-    if stage == "sampling_batch":
-        real = core._banned
-
-        def banned(sampling):
-            if _poisoned([s.seq for s in sampling]):
-                raise ValueError("sampling batch (injected)")
-            return real(sampling)
-        core._banned = banned
+def _plant(llm, stage: str) -> bool:
+    """Make `stage` raise for any step holding the poisoned request (attributable stages, True),
+    or once mid-run (the stages no request's data explains, False)."""
+    core = llm.core
+    attributable = {"probe_plan": (core.probes, "plan", IndexError),
+                    "intervention_plan": (core.interventions, "plan", OverflowError),
+                    "sampling_batch": (core, "_banned", ValueError),
+                    "postprocess": (core, "_token_event", KeyError)}
+    if stage in attributable:
+        owner, name, kind = attributable[stage]
+        _wrap(owner, name, _poison(kind(f"{stage} (injected)")))
         return True
     if stage == "launch":
-        real = core.runner.execute_step
-
-        def execute_step(inp):
-            starts = inp.cu_seqlens_q[:-1]
-            if any(inp.input_ids[s] == POISON and inp.positions[s] == 0 for s in starts):
-                raise IndexError("launch (injected)")
-            return real(inp)
-        core.runner.execute_step = execute_step
+        _poison_forward(llm)
         return True
-    if stage == "postprocess":
-        real = core._token_event
-
-        def token_event(seq, tok, lp, now):
-            if _poisoned([seq]) and seq.num_output_tokens > 2:
-                raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "postprocess (injected)")
-            return real(seq, tok, lp, now)
-        core._token_event = token_event
-        return True
-    # the stages no one request explains: they fire once, mid-run
-    if stage == "schedule":
-        real = core.scheduler.schedule
-
-        def schedule():
-            if core.step_id > 3 and once():
-                raise RuntimeError("schedule (injected)")
-            return real()
-        core.scheduler.schedule = schedule
-    elif stage == "wait":
+    if stage == "wait":         # the step launched; waiting for the device fails
         real = core.runner.execute_step
+        fault = _once_after_a_few_steps(core, RuntimeError("device wait (injected)"))
 
         def execute_step(inp):
             out = real(inp)
-            if inp.step_id > 3 and once():
-                def wait(*a, **kw):
-                    raise RuntimeError("device wait (injected)")
+            try:
+                fault()
+            except RuntimeError as e:
+                def wait(*a, err=e, **kw):
+                    raise err
                 out.wait = wait
             return out
         core.runner.execute_step = execute_step
-    elif stage == "trace":
-        real = core._record
-
-        def record(*a, **kw):
-            if core.step_id > 3 and once():
-                raise KeyError("trace (injected)")
-            return real(*a, **kw)
-        core._record = record
-    else:
-        raise AssertionError(stage)
+        return False
+    owner, name = {"schedule": (core.scheduler, "schedule"), "trace": (core, "_record")}[stage]
+    _wrap(owner, name, _once_after_a_few_steps(core, RuntimeError(f"{stage} (injected)")))
     return False
 
 
@@ -145,7 +104,9 @@ def test_a_fault_at_any_stage_of_a_step_never_ends_the_engine(qwen3_dir, stage, 
         if stage == "intervention_plan":      # the planner runs only for intervened requests
             llm.core.interventions.add(_Live())
         attributable = _plant(llm, stage)
-        results, errors = _run_all(llm, healthy + [bad], ["h0", "h1", "h2", "bad"])
+        results, errors = _concurrent(llm, healthy + [bad], GREEDY, ["h0", "h1", "h2", "bad"])
+        results = {i: [e.token_id for e in evs if e.token_id is not None]
+                   for i, evs in results.items()}
         if attributable:
             assert set(errors) == {3}, errors
             assert isinstance(errors[3], RequestFailedError) and "injected" in str(errors[3])
