@@ -118,7 +118,7 @@ NEUTRAL = [("use_beam_search", False, True), ("length_penalty", 1.0, 0.5),
            ("include_stop_str_in_output", False, True), ("allowed_token_ids", [], [1, 2]),
            ("bad_words", [], ["the"]), ("logits_processors", [], ["my.module:proc"]),
            ("return_tokens_as_token_ids", False, True), ("skip_special_tokens", True, False),
-           ("spaces_between_special_tokens", True, False), ("priority", 0, 3)]
+           ("spaces_between_special_tokens", True, False)]
 
 
 @pytest.mark.parametrize("name, neutral, other", NEUTRAL, ids=[n for n, _, _ in NEUTRAL])
@@ -340,3 +340,17 @@ def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(served, rout
 def test_a_request_template_or_embeddings_are_refused_not_ignored(served, route, body, param):
     r = served.post(route, {"max_tokens": 2, **body} if route != "/tokenize" else body)
     assert _err(r)[:2] == (400, param), r.text
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_priority_is_served_and_a_non_integer_is_a_400(served, route):
+    base = {"max_tokens": 3, "temperature": 0}
+    base.update({"prompt": "Hello"} if route == "/v1/completions"
+                else {"messages": [{"role": "user", "content": "Hello"}]})
+    plain = served.post(route, base)
+    urgent = served.post(route, {**base, "priority": -5})
+    assert urgent.status_code == 200, urgent.text
+    assert urgent.json()["choices"] == plain.json()["choices"]   # order changes, not the reply
+    status, param, _ = _err(served.post(route, {**base, "priority": "high"}))
+    assert (status, param) == (400, "priority")
+

@@ -274,7 +274,9 @@ def test_the_api_answers_503_while_the_model_switches(served, client):
 def test_ops_routes_answer_on_the_playgrounds_server(served):
     from prometheus_client.parser import text_string_to_metric_families
     assert httpx.get(served.url + "health").status_code == 200
-    names = {f.name for f in text_string_to_metric_families(httpx.get(served.url + "metrics").text)}
+    names = {f.name for f in text_string_to_metric_families(
+        httpx.get(served.url + "metrics", headers={"Authorization": f"Bearer {KEY}"}).text)}
+    assert httpx.get(served.url + "metrics").status_code == 401   # keyed server: keyed counters
     assert {"vllm:num_requests_running", "vllm:time_to_first_token_seconds"} <= names
     served.demo.hub.switching = True
     try:
