@@ -1,5 +1,6 @@
 """A chat reply's text split the way vLLM's parsers split it: Qwen3's `<think>...</think>` into
-`reasoning_content`, and Qwen's `<tool_call>{json}</tool_call>` blocks into OpenAI `tool_calls`.
+`reasoning` (current vLLM's field) and `reasoning_content` (the same text, for older clients),
+and Qwen's `<tool_call>{json}</tool_call>` blocks into OpenAI `tool_calls`.
 One incremental parser serves both the stream and the whole reply (fed all at once), so the two
 can never disagree. Text that could still be the start of a tag is held back, never emitted
 twice or in the wrong field."""
@@ -18,6 +19,12 @@ def _held(buf: str, tag: str) -> int:
         if buf.endswith(tag[:k]):
             return k
     return 0
+
+
+def reasoning_delta(text: str) -> dict:
+    """A piece of reasoning under both names vLLM has used: `reasoning` (current clients read
+    it) and `reasoning_content` (older ones)."""
+    return {"reasoning": text, "reasoning_content": text}
 
 
 def tool_call(name: str, arguments) -> dict:
@@ -44,9 +51,10 @@ def parse_tool_call(body: str) -> dict | None:
 
 
 class ChatDeltaParser:
-    """feed(text) -> deltas ({"reasoning_content"}, {"content"}, {"tool_calls": [...]}) as the
-    reply grows; finish() -> the rest. `reasoning`: split <think> blocks (a template that uses
-    them); `tools`: parse <tool_call> blocks (the request sent tools, tool_choice not "none")."""
+    """feed(text) -> deltas ({"reasoning", "reasoning_content"}, {"content"},
+    {"tool_calls": [...]}) as the reply grows; finish() -> the rest. `reasoning`: split <think>
+    blocks (a template that uses them); `tools`: parse <tool_call> blocks (the request sent
+    tools, tool_choice not "none")."""
 
     def __init__(self, reasoning: bool, tools: bool, in_reasoning: bool = False):
         """`in_reasoning`: the prompt already opened <think> (Qwen3-2507 thinking templates):
@@ -82,12 +90,12 @@ class ChatDeltaParser:
             i = b.find(THINK_CLOSE)
             if i >= 0:
                 if b[:i]:
-                    out.append({"reasoning_content": b[:i]})
+                    out.append(reasoning_delta(b[:i]))
                 self.buf, self.phase, self.after_think = b[i + len(THINK_CLOSE):], "content", True
                 return
             keep = _held(b, THINK_CLOSE)
             if len(b) > keep:
-                out.append({"reasoning_content": b[:len(b) - keep]})
+                out.append(reasoning_delta(b[:len(b) - keep]))
                 self.buf = b[len(b) - keep:]
             return
         if self.phase == "content":
@@ -125,7 +133,7 @@ class ChatDeltaParser:
         out = self.feed("")
         b, self.buf = self.buf, ""
         if self.phase in ("reasoning", "start") and b:
-            out.append({"reasoning_content" if self.phase == "reasoning" else "content": b})
+            out.append(reasoning_delta(b) if self.phase == "reasoning" else {"content": b})
         elif self.phase == "tool":
             out.append({"content": TOOL_OPEN + b})
         elif b and (self.phase != "content" or not self.calls or b.strip()):
@@ -136,10 +144,10 @@ class ChatDeltaParser:
 
 def split_reply(text: str, reasoning: bool, tools: bool, in_reasoning: bool = False
                 ) -> tuple[str | None, str | None, list]:
-    """(reasoning_content, content, tool_calls) of a whole reply."""
+    """(reasoning, content, tool_calls) of a whole reply."""
     p = ChatDeltaParser(reasoning, tools, in_reasoning)
     deltas = p.feed(text) + p.finish()
-    r = "".join(d.get("reasoning_content", "") for d in deltas)
+    r = "".join(d.get("reasoning", "") for d in deltas)
     c = "".join(d.get("content", "") for d in deltas)
-    return (r if any("reasoning_content" in d for d in deltas) else None,
+    return (r if any("reasoning" in d for d in deltas) else None,
             c if c or not p.calls else None, p.calls)

@@ -225,6 +225,9 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict]:
         for key in _MESSAGE_EXTRAS:         # tool-call history, as the chat templates read it
             if (m.model_extra or {}).get(key) is not None:
                 msg[key] = m.model_extra[key]
+        if "reasoning_content" not in msg and isinstance((m.model_extra or {}).get("reasoning"),
+                                                         str):
+            msg["reasoning_content"] = m.model_extra["reasoning"]  # vLLM's newer name, sent back
         out.append(msg)
     return out
 

@@ -158,8 +158,8 @@ class Job:
                                                         p.in_reasoning)
                 msg = out["message"]
                 msg["content"] = content
-                if p.reasoning:
-                    msg["reasoning_content"] = reasoning
+                if p.reasoning:     # vLLM's current name, and the one older clients read
+                    msg["reasoning"] = msg["reasoning_content"] = reasoning
                 if p.tools:
                     msg["tool_calls"] = calls
                 if calls and r.finish_reason == "stop":

@@ -73,7 +73,8 @@ def test_the_streamed_split_equals_the_whole_split_at_any_boundaries(text):
             deltas += p.feed(text[i:i + k])
             i += k
         deltas += p.finish()
-        assert "".join(d.get("reasoning_content", "") for d in deltas) == (whole[0] or "")
+        assert "".join(d.get("reasoning", "") for d in deltas) == (whole[0] or "")
+        assert all(d.get("reasoning") == d.get("reasoning_content") for d in deltas)
         assert "".join(d.get("content", "") for d in deltas) == (whole[1] or "")
         got = [c["function"] for d in deltas for c in d.get("tool_calls", [])]
         assert got == [c["function"] for c in whole[2]]
@@ -184,20 +185,37 @@ def test_a_forced_tool_choice_needs_tools_and_a_known_value(scripted):
     assert r.status_code == 400 and "'required'" in r.json()["error"]["message"]
 
 
-def test_thinking_becomes_reasoning_content_whole_and_streamed(scripted):
+def test_thinking_becomes_reasoning_and_reasoning_content_whole_and_streamed(scripted):
+    """vLLM's current field is `reasoning`; `reasoning_content` stays for older clients: both
+    hold the same text, in the message and in every delta."""
     s = scripted(THINK_REPLY)
     r = s.post({"messages": _msgs("hi"), "max_tokens": 100}).json()
     m = r["choices"][0]["message"]
-    assert m["reasoning_content"] == "\nThe user greets me.\n"
+    assert m["reasoning"] == m["reasoning_content"] == "\nThe user greets me.\n"
     assert m["content"] == "Hello there!"
     stream = s.client().chat.completions.create(model="scripted", messages=_msgs("hi"),
                                                 max_tokens=100, stream=True)
-    reasoning = content = ""
+    reasoning = older = content = ""
     for chunk in stream:
         d = chunk.choices[0].delta
-        reasoning += (d.model_extra or {}).get("reasoning_content") or ""
+        extra = d.model_extra or {}
+        assert extra.get("reasoning") == extra.get("reasoning_content")
+        reasoning += extra.get("reasoning") or ""
+        older += extra.get("reasoning_content") or ""
         content += d.content or ""
-    assert (reasoning, content) == (m["reasoning_content"], m["content"])
+    assert (reasoning, older, content) == (m["reasoning"], m["reasoning_content"], m["content"])
+
+
+def test_reasoning_sent_back_in_history_reaches_the_template(tok):
+    """A client that sends the assistant's `reasoning` back (vLLM's newer name) is rendered as
+    one that sends `reasoning_content`."""
+    from api.protocol import ChatCompletionRequest
+    from api.sampling import chat_messages
+    msgs = [{"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "Hello", "reasoning": "greet back"},
+            {"role": "user", "content": "again"}]
+    out = chat_messages(ChatCompletionRequest(messages=msgs))
+    assert out[1]["reasoning_content"] == "greet back"
 
 
 def test_a_template_without_think_leaves_think_text_in_content(tok):
@@ -205,6 +223,7 @@ def test_a_template_without_think_leaves_think_text_in_content(tok):
     s = Server(ScriptedLLM(plain, lambda ids: THINK_REPLY))
     try:
         m = s.post({"messages": _msgs("hi"), "max_tokens": 100}).json()["choices"][0]["message"]
-        assert m["content"] == THINK_REPLY and "reasoning_content" not in m
+        assert m["content"] == THINK_REPLY
+        assert "reasoning_content" not in m and "reasoning" not in m
     finally:
         s.server.stop()
