@@ -3,7 +3,8 @@
 choice / json_object) and the guided_json / guided_regex / guided_choice it replaced, and
 tool_choice "required" or a named function (the reply is forced into Qwen's
 `<tool_call>{"name": ..., "arguments": ...}</tool_call>` form, arguments matching the tool's
-parameters schema)."""
+parameters schema). JSON schemas are closed as vLLM's default backend closes them
+(`closed_schema`)."""
 from __future__ import annotations
 
 import json
@@ -20,9 +21,50 @@ def _schema(s) -> dict:
     return {**s, "x-guidance": {**_COMPACT, **s.get("x-guidance", {})}}
 
 
+# JSON Schema keywords whose value is a schema, a list of schemas, or a map of names to schemas
+# (`const`, `enum`, `default`, `examples` hold data, never walked)
+_SUB_SCHEMA = ("items", "additionalProperties", "additionalItems", "contains", "not", "if",
+               "then", "else", "propertyNames", "unevaluatedProperties", "unevaluatedItems")
+_SUB_LIST = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
+_SUB_MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def _is_object(node: dict) -> bool:
+    t = node.get("type")
+    return t == "object" or (isinstance(t, list) and "object" in t) or (
+        t is None and isinstance(node.get("properties"), dict))
+
+
+def closed_schema(schema):
+    """A copy of `schema` whose objects that say nothing of `additionalProperties` get
+    `false`, at every depth: vLLM's default backend (xgrammar, strict mode) closes them, and an
+    open object lets a small model add keys until it runs out of tokens (LangChain's @tool and
+    LiteLLM send tool schemas without the key). A schema that sets it keeps its choice."""
+    if not isinstance(schema, dict):
+        return schema
+    schema = json.loads(json.dumps(schema))     # a copy (the request's own is left as sent)
+    stack = [schema]
+    while stack:                                # iterative: a schema may nest deeply
+        node = stack.pop()
+        if not isinstance(node, dict):
+            continue
+        if _is_object(node) and "additionalProperties" not in node:
+            node["additionalProperties"] = False
+        for k in _SUB_SCHEMA:
+            if isinstance(node.get(k), dict):
+                stack.append(node[k])
+        for k in _SUB_LIST:
+            if isinstance(node.get(k), list):
+                stack.extend(node[k])
+        for k in _SUB_MAP:
+            if isinstance(node.get(k), dict):
+                stack.extend(node[k].values())
+    return schema
+
+
 def _tool_schema(tool: dict) -> dict:
     fn = tool.get("function", {}) if isinstance(tool, dict) else {}
-    params = fn.get("parameters") or {"type": "object"}
+    params = closed_schema(fn.get("parameters") or {"type": "object"})
     return {"type": "object", "properties": {"name": {"const": fn.get("name")},
                                              "arguments": params},
             "required": ["name", "arguments"], "additionalProperties": False}
@@ -116,14 +158,15 @@ def _build(req, kind: str, extra: dict) -> str:
                 if "schema" not in spec:
                     raise bad_request("response_format.json_schema needs a 'schema'",
                                       "response_format")
-                return json_schema_grammar(_schema(spec["schema"]))
+                return json_schema_grammar(_schema(closed_schema(spec["schema"])))
             raise bad_request(f"response_format type {fmt['type']!r} is not one of 'text', "
                               "'json_object', 'json_schema'", "response_format")
         if kind == "structured_outputs.json_object":
             return json_schema_grammar(_schema({"type": "object"}))
         if kind in ("guided_json", "structured_outputs.json"):
             g = extra[kind]
-            return json_schema_grammar(_schema(json.loads(g) if isinstance(g, str) else g))
+            return json_schema_grammar(_schema(closed_schema(json.loads(g) if isinstance(g, str)
+                                                             else g)))
         if kind in ("guided_regex", "structured_outputs.regex"):
             return regex_grammar(str(extra[kind]))
         if kind in ("guided_choice", "structured_outputs.choice"):

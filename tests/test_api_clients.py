@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Annotated
+
+from pydantic import Field
 
 import pytest
 
@@ -59,7 +62,7 @@ def test_langchain_bind_tools_gets_tool_calls(served):
 
 @pytest.mark.parametrize("method", ["json_schema", "function_calling"])
 def test_langchain_with_structured_output(served, method):
-    from pydantic import BaseModel, Field
+    from pydantic import BaseModel
 
     class Person(BaseModel):
         name: str = Field(max_length=10)
@@ -68,6 +71,40 @@ def test_langchain_with_structured_output(served, method):
     chat = _chat(served, max_tokens=80, seed=2)
     p = chat.with_structured_output(Person, method=method, strict=True).invoke(
         "Invent a person")
+    assert isinstance(p, Person) and len(p.name) <= 10 and 0 <= p.age <= 120
+
+
+def test_langchain_bind_tools_with_a_tool_function_whose_schema_is_open(served):
+    """@tool's schema has no additionalProperties: closed by default, as vLLM's backend does,
+    so the forced call ends instead of running to the token limit."""
+    pytest.importorskip("langchain_openai")
+    from langchain_core.tools import tool
+
+    @tool
+    def get_weather(city: Annotated[str, Field(max_length=10)]) -> str:
+        """The weather in a city."""
+        return "sunny"
+    schema = get_weather.tool_call_schema.model_json_schema()
+    assert "additionalProperties" not in str(schema) and "maxLength" in str(schema)
+    chat = _chat(served, max_tokens=60, seed=1)
+    ai = chat.bind_tools([get_weather], tool_choice="get_weather",
+                         parallel_tool_calls=False).invoke("Weather in Paris?")
+    assert [c["name"] for c in ai.tool_calls] == ["get_weather"], ai
+    assert set(ai.tool_calls[0]["args"]) == {"city"}
+    assert ai.response_metadata["finish_reason"] == "tool_calls"
+
+
+@pytest.mark.parametrize("method", ["json_schema", "function_calling"])
+def test_langchain_with_structured_output_not_strict(served, method):
+    """Without strict, LangChain sends pydantic's schema as it is (no additionalProperties)."""
+    from pydantic import BaseModel
+
+    class Person(BaseModel):
+        name: str = Field(max_length=10)
+        age: int = Field(ge=0, le=120)
+
+    chat = _chat(served, max_tokens=80, seed=3)
+    p = chat.with_structured_output(Person, method=method).invoke("Invent a person")
     assert isinstance(p, Person) and len(p.name) <= 10 and 0 <= p.age <= 120
 
 

@@ -147,3 +147,74 @@ def test_guided_fields_are_not_reported_as_ignored(served, caplog):
                                             "guided_choice": ["a", "b"]})
     assert r.json()["choices"][0]["text"] in ("a", "b")
     assert "ignoring" not in " ".join(rec.getMessage() for rec in caplog.records)
+
+
+# ---- schemas closed by default (vLLM's default backend, xgrammar, closes them) ----------------
+def test_closed_schema_closes_every_object_that_says_nothing_and_keeps_explicit_choices():
+    from api.structured import closed_schema
+    schema = {"type": "object", "properties": {
+        "properties": {"type": "object", "properties": {"x": {"type": "integer"}}},
+        "tags": {"type": "array", "items": {"type": "object"}},
+        "either": {"anyOf": [{"type": "object"}, {"type": "string"}]},
+        "open": {"type": "object", "additionalProperties": True},
+        "ref": {"$ref": "#/$defs/D"},
+        "data": {"const": {"type": "object"}, "default": {"type": "object"}}},
+        "$defs": {"D": {"properties": {"y": {"type": "string"}}}}}
+    got = closed_schema(schema)
+    p = got["properties"]
+    assert got["additionalProperties"] is False
+    assert p["properties"]["additionalProperties"] is False      # a property named "properties"
+    assert "additionalProperties" not in got["properties"]       # ... is not a schema keyword
+    assert p["tags"]["items"]["additionalProperties"] is False
+    assert p["either"]["anyOf"][0]["additionalProperties"] is False
+    assert "additionalProperties" not in p["either"]["anyOf"][1]
+    assert p["open"]["additionalProperties"] is True             # the schema's own choice
+    assert got["$defs"]["D"]["additionalProperties"] is False
+    assert p["data"]["const"] == {"type": "object"} == p["data"]["default"]    # data untouched
+    assert "additionalProperties" not in schema                  # the request's copy as sent
+
+
+OPEN_WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string",
+                                                             "maxLength": 10}},
+                   "required": ["city"]}}}       # no additionalProperties (LangChain's @tool)
+
+
+def test_a_forced_tool_with_an_open_schema_gives_a_parsed_call_through_the_sdk(served):
+    client = served.client()
+    for seed in range(3):
+        r = client.chat.completions.create(
+            model=served.model, messages=[{"role": "user", "content": "Weather in Paris?"}],
+            tools=[OPEN_WEATHER], max_tokens=60, seed=seed, parallel_tool_calls=False,
+            tool_choice={"type": "function", "function": {"name": "get_weather"}})
+        c = r.choices[0]
+        assert c.finish_reason == "tool_calls", c
+        (call,) = c.message.tool_calls
+        assert call.function.name == "get_weather"
+        assert set(json.loads(call.function.arguments)) == {"city"}
+
+
+def test_an_open_response_format_schema_is_closed(served):
+    schema = {k: v for k, v in SCHEMA.items() if k != "additionalProperties"}
+    for seed in range(3):
+        r = served.post("/v1/chat/completions", {"messages": ASK, "max_tokens": 80, "seed": seed,
+                                                 "response_format": {"type": "json_schema",
+                                                                     "json_schema": {
+                                                                         "name": "p",
+                                                                         "schema": schema}}})
+        c = r.json()["choices"][0]
+        assert c["finish_reason"] == "stop" and _matches(json.loads(c["message"]["content"])), c
+
+
+def test_chat_completions_parse_with_a_pydantic_model(served):
+    from pydantic import BaseModel, Field
+
+    class Person(BaseModel):
+        name: str = Field(max_length=12)
+        age: int = Field(ge=0, le=150)
+
+    r = served.client().chat.completions.parse(model=served.model, messages=ASK,
+                                               response_format=Person, max_tokens=80, seed=1)
+    p = r.choices[0].message.parsed
+    assert isinstance(p, Person) and 0 <= p.age <= 150
