@@ -78,8 +78,8 @@ class ChatMessage(BaseModel):
 
 class StructuredOutputs(Lenient):
     """vLLM's `structured_outputs` object (v0.12 removed the guided_* fields in its favour):
-    one of json / regex / choice / json_object; the rest are refused unless neutral
-    (api.structured says which and why)."""
+    one of json / regex / choice / grammar / structural_tag / json_object; whitespace_pattern
+    is refused (api.structured says why)."""
     model_config = ConfigDict(extra="allow", populate_by_name=True)
     json_schema: dict[str, Any] | str | None = Field(None, alias="json")   # "json" shadows BaseModel.json
     regex: str | None = None
@@ -89,7 +89,7 @@ class StructuredOutputs(Lenient):
     structural_tag: Any = None
     whitespace_pattern: str | None = None
     disable_any_whitespace: bool = False    # ours is compact already: neutral either way
-    disable_additional_properties: bool = False
+    disable_additional_properties: bool = False     # closes objects: ours are closed already
     disable_fallback: bool = False          # one backend, no fallback: neutral
 
 
@@ -132,9 +132,9 @@ class SamplingRequest(Lenient):
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
-    guided_grammar: str | None = None               # refused (a GBNF grammar: xgrammar's)
+    guided_grammar: str | None = None               # Lark or GBNF
     guided_whitespace_pattern: str | None = None    # refused
-    structural_tag: Any = None                      # refused
+    structural_tag: Any = None                      # vLLM's structures / triggers form
     guided_decoding_backend: str | None = None      # one backend (llguidance): no effect
     # vLLM's other sampling / output fields: `truncate_prompt_tokens` is applied; the rest are
     # refused unless they hold their neutral value (api.sampling: never silently ignored)

@@ -1,6 +1,7 @@
 """Structured output requests -> the engine's grammar (SamplingParams.guided, llguidance):
-`response_format` json_object / json_schema (OpenAI), vLLM's `structured_outputs` (json / regex /
-choice / json_object) and the guided_json / guided_regex / guided_choice it replaced, and
+`response_format` json_object / json_schema (OpenAI) / structural_tag (vLLM), vLLM's
+`structured_outputs` (json / regex / choice / grammar / structural_tag / json_object) and the
+guided_* fields it replaced, and
 tool_choice "required" or a named function (the reply is forced into Qwen's
 `<tool_call>{"name": ..., "arguments": ...}</tool_call>` form, arguments matching the tool's
 parameters schema). JSON schemas are closed as vLLM's default backend closes them
@@ -80,35 +81,72 @@ def _tool_grammar(tools: list[dict], many: bool) -> str:
 
 
 # structured_outputs' members (attribute -> its name on the wire); each is built as the guided_*
-# field it replaced (guided_json / guided_regex / guided_choice)
-_STRUCTURED = {"json_schema": "json", "regex": "regex", "choice": "choice"}
-# refused: what Glassbox cannot honour, and what to send instead
-_REFUSED = {
-    "grammar": "a GBNF grammar (xgrammar's syntax) is not supported; give json, regex or choice",
-    "structural_tag": "structural tags are not supported; give json, regex or choice",
-    "whitespace_pattern": "a custom whitespace pattern is not supported (JSON is generated "
-                          "compact); leave it out",
-}
+# field it replaced (guided_json / guided_regex / guided_choice / guided_grammar / structural_tag)
+_STRUCTURED = {"json_schema": "json", "regex": "regex", "choice": "choice", "grammar": "grammar",
+               "structural_tag": "structural_tag"}
+_GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structural_tag")
+# a grammar's text is converted (GBNF -> Lark) in Python before llguidance's limits apply
+MAX_GRAMMAR_CHARS = 100_000
 
 
 def check_structured_fields(req: SamplingRequest) -> None:
     """400 for the structured-output fields vLLM has and Glassbox does not honour: a request
     that asks for a grammar must never come back unconstrained."""
-    for name, old in (("grammar", "guided_grammar"), ("structural_tag", "structural_tag"),
-                      ("whitespace_pattern", "guided_whitespace_pattern")):
-        if getattr(req, old) is not None:
-            raise bad_request(f"{old}: {_REFUSED[name]}", old)
+    why = ("a custom whitespace pattern is not supported (JSON is generated compact); leave "
+           "it out")
+    if req.guided_whitespace_pattern is not None:
+        raise bad_request(f"guided_whitespace_pattern: {why}", "guided_whitespace_pattern")
     so = req.structured_outputs
-    if so is None:
-        return
-    for name in ("grammar", "structural_tag", "whitespace_pattern"):
-        if getattr(so, name) is not None:
-            raise bad_request(f"structured_outputs.{name}: {_REFUSED[name]}",
-                              f"structured_outputs.{name}")
-    if so.disable_additional_properties:
-        raise bad_request("structured_outputs.disable_additional_properties is not supported: "
-                          "set \"additionalProperties\": false in the schema itself",
-                          "structured_outputs.disable_additional_properties")
+    if so is not None and so.whitespace_pattern is not None:
+        raise bad_request(f"structured_outputs.whitespace_pattern: {why}",
+                          "structured_outputs.whitespace_pattern")
+    # (structured_outputs.disable_additional_properties: closes open objects, which every
+    # schema here is already (closed_schema): served, no effect)
+
+
+def grammar_text(text, kind: str) -> str:
+    """llguidance's grammar for a `grammar` field: Lark (llguidance's dialect, `start:`) or
+    GBNF / EBNF (llama.cpp's and xgrammar's, `root ::=`), told apart by their syntax as
+    vLLM's guidance backend does."""
+    from engine.guided import grammar_from_text
+    if not isinstance(text, str) or not text.strip():
+        raise bad_request(f"{kind} must be a non-empty grammar (Lark or GBNF)", kind)
+    if len(text) > MAX_GRAMMAR_CHARS:
+        raise bad_request(f"{kind} is {len(text):,} characters long; at most "
+                          f"{MAX_GRAMMAR_CHARS:,} are allowed", kind)
+    return grammar_from_text(text)
+
+
+def structural_tag_grammar(spec, kind: str) -> str:
+    """vLLM's structural tag (`{"type": "structural_tag", "structures": [{"begin", "schema",
+    "end"}], "triggers": [...]}`, as a JSON string or an object): the text is free until a
+    trigger; from there a structure's begin, JSON matching its schema (closed, as every schema
+    here), and its end."""
+    from engine.guided import struct_tag_grammar
+    if isinstance(spec, str):
+        if len(spec) > MAX_GRAMMAR_CHARS:
+            raise bad_request(f"{kind} is {len(spec):,} characters long; at most "
+                              f"{MAX_GRAMMAR_CHARS:,} are allowed", kind)
+        spec = json.loads(spec)
+    form = ('give {"type": "structural_tag", "structures": [{"begin": ..., "schema": {...}, '
+            '"end": ...}], "triggers": [...]}')
+    if not isinstance(spec, dict) or not isinstance(spec.get("structures"), list) or \
+            not spec["structures"] or not isinstance(spec.get("triggers"), list) or \
+            not all(isinstance(t, str) and t for t in spec["triggers"]):
+        raise bad_request(f"{kind} is not a structural tag with structures and triggers: "
+                          f"{form} (xgrammar's newer `format` form is not supported)", kind)
+    tags = []
+    for i, st in enumerate(spec["structures"]):
+        if not isinstance(st, dict) or not isinstance(st.get("begin"), str) or \
+                not isinstance(st.get("end"), str) or "schema" not in st:
+            raise bad_request(f"{kind}: structures[{i}] needs begin, schema and end: {form}",
+                              kind)
+        trigger = next((t for t in spec["triggers"] if st["begin"].startswith(t)), None)
+        if trigger is None:
+            raise bad_request(f"{kind}: structures[{i}]'s begin {st['begin']!r:.60} starts "
+                              f"with none of the triggers", kind)
+        tags.append((trigger, st["begin"], closed_schema(st["schema"]), st["end"]))
+    return struct_tag_grammar(tags)
 
 
 def grammar_of(req: SamplingRequest) -> tuple[str | None, str | None]:
@@ -118,11 +156,10 @@ def grammar_of(req: SamplingRequest) -> tuple[str | None, str | None]:
     chat = isinstance(req, ChatCompletionRequest)
     check_structured_fields(req)
     asked = []
-    extra = {"guided_json": req.guided_json, "guided_regex": req.guided_regex,
-             "guided_choice": req.guided_choice}
+    extra = {name: getattr(req, name) for name in _GUIDED}
     if chat and req.response_format and req.response_format.get("type", "text") != "text":
         asked.append("response_format")
-    for name in ("guided_json", "guided_regex", "guided_choice"):
+    for name in _GUIDED:
         if extra.get(name) is not None:
             asked.append(name)
     so = req.structured_outputs
@@ -159,8 +196,11 @@ def _build(req, kind: str, extra: dict) -> str:
                     raise bad_request("response_format.json_schema needs a 'schema'",
                                       "response_format")
                 return json_schema_grammar(_schema(closed_schema(spec["schema"])))
+            if fmt["type"] == "structural_tag":
+                return structural_tag_grammar(fmt, kind)
             raise bad_request(f"response_format type {fmt['type']!r} is not one of 'text', "
-                              "'json_object', 'json_schema'", "response_format")
+                              "'json_object', 'json_schema', 'structural_tag'",
+                              "response_format")
         if kind == "structured_outputs.json_object":
             return json_schema_grammar(_schema({"type": "object"}))
         if kind in ("guided_json", "structured_outputs.json"):
@@ -169,6 +209,10 @@ def _build(req, kind: str, extra: dict) -> str:
                                                              else g)))
         if kind in ("guided_regex", "structured_outputs.regex"):
             return regex_grammar(str(extra[kind]))
+        if kind in ("guided_grammar", "structured_outputs.grammar"):
+            return grammar_text(extra[kind], kind)
+        if kind in ("structural_tag", "structured_outputs.structural_tag"):
+            return structural_tag_grammar(extra[kind], kind)
         if kind in ("guided_choice", "structured_outputs.choice"):
             choices = [str(c) for c in extra[kind]]
             if not choices:

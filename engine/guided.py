@@ -202,6 +202,25 @@ def lark_grammar(lark: str) -> str:
     return _ll().LLMatcher.grammar_from_lark(lark)
 
 
+def grammar_from_text(text: str) -> str:
+    """llguidance's grammar for a grammar in Lark or in GBNF / EBNF (told apart by syntax; GBNF
+    is converted to Lark). ValueError for one that cannot be converted."""
+    return _ll().grammar_from("grammar", text)
+
+
+def struct_tag_grammar(tags: list[tuple[str, str, dict | str, str]]) -> str:
+    """llguidance's grammar for structural tags, each (trigger, begin, JSON schema or Lark,
+    end): free text, and after a trigger the tag's begin, body and end. Triggers are matched as
+    text (Qwen's <tool_call> is an ordinary added token, not a special one)."""
+    ll = _ll()
+    try:
+        return ll.StructTag.to_grammar(
+            [ll.StructTag(trigger=t, begin=b, grammar=g, end=e) for t, b, g, e in tags],
+            assume_special=False)
+    except AssertionError as e:
+        raise ValueError(f"bad structural tag: {e}") from None
+
+
 _POW2: dict = {}
 
 

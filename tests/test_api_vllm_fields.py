@@ -85,20 +85,23 @@ def test_the_same_reply_as_the_guided_field_it_replaced(served):
 @pytest.mark.parametrize("body, param", [
     ({"structured_outputs": {"regex": "a+", "choice": ["a"]}}, "structured_outputs.choice"),
     ({"structured_outputs": {"regex": "a+"}, "guided_choice": ["a"]}, "structured_outputs.regex"),
-    ({"structured_outputs": {"grammar": 'root ::= "a"'}}, "structured_outputs.grammar"),
+    ({"structured_outputs": {"grammar": 'root ::= ("a"'}}, "structured_outputs.grammar"),
+    ({"structured_outputs": {"grammar": "start: undefined_rule"}}, "structured_outputs.grammar"),
+    ({"structured_outputs": {"grammar": "x" * 100_001}}, "structured_outputs.grammar"),
     ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs.structural_tag"),
+    ({"structured_outputs": {"structural_tag": "not json"}},
+     "structured_outputs.structural_tag"),
     ({"structured_outputs": {"json": {"type": "object"}, "whitespace_pattern": " "}},
      "structured_outputs.whitespace_pattern"),
-    ({"structured_outputs": {"json": {"type": "object"}, "disable_additional_properties": True}},
-     "structured_outputs.disable_additional_properties"),
     ({"structured_outputs": {"choice": []}}, "structured_outputs.choice"),
     ({"structured_outputs": {"regex": "(["}}, "structured_outputs.regex"),
     ({"structured_outputs": {"json": {"type": "nonsense"}}}, "structured_outputs.json"),
-    ({"guided_grammar": 'root ::= "a"'}, "guided_grammar"),
+    ({"guided_grammar": "root ::= [a-"}, "guided_grammar"),
     ({"guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
-    ({"structural_tag": "{}"}, "structural_tag"),
+    ({"structural_tag": {"structures": [{"begin": "<x>", "schema": {}, "end": "</x>"}],
+                         "triggers": ["<y"]}}, "structural_tag"),
 ])
-def test_structured_outputs_it_cannot_honour_are_400s_naming_the_field(served, body, param):
+def test_structured_outputs_it_cannot_use_are_400s_naming_the_field(served, body, param):
     r = served.post("/v1/completions", {"prompt": "x", "max_tokens": 4, **body})
     status, got, msg = _err(r)
     assert (status, got) == (400, param), r.text
@@ -111,6 +114,66 @@ def test_neutral_structured_flags_are_served(served):
                                         "structured_outputs": {"choice": ["ab", "cd"],
                                                                "disable_fallback": True}})
     assert r.status_code == 200 and r.json()["choices"][0]["text"] in ("ab", "cd"), r.text
+    # closes open objects: every schema here is closed already
+    r = served.post("/v1/completions", {"prompt": "x", "max_tokens": 40, "seed": 0,
+                                        "structured_outputs": {
+                                            "json": {k: v for k, v in SCHEMA.items()
+                                                     if k != "additionalProperties"},
+                                            "disable_additional_properties": True}})
+    assert set(json.loads(r.json()["choices"][0]["text"])) == {"n", "w"}, r.text
+
+
+# one language, as GBNF (llama.cpp's / xgrammar's syntax) and as Lark (llguidance's)
+GBNF = 'root ::= answer " " digit\nanswer ::= "yes" | "no"\ndigit ::= [0-9]'
+LARK = 'start: answer " " DIGIT\nanswer: "yes" | "no"\nDIGIT: /[0-9]/'
+
+
+@pytest.mark.parametrize("field", ["structured_outputs", "guided_grammar"])
+@pytest.mark.parametrize("grammar", [GBNF, LARK], ids=["gbnf", "lark"])
+def test_a_grammar_constrains_the_reply(served, field, grammar):
+    for seed in range(3):
+        g = {"structured_outputs": {"grammar": grammar}} if field == "structured_outputs" \
+            else {"guided_grammar": grammar}
+        r = served.post("/v1/completions", {"prompt": "Is it? ", "max_tokens": 8, "seed": seed,
+                                            **g})
+        c = r.json()["choices"][0]
+        assert re.fullmatch(r"(yes|no) [0-9]", c["text"]) and c["finish_reason"] == "stop", r.text
+    r = served.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "ok?"}],
+                                             "max_tokens": 8, "seed": 1,
+                                             "structured_outputs": {"grammar": grammar}})
+    assert re.fullmatch(r"(yes|no) [0-9]", r.json()["choices"][0]["message"]["content"])
+
+
+TAG = {"type": "structural_tag", "triggers": ["the"],
+       "structures": [{"begin": "the ", "schema": {"type": "integer", "minimum": 0,
+                                                    "maximum": 9}, "end": "!"}]}
+
+
+@pytest.mark.parametrize("how", ["structural_tag", "structured_outputs", "response_format"])
+def test_a_structural_tag_leaves_text_free_and_constrains_what_follows_a_trigger(served, how):
+    """vLLM's structural tag: free text; after a trigger, the structure's begin, JSON that
+    matches its schema, its end. The trigger is a word the demo model writes often."""
+    prompt = "In the beginning, the"
+    msgs = [{"role": "user", "content": "Tell me about the world"}]
+    tagged = 0
+    for seed in range(4):
+        if how == "response_format":
+            body = {"messages": msgs, "response_format": TAG}
+        else:
+            body = {"prompt": prompt, **({"structural_tag": json.dumps(TAG)}
+                                         if how == "structural_tag" else
+                                         {"structured_outputs": {"structural_tag": TAG}})}
+        r = served.post("/v1/chat/completions" if how == "response_format" else
+                        "/v1/completions", {**body, "max_tokens": 40, "seed": seed})
+        c = r.json()["choices"][0]
+        text = c["message"]["content"] if how == "response_format" else c["text"]
+        if c["finish_reason"] == "length":      # the last tag may be cut short
+            text = re.sub(r"(t|th|the|the |the [0-9])$", "", text)
+        # every "the" begins a whole tag holding one digit
+        assert all(re.match(r"the [0-9]!", text[m.start():])
+                   for m in re.finditer("the", text)), text
+        tagged += len(re.findall("the [0-9]!", text))
+    assert tagged, "no reply wrote a tag: the test saw nothing constrained"
 
 
 # ---- fields held to their neutral value ----------------------------------------------------
