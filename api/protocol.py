@@ -136,18 +136,18 @@ class SamplingRequest(Lenient):
     guided_whitespace_pattern: str | None = None    # refused
     structural_tag: Any = None                      # vLLM's structures / triggers form
     guided_decoding_backend: str | None = None      # one backend (llguidance): no effect
-    # vLLM's other sampling / output fields: `truncate_prompt_tokens` is applied; the rest are
-    # refused unless they hold their neutral value (api.sampling: never silently ignored)
+    # vLLM's other sampling / output fields (engine.SamplingParams has their meaning)
     truncate_prompt_tokens: int | None = None       # keep the prompt's last k tokens (-1: max_model_len)
-    use_beam_search: bool = False
-    length_penalty: float | None = None
     include_stop_str_in_output: bool = False
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
-    logits_processors: list[Any] | None = None
-    return_tokens_as_token_ids: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    # refused unless they hold their neutral value (api.sampling: never silently ignored)
+    use_beam_search: bool = False
+    length_penalty: float | None = None
+    logits_processors: list[Any] | None = None
+    return_tokens_as_token_ids: bool = False
     priority: int = 0
 
 
@@ -165,7 +165,7 @@ class ChatCompletionRequest(SamplingRequest):
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
-    echo: bool = False              # vLLM's chat echo (the last message's text first): refused
+    echo: bool = False              # vLLM's chat echo: the last message's text first
     chat_template: str | None = None    # vLLM's per-request template: refused (the checkpoint's)
 
 

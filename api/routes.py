@@ -32,8 +32,8 @@ from .model_names import hub_names, listed_name, served_names as accepted_names
 from .ops import build_ops_routers
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .responses import Meta
-from .sampling import (chat_messages, completion_prompts, logprobs_of, probe_spec,
-                       refuse_unsupported, request_param, sampling_params)
+from .sampling import (chat_echo_text, chat_messages, completion_prompts, logprobs_of,
+                       probe_spec, refuse_unsupported, request_param, sampling_params)
 from .serving import (ChoiceSpec, ClientGone, collect, engine_error, reply_json, sse_events,
                       start)
 from .streaming import SSE_HEADERS
@@ -214,6 +214,7 @@ def build_router(engines, api_key: str | None = None, *, limits: Limits | None =
                               continuous_usage=continuous_usage,
                               want_prompt_logprobs=body.prompt_logprobs is not None,
                               return_token_ids=bool(body.return_token_ids),
+                              chat_echo=chat_echo_text(body) if chat else "",
                               parsing=parsing if parsing is not None and parsing.active else None)
             if watch is not None:       # only an accepted request's trace has an owner
                 owners[specs[0].request_id] = principal(request)

@@ -18,7 +18,9 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 # SamplingParams fields a request sets under the same name
 _SAME_NAME = frozenset({"temperature", "top_k", "top_p", "min_p", "seed", "min_tokens", "stop",
                         "stop_token_ids", "ignore_eos", "presence_penalty", "frequency_penalty",
-                        "repetition_penalty", "logit_bias", "prompt_logprobs"})
+                        "repetition_penalty", "logit_bias", "prompt_logprobs",
+                        "allowed_token_ids", "bad_words", "include_stop_str_in_output",
+                        "skip_special_tokens", "spaces_between_special_tokens"})
 
 
 def request_param(engine_param: str | None, chat: bool,
@@ -59,15 +61,9 @@ _NEUTRAL_ONLY = (
     ("use_beam_search", (False,), "there is no beam search; sample n choices instead"),
     ("length_penalty", (None, 1.0), "it applies to beam search, which Glassbox does "
                                     "not have"),
-    ("include_stop_str_in_output", (False,), "the stop string is always left out of the text "
-                                             "(stop_reason names it)"),
-    ("allowed_token_ids", (None, []), "use logit_bias or structured_outputs to restrict "
-                                      "the tokens"),
-    ("bad_words", (None, []), "use logit_bias (-100) on the words' tokens instead"),
-    ("logits_processors", (None, []), "there are no custom logits processors"),
+    ("logits_processors", (None, []), "there are no custom logits processors (arbitrary "
+                                      "code named by a request is never loaded)"),
     ("return_tokens_as_token_ids", (False,), "logprob tokens are always returned as text"),
-    ("skip_special_tokens", (True,), "special tokens are always left out of the text"),
-    ("spaces_between_special_tokens", (True,), "special tokens are always left out of the text"),
 )
 
 
@@ -99,9 +95,6 @@ def refuse_unsupported(req: SamplingRequest) -> None:
                               "assistant's (the text to continue)", "continue_final_message")
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
-        if req.echo:
-            raise bad_request("echo is not supported for chat (use /v1/completions with echo)",
-                              "echo")
         if req.chat_template is not None:
             raise bad_request(CHAT_TEMPLATE_REFUSED, "chat_template")
     else:
@@ -182,7 +175,11 @@ def sampling_params(req: SamplingRequest, max_model_len: int, prompt_len: int,
               presence_penalty=req.presence_penalty or 0.0,
               frequency_penalty=req.frequency_penalty or 0.0,
               repetition_penalty=pick("repetition_penalty", 1.0),
-              logit_bias=dict(req.logit_bias or {}), guided=guided)
+              logit_bias=dict(req.logit_bias or {}), guided=guided,
+              allowed_token_ids=req.allowed_token_ids, bad_words=tuple(req.bad_words or ()),
+              include_stop_str_in_output=req.include_stop_str_in_output,
+              skip_special_tokens=req.skip_special_tokens,
+              spaces_between_special_tokens=req.spaces_between_special_tokens)
     try:
         return SamplingParams(**kw)
     except InvalidArgumentError as e:       # names its field: the message is free to change
@@ -218,7 +215,7 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict]:
                                       "Glassbox serves text-only models; send text parts",
                                       f"messages[{i}].content[{j}]")
                 texts.append(part.text)
-            content = "".join(texts)
+            content = "\n".join(texts)        # vLLM joins text parts with newlines
         else:
             content = m.content or ""
         msg = {"role": "system" if m.role == "developer" else m.role, "content": content}
@@ -230,6 +227,21 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict]:
             msg["reasoning_content"] = m.model_extra["reasoning"]  # vLLM's newer name, sent back
         out.append(msg)
     return out
+
+
+def chat_echo_text(req: ChatCompletionRequest) -> str:
+    """vLLM's chat `echo`: the text put before every choice's content, the last message's when
+    its role is the reply's role (the assistant's, or with add_generation_prompt false the last
+    message's own: a continued message), else nothing."""
+    if not req.echo:
+        return ""
+    last = req.messages[-1]
+    role = "assistant" if req.add_generation_prompt else last.role
+    if last.role != role:
+        return ""
+    if isinstance(last.content, list):
+        return "\n".join(p.text or "" for p in last.content)
+    return last.content or ""
 
 
 _MESSAGE_EXTRAS = ("tool_calls", "tool_call_id", "name", "reasoning_content")

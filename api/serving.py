@@ -89,7 +89,7 @@ def stop_reason_of(reply: Reply, params, tokenizer) -> int | str | None:
         return last
     if not params.stop or tokenizer is None:
         return None
-    full = tokenizer.decode(reply.token_ids, skip_special_tokens=True)
+    full = tokenizer.decode(reply.token_ids, skip_special_tokens=params.skip_special_tokens)
     hits = [(i, k) for k, s in enumerate(params.stop)
             if (i := full.find(s, max(0, len(reply.text) - len(s)))) >= 0]
     return params.stop[min(hits)[1]] if hits else None
@@ -109,6 +109,7 @@ class Job:
     parsing: object = None      # chat_template.ReplyParsing: reasoning / tool-call split, or None
     return_token_ids: bool = False  # vLLM's: prompt_token_ids and token_ids beside the text
     continuous_usage: bool = False  # vLLM's continuous_usage_stats: usage on every chunk
+    chat_echo: str = ""         # vLLM's chat echo: the last message's text before each reply
     choices: list[Choice] = field(default_factory=list)
 
     def token_ids(self, ch: Choice) -> list[int]:
@@ -164,6 +165,9 @@ class Job:
                     msg["tool_calls"] = calls
                 if calls and r.finish_reason == "stop":
                     out["finish_reason"] = "tool_calls"
+            if self.chat_echo:
+                msg = out["message"]
+                msg["content"] = self.chat_echo + (msg["content"] or "")
             if self.return_token_ids:       # chat's prompt_token_ids are on the response
                 out["token_ids"] = self.token_ids(ch)
             return out
@@ -320,6 +324,10 @@ async def sse_events(job: Job):
                 if ids_due is not None:     # chat: the prompt's ids on the first chunk
                     c["prompt_token_ids"] = list(ch.spec.prompt)
                 first.append(sse(extras(ch, c, ids=False)))
+            if job.chat_echo:               # vLLM: the echoed text next, one chunk per choice
+                first += [sse(extras(ch, chat_chunk(meta, {"content": job.chat_echo},
+                                                    with_usage=with_usage, index=ch.spec.index),
+                                     ids=False)) for ch in job.choices]
             yield b"".join(first)
         async for ch, items in merged(job):
             out, reply, spec = [], ch.reply, ch.spec

@@ -1,15 +1,21 @@
 """Incremental detokenization and stop strings. Text is emitted only once it is final: a
 trailing piece that could still start a stop string is held back, so stop strings never
-reach the user, not even for one event."""
+reach the user, not even for one event (unless the request asks for them: vLLM's
+include_stop_str_in_output ends the text with the stop string)."""
 from __future__ import annotations
 
 from .stop_strings import StopMatcher
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, stop: tuple[str, ...]):
+    def __init__(self, tokenizer, stop: tuple[str, ...], include_stop: bool = False,
+                 skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True):
         self.tokenizer = tokenizer
         self.stop = stop
+        self.include_stop = include_stop    # vLLM's include_stop_str_in_output
+        self._decode_kw = {"skip_special_tokens": skip_special_tokens}
+        if not spaces_between_special_tokens:   # (a slow tokenizer's option; fast ones ignore it)
+            self._decode_kw["spaces_between_special_tokens"] = False
         self.prefix_offset = 0
         self.read_offset = 0
         self.text = ""          # decoded output so far (before stop truncation)
@@ -19,7 +25,7 @@ class IncrementalDetokenizer:
         self.matcher = StopMatcher(stop) if stop else None
 
     def _decode(self, ids) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return self.tokenizer.decode(ids, **self._decode_kw)
 
     def add(self, token_ids: list[int], start: int = 0, end: int | None = None) -> None:
         """Decode what the output (token_ids[start:end]) gained since the last call, reading
@@ -36,7 +42,7 @@ class IncrementalDetokenizer:
         if self.matcher is not None:
             hit = self.matcher.feed(self.text)
             if hit is not None:
-                self.text = self.text[:hit]
+                self.text = self.text[:self.matcher.end if self.include_stop else hit]
                 self.stopped = True
 
     def flush_final(self, output_ids: list[int]) -> None:

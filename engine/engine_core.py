@@ -67,6 +67,18 @@ class InFlight:
     t_prepare: float
 
 
+def _allowed(seq):
+    """The request's allowed_token_ids bitmask, or None."""
+    f = seq.token_filter
+    return f.allowed if f is not None else None
+
+
+def _needs_history(seq) -> bool:
+    """A multi-token bad word: the next step's bans need the request's newest token."""
+    f = seq.token_filter
+    return f is not None and f.bad_words is not None and f.bad_words.needs_history
+
+
 class EngineCore:
     def __init__(self, runner, scheduler: Scheduler, block_manager: BlockManager, tokenizer,
                  eos_token_ids, steps: StepHistory, *, probes=None, interventions=None,
@@ -92,7 +104,11 @@ class EngineCore:
     # ---- requests ----------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         if self.tokenizer is not None:      # token-id-only engines (benchmarks) skip all text work
-            self.detok[seq.request_id] = IncrementalDetokenizer(self.tokenizer, seq.params.stop)
+            p = seq.params
+            self.detok[seq.request_id] = IncrementalDetokenizer(
+                self.tokenizer, p.stop, include_stop=p.include_stop_str_in_output,
+                skip_special_tokens=p.skip_special_tokens,
+                spaces_between_special_tokens=p.spaces_between_special_tokens)
         if self.interventions is not None:
             self.interventions.add(seq)
         self.scheduler.add(seq)
@@ -120,8 +136,12 @@ class EngineCore:
             if not d.stopped:
                 out_ids = seq.output_token_ids
                 if seq.finish_reason == "stop" and out_ids and \
-                        out_ids[-1] in seq.params.stop_token_ids:
-                    out_ids = out_ids[:-1]      # vLLM: a stop token's text is not in the reply
+                        not seq.params.include_stop_str_in_output and \
+                        (out_ids[-1] in seq.params.stop_token_ids
+                         or out_ids[-1] in self.eos_token_ids):
+                    # vLLM: the text of the stop token (or EOS) that ended it is not in the
+                    # reply, unless include_stop_str_in_output
+                    out_ids = out_ids[:-1]
                 d.flush_final(out_ids)
             delta = d.take(final=True)
             seq.output_text = d.text
@@ -140,11 +160,12 @@ class EngineCore:
         lock held: it takes the lock for the parts that change engine state."""
         res = StepResult()
         t0 = time.perf_counter()
-        if self.overlap and self.inflight is not None and not self.runner.fills_masks_late and any(
-                s.seq.grammar is not None for s in self.inflight.scheduled):
+        if self.overlap and self.inflight is not None and any(
+                (s.seq.grammar is not None and not self.runner.fills_masks_late)
+                or _needs_history(s.seq) for s in self.inflight.scheduled):
             # a guided request's next mask needs the token in flight, and this runner cannot
-            # take the mask after the forward's launch (TP: the inputs cross processes first):
-            # no overlap this step
+            # take the mask after the forward's launch (TP: the inputs cross processes first);
+            # a multi-token bad word is banned by the newest tokens: no overlap this step
             res.extend(self.drain())
         with self.lock:
             launch = self._prepare(t0)
@@ -198,7 +219,8 @@ class EngineCore:
             if any(s.seq.params.uses_penalties for s in sampling):
                 batch.penalties = self.penalty_slots.batch([s.seq for s in sampling],
                                                            prev_step_id)
-            if any(s.seq.grammar is not None for s in sampling):
+            if any(s.seq.grammar is not None or _allowed(s.seq) is not None
+                   for s in sampling):
                 self._grammar_mask(batch, sampling, prev_step_id)
         inp = build_step_inputs(step_id, scheduled, self.bm.block_size, batch, plan,
                                 prev_step_id)
@@ -210,14 +232,15 @@ class EngineCore:
         """The guided rows' bitmask now, or (a row's newest token still in flight) a LateMask
         the runner fills once it has launched the forward."""
         grammars = [s.seq.grammar for s in sampling]
+        allowed = [_allowed(s.seq) for s in sampling]     # allowed_token_ids: static rows
         advance = [(s.seq.grammar, pos - s.seq.num_prompt_tokens,
                     s.seq.pending_src(pos, prev_step_id))
                    for s in sampling if s.seq.grammar is not None for pos in s.seq.pending]
         if not advance:
-            batch.grammar_mask = self.masks.fill(grammars)
+            batch.grammar_mask = self.masks.fill(grammars, allowed)
             return
         batch.grammar_mask_fn = LateMask(self.masks, self.inflight.out,
-                                         self.runner.check_workers, grammars, advance)
+                                         self.runner.check_workers, grammars, advance, allowed)
 
     def _launch(self, scheduled, inp: StepInputs, t0, t_sched, t_prep,
                 res: StepResult) -> InFlight | None:
@@ -291,6 +314,9 @@ class EngineCore:
                     s.seq.banned_ids = tuple(s.seq.stop_token_set | (
                         set() if p.ignore_eos else self.eos_token_ids))
                 out.extend((row, t) for t in s.seq.banned_ids)
+            f = s.seq.token_filter
+            if f is not None and f.bad_words is not None:     # every output token is resolved
+                out.extend((row, t) for t in f.bad_words.banned(s.seq.output_token_ids))
         return out
 
     def _postprocess(self, f: InFlight, res: StepResult):

@@ -21,11 +21,15 @@ class GrammarMasks:
         self._pinned: list[torch.Tensor | None] = [None, None]
         self._turn = 0
 
-    def fill(self, grammars: list) -> np.ndarray:
+    def fill(self, grammars: list, allowed: list | None = None) -> np.ndarray:
         """[rows, ceil(V/32)] int32 (a view of a buffer reused two steps later): bit t of row
-        r set = token t allowed; rows whose grammar is None allow everything."""
-        vocab = next(g.vocab_size for g in grammars if g is not None)
-        rows, words = len(grammars), (vocab + 31) // 32
+        r set = token t allowed; rows whose grammar is None allow everything. `allowed`: per
+        row None or a static bitmask (allowed_token_ids, engine/token_filters.py) ANDed in."""
+        allowed = allowed or [None] * len(grammars)
+        words = next((g.vocab_size + 31) // 32 for g in grammars if g is not None) \
+            if any(g is not None for g in grammars) else \
+            next(len(a) for a in allowed if a is not None)
+        rows = len(grammars)
         # two buffers, alternating: a step's mask is read by its copy to the device, which has
         # happened before the step after next fills the same buffer (that one waits on it)
         self._turn ^= 1
@@ -35,11 +39,15 @@ class GrammarMasks:
                             dtype=torch.int32, pin_memory=self.pin)
             self._pinned[self._turn] = t        # keeps the pinned memory alive
             buf = self._bufs[self._turn] = t.numpy().view(np.uint32)
-        for r, g in enumerate(grammars):
-            if g is None:
-                buf[r].fill(0xFFFFFFFF)
-            else:
+        for r, (g, a) in enumerate(zip(grammars, allowed)):
+            if g is not None:
                 g.fill(buf[r])
+                if a is not None:
+                    np.bitwise_and(buf[r], a, out=buf[r])
+            elif a is not None:
+                buf[r] = a
+            else:
+                buf[r].fill(0xFFFFFFFF)
         return buf[:rows].view(np.int32)
 
 
@@ -48,9 +56,9 @@ class LateMask:
     it has launched the forward; it blocks until that previous step is done)."""
 
     def __init__(self, masks: GrammarMasks, prev_out, poll, grammars: list,
-                 advance: list[tuple[object, int, int]]):
+                 advance: list[tuple[object, int, int]], allowed: list | None = None):
         self.masks, self.prev_out, self.poll = masks, prev_out, poll
-        self.grammars = grammars
+        self.grammars, self.allowed = grammars, allowed
         self.advance = advance      # (grammar, output index, row in the previous step's sample)
 
     def __call__(self) -> np.ndarray:
@@ -61,4 +69,4 @@ class LateMask:
                 g.consume_at(index, int(toks[row]))
             except ValueError:      # refused: postprocess consumes again and fails the request
                 pass
-        return self.masks.fill(self.grammars)
+        return self.masks.fill(self.grammars, self.allowed)

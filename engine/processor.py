@@ -49,6 +49,7 @@ class EngineRequest:
     grammar: object | None = None       # guided.Grammar: this request's own matcher
     group: str | None = None            # the API request whose choice this is (n x prompts > 1)
     priority: int = 0                   # vLLM's: lower is scheduled first
+    token_filter: object | None = None  # token_filters.TokenFilter: allowed ids, bad words
 
 
 
@@ -216,9 +217,11 @@ class Processor:
             from .guided import make_matcher
             grammar = make_matcher(self.tokenizer, lim.vocab_size, self.eos_token_ids,
                                    params.guided)
+        from .token_filters import token_filter
+        filt = token_filter(params, self.tokenizer, lim.vocab_size)
         return EngineRequest(request_id or self.new_request_id(), p, params, self._seed(params),
                              watch, ivs, chain_root(interventions_salt(ivs), salt), grammar,
-                             group, int(priority))
+                             group, int(priority), filt)
 
     def _seed(self, params: SamplingParams) -> int:
         return params.seed if params.seed is not None else self._rng.getrandbits(62)

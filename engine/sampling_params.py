@@ -1,6 +1,7 @@
 """SamplingParams: one request's sampling settings as the user gives them (greedy, temperature,
 top-k, top-p, min-p, seed, stop conditions, logprobs, prompt logprobs, penalties, logit bias, a
-guided-decoding grammar), validated at construction.
+guided-decoding grammar, vLLM's allowed_token_ids / bad_words and output-text options),
+validated at construction.
 
 Apart from the device sampler (engine/sampling.py), which turns a batch of these into tensors:
 what a caller writes needs no torch, and the sampler, its fused kernel and the noise they share
@@ -19,6 +20,9 @@ from .errors import InvalidArgumentError
 SEED_RANGE = (-(1 << 63), 1 << 63)     # the noise hash takes any int64 seed
 MAX_TOP_K = 1 << 31                      # above any vocabulary; top_k >= vocab keeps every token
 MAX_LOGPROBS = 20
+# bad_words are checked against the output at every step of the request: bounded like stop strings
+MAX_BAD_WORDS = 1024
+MAX_BAD_WORD_CHARS = 256
 
 
 def _is_int(v) -> bool:
@@ -68,6 +72,12 @@ class SamplingParams:
     repetition_penalty: float = 1.0     # HF's / vLLM's, > 0 (1 = off)
     logit_bias: tuple[tuple[int, float], ...] | dict = ()   # token id -> bias in [-100, 100]
     guided: str | dict | None = None    # a grammar the output must match (engine/guided.py)
+    # vLLM's output and masking fields (engine/token_filters.py, engine/detokenizer.py)
+    allowed_token_ids: tuple[int, ...] | list[int] | None = None    # only these are sampled
+    bad_words: tuple[str, ...] | list[str] = ()     # words whose tokens are never completed
+    include_stop_str_in_output: bool = False    # the stop string (or stop token) ends the text
+    skip_special_tokens: bool = True            # special tokens left out of the text
+    spaces_between_special_tokens: bool = True  # a slow tokenizer's spacing (fast ones: none)
 
     def __post_init__(self):
         put = functools.partial(object.__setattr__, self)     # the dataclass is frozen
@@ -126,6 +136,33 @@ class SamplingParams:
         if self.guided is not None:
             from .guided import grammar_of
             put("guided", grammar_of(self.guided))
+        for name in ("include_stop_str_in_output", "skip_special_tokens",
+                     "spaces_between_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidArgumentError(f"{name} must be True or False, got "
+                                           f"{getattr(self, name)!r}", name)
+        allowed = self.allowed_token_ids
+        if allowed is not None:
+            if not isinstance(allowed, (list, tuple)) or not all(_is_int(i) and i >= 0
+                                                                 for i in allowed):
+                raise InvalidArgumentError(f"allowed_token_ids must be a list of token ids "
+                                           f"(integers >= 0), got {allowed!r:.80}",
+                                           "allowed_token_ids")
+            if not allowed:
+                raise InvalidArgumentError("allowed_token_ids is empty: no token could be "
+                                           "sampled; give at least one id, or leave it out",
+                                           "allowed_token_ids")
+            put("allowed_token_ids", tuple(sorted({int(i) for i in allowed})))
+        words = self.bad_words
+        if isinstance(words, str) or not isinstance(words, (list, tuple)) or \
+                not all(isinstance(w, str) and w.strip() for w in words):
+            raise InvalidArgumentError(f"bad_words must be a list of non-empty strings, got "
+                                       f"{words!r:.80}", "bad_words")
+        if len(words) > MAX_BAD_WORDS or any(len(w) > MAX_BAD_WORD_CHARS for w in words):
+            raise InvalidArgumentError(f"bad_words holds at most {MAX_BAD_WORDS} words of at "
+                                       f"most {MAX_BAD_WORD_CHARS} characters each",
+                                       "bad_words")
+        put("bad_words", tuple(words))
         if not isinstance(self.ignore_eos, bool):
             raise InvalidArgumentError(f"ignore_eos must be True or False, got {self.ignore_eos!r}",
                                        "ignore_eos")
@@ -167,6 +204,10 @@ class SamplingParams:
             parts.append(f"min {self.min_tokens}")
         if self.guided is not None:
             parts.append("guided")
+        if self.allowed_token_ids is not None:
+            parts.append(f"allowed {len(self.allowed_token_ids)} tok")
+        if self.bad_words:
+            parts.append(f"bad_words {len(self.bad_words)}")
         return " · ".join(parts)
 
     @property
@@ -182,6 +223,11 @@ class SamplingParams:
             raise InvalidArgumentError(f"logit_bias token ids {bad_bias[:5]} are outside the "
                                        f"vocabulary [0, {vocab_size}); give token ids of this "
                                        "model", "logit_bias")
+        bad = [i for i in self.allowed_token_ids or () if i >= vocab_size]
+        if bad:
+            raise InvalidArgumentError(f"allowed_token_ids {bad[:5]} are outside the vocabulary "
+                                       f"[0, {vocab_size}); give token ids of this model",
+                                       "allowed_token_ids")
         bad = [i for i in self.stop_token_ids if i >= vocab_size]
         if bad:
             raise InvalidArgumentError(f"stop_token_ids {bad[:5]} are outside the vocabulary "

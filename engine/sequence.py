@@ -60,6 +60,7 @@ class Sequence:
         self.finish_reason: str | None = None
         self.logprobs: list[TokenLogprobs] = []
         self.grammar = None         # guided decoding: the request's llguidance matcher
+        self.token_filter = None    # token_filters.TokenFilter: allowed ids, bad words
         self.num_masked_steps = 0   # steps whose token the grammar constrained
         self.annotation = ""        # a short note from the API for the playground (LLM.annotate)
         self.resid_capture = None   # steering vectors: the prompt's summed resid_post, fp64
@@ -80,6 +81,7 @@ class Sequence:
         seq.interventions, seq.cache_salt, seq.grammar = (req.interventions, req.cache_root,
                                                           req.grammar)
         seq.group, seq.priority = req.group, req.priority
+        seq.token_filter = req.token_filter
         return seq
 
     def __len__(self) -> int:

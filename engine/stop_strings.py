@@ -73,12 +73,13 @@ def compile_stops(stops: tuple[str, ...]) -> StopAutomaton:
 class StopMatcher:
     """One request's scan position in its automaton."""
 
-    __slots__ = ("auto", "node", "scanned")
+    __slots__ = ("auto", "node", "scanned", "end")
 
     def __init__(self, stops: tuple[str, ...]):
         self.auto = compile_stops(tuple(stops))
         self.node = 0
         self.scanned = 0        # characters of the text fed so far
+        self.end: int | None = None     # where the stop string found ends (after feed hit)
 
     def feed(self, text: str) -> int | None:
         """Scan text[scanned:]; the index where the first stop string found starts, or None."""
@@ -87,7 +88,7 @@ class StopMatcher:
         for i in range(self.scanned, len(text)):
             node = auto.step(node, text[i])
             if match[node]:
-                self.node, self.scanned = node, i + 1
+                self.node, self.scanned, self.end = node, i + 1, i + 1
                 return i + 1 - match[node]
         self.node, self.scanned = node, len(text)
         return None

@@ -1,7 +1,10 @@
 """What current vLLM clients send beyond OpenAI's fields: `structured_outputs` (vLLM 0.12
-replaced guided_* with it), `truncate_prompt_tokens`, and the sampling/output fields Glassbox
-does not honour — each served at its neutral value and a 400 naming it otherwise, never a
-reply that silently ignored it. On the demo checkpoint."""
+replaced guided_* with it; grammars and structural tags included), `truncate_prompt_tokens`,
+vLLM's sampling / output fields (allowed_token_ids, bad_words, include_stop_str_in_output,
+skip_special_tokens, spaces_between_special_tokens, chat echo), each tested against the
+behaviour vLLM documents, and the few Glassbox does not honour (beam search, custom logits
+processors, ...) — served at their neutral value and a 400 naming them otherwise, never a reply
+that silently ignored them. On the demo checkpoint."""
 from __future__ import annotations
 
 import json
@@ -178,10 +181,8 @@ def test_a_structural_tag_leaves_text_free_and_constrains_what_follows_a_trigger
 
 # ---- fields held to their neutral value ----------------------------------------------------
 NEUTRAL = [("use_beam_search", False, True), ("length_penalty", 1.0, 0.5),
-           ("include_stop_str_in_output", False, True), ("allowed_token_ids", [], [1, 2]),
-           ("bad_words", [], ["the"]), ("logits_processors", [], ["my.module:proc"]),
-           ("return_tokens_as_token_ids", False, True), ("skip_special_tokens", True, False),
-           ("spaces_between_special_tokens", True, False)]
+           ("logits_processors", [], ["my.module:proc"]),
+           ("return_tokens_as_token_ids", False, True)]
 
 
 @pytest.mark.parametrize("name, neutral, other", NEUTRAL, ids=[n for n, _, _ in NEUTRAL])
@@ -201,12 +202,187 @@ def test_vllm_fields_serve_at_their_neutral_value_and_refuse_any_other(served, r
     assert "not supported" in msg
 
 
-def test_chat_echo_is_refused_and_completions_echo_still_works(served):
-    r = served.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
-                                             "echo": True, "max_tokens": 2})
-    assert _err(r)[:2] == (400, "echo"), r.text
+# ---- vLLM's sampling / output fields, honoured -----------------------------------------------
+HONOURED_DEFAULTS = [("include_stop_str_in_output", False), ("skip_special_tokens", True),
+                     ("spaces_between_special_tokens", True), ("bad_words", []),
+                     ("allowed_token_ids", None)]
+
+
+@pytest.mark.parametrize("name, default", HONOURED_DEFAULTS, ids=[n for n, _ in HONOURED_DEFAULTS])
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_honoured_fields_at_their_default_give_the_same_reply(served, route, name, default):
+    base = {"max_tokens": 6, "temperature": 0}
+    base.update({"prompt": "Hello"} if route == "/v1/completions"
+                else {"messages": [{"role": "user", "content": "Hello"}]})
+    assert served.post(route, {**base, name: default}).json()["choices"] == \
+        served.post(route, base).json()["choices"]
+
+
+def _ids(r) -> list[int]:
+    return r.json()["choices"][0]["token_ids"]
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_allowed_token_ids_every_generated_id_is_in_the_set(served, route):
+    allowed = [5, 77, 300, 1024, 2048]
+    base = {"prompt": "Once upon a time"} if route == "/v1/completions" else \
+        {"messages": [{"role": "user", "content": "Once upon a time"}]}
+    for seed in range(3):
+        r = served.post(route, {**base, "max_tokens": 12, "seed": seed, "ignore_eos": True,
+                                "allowed_token_ids": allowed, "return_token_ids": True})
+        ids = _ids(r)
+        assert len(ids) == 12 and set(ids) <= set(allowed), r.text
+    # with a grammar too: both masks hold (the grammar's tokens that are also allowed)
+    r = served.post(route, {**base, "max_tokens": 8, "seed": 1, "return_token_ids": True,
+                            "structured_outputs": {"regex": "[a-z]+"},
+                            "allowed_token_ids": [served.llm.encode("a")[0],
+                                                  served.llm.encode("b")[0]]})
+    assert set(_ids(r)) <= {served.llm.encode("a")[0], served.llm.encode("b")[0]} | \
+        set(served.llm.eos_token_ids), r.text
+
+
+@pytest.mark.parametrize("bad", [[], [-1], [10**6], "x"])
+def test_a_bad_allowed_token_ids_is_a_400(served, bad):
+    r = served.post("/v1/completions", {"prompt": "x", "max_tokens": 2,
+                                        "allowed_token_ids": bad})
+    assert _err(r)[:2] == (400, "allowed_token_ids"), r.text
+
+
+@pytest.mark.parametrize("bad", [["ok"] * 1025, ["x" * 257], [""], "word"])
+def test_bad_words_beyond_the_caps_or_malformed_are_a_400(served, bad):
+    """Each step of the request checks its bad words: their number and length are bounded."""
+    r = served.post("/v1/completions", {"prompt": "x", "max_tokens": 2, "bad_words": bad})
+    assert _err(r)[:2] == (400, "bad_words"), r.text
+
+
+def _contains(seq: list[int], sub: tuple[int, ...]) -> bool:
+    return any(tuple(seq[i:i + len(sub)]) == sub for i in range(len(seq) - len(sub) + 1))
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_bad_words_never_appear_in_the_reply(served, route):
+    """vLLM's bad_words: each word's token sequence (bare and after a space) is never
+    completed. The words are taken from the greedy reply itself, one of them several tokens."""
+    from engine.token_filters import bad_word_sequences
+    llm = served.llm
+    base = {"prompt": "Once upon a time"} if route == "/v1/completions" else \
+        {"messages": [{"role": "user", "content": "Once upon a time"}]}
+    base.update(max_tokens=30, temperature=0, return_token_ids=True)
+    plain = served.post(route, base)
+    text = plain.json()["choices"][0].get("text") or \
+        plain.json()["choices"][0]["message"]["content"]
+    words = sorted({w.strip(".,!?\n") for w in text.split()} - {""}, key=len)
+    many = next(w for w in reversed(words) if len(llm.encode(" " + w)) > 1)   # multi-token
+    chosen = [words[-1], many, words[0]]
+    seqs = bad_word_sequences(llm.tokenizer, chosen)
+    assert any(_contains(_ids(plain), s) for s in seqs)       # the plain reply has them
+    r = served.post(route, {**base, "bad_words": chosen})
+    assert r.status_code == 200, r.text
+    assert not any(_contains(_ids(r), s) for s in seqs), (chosen, r.text)
+    assert _ids(r) != _ids(plain)
+
+
+def test_bad_words_with_overlap_scheduling_match_serial_steps():
+    """Under overlap scheduling the newest token is still on the device when the next step is
+    prepared: a multi-token bad word's ban needs it, so the result equals the serial one and
+    never holds the word."""
+    from engine import LLM, SamplingParams
+    from engine.token_filters import bad_word_sequences
+    from api_served import DEMO
+    outs, prompts = {}, ["Once upon a time", "The list:"]
+    for overlap in (False, True):
+        with LLM(DEMO, device="cpu", dtype="float32", num_kv_blocks=64,
+                 async_scheduling=overlap) as llm:
+            words = []
+            for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=30)):
+                words += [w for w in o.text.split() if len(llm.encode(" " + w)) > 1][:3]
+            seqs = [s for s in bad_word_sequences(llm.tokenizer, words) if len(s) > 1]
+            got = [o.token_ids for o in llm.generate(
+                prompts, SamplingParams(temperature=0, max_tokens=30, bad_words=words))]
+            assert not any(_contains(ids, s) for ids in got for s in seqs), (overlap, words)
+            outs[overlap] = got
+    assert outs[True] == outs[False]
+
+
+def test_include_stop_str_in_output_ends_the_text_with_the_stop_string(served):
+    llm = served.llm
+    prompt = "Once upon a time"
+    ref = _greedy(llm, prompt, 30).text
+    stop = ref[10:14]
+    base = {"prompt": prompt, "max_tokens": 30, "temperature": 0, "stop": [stop]}
+    without = served.post("/v1/completions", base).json()["choices"][0]
+    with_ = served.post("/v1/completions", {**base, "include_stop_str_in_output": True}
+                        ).json()["choices"][0]
+    assert with_["text"] == without["text"] + stop and with_["text"].endswith(stop)
+    assert with_["finish_reason"] == "stop" and with_["stop_reason"] == stop
+    chunks = _stream(served, "/v1/completions", {**base, "include_stop_str_in_output": True})
+    assert "".join(ch["choices"][0]["text"] for ch in chunks) == with_["text"]
+    # a stop token id: its text ends the reply too
+    ids = llm.encode(prompt)
+    tok = _greedy(llm, ids, 6).token_ids[3]
+    body = {"prompt": prompt, "max_tokens": 10, "temperature": 0, "stop_token_ids": [tok]}
+    a = served.post("/v1/completions", body).json()["choices"][0]
+    b = served.post("/v1/completions", {**body, "include_stop_str_in_output": True}
+                    ).json()["choices"][0]
+    assert b["text"] == a["text"] + llm.tokenizer.decode([tok]) and b["stop_reason"] == tok
+
+
+def test_skip_special_tokens_false_keeps_special_tokens_in_the_text(served):
+    tok = served.llm.tokenizer
+    special = tok.convert_tokens_to_ids("<|im_start|>")      # special, not an end of sequence
+    assert special not in served.llm.eos_token_ids
+    body = {"prompt": "hi", "max_tokens": 3, "allowed_token_ids": [special]}
+    r = served.post("/v1/completions", body).json()["choices"][0]
+    assert r["text"] == ""                                   # vLLM's default: skipped
+    for spaces in (True, False):
+        r = served.post("/v1/completions", {**body, "skip_special_tokens": False,
+                                            "spaces_between_special_tokens": spaces})
+        want = tok.decode([special] * 3, skip_special_tokens=False,
+                          spaces_between_special_tokens=spaces)
+        assert r.json()["choices"][0]["text"] == want == "<|im_start|>" * 3, r.text
+    # an end-of-sequence token that ends the reply is not in the text (vLLM's rule)
+    eos = sorted(served.llm.eos_token_ids)[0]
+    r = served.post("/v1/completions", {"prompt": "hi", "max_tokens": 3,
+                                        "allowed_token_ids": [eos],
+                                        "skip_special_tokens": False}).json()["choices"][0]
+    assert r["text"] == "" and r["finish_reason"] == "stop"
+
+
+# ---- chat echo and content parts -------------------------------------------------------------
+def test_chat_echo_puts_the_last_message_first_when_it_is_the_replys_role(served):
+    """vLLM: with echo, the last message's content is prepended when its role is the reply's
+    (the assistant's; with add_generation_prompt false, the last message's own)."""
+    llm = served.llm
+    msgs = [{"role": "user", "content": "Tell me a story"},
+            {"role": "assistant", "content": "Once upon"}]
+    body = {"messages": msgs, "max_tokens": 6, "temperature": 0, "echo": True,
+            "add_generation_prompt": False, "continue_final_message": True}
+    plain = served.post("/v1/chat/completions", {**body, "echo": False}).json()
+    r = served.post("/v1/chat/completions", body)
+    assert r.status_code == 200, r.text
+    content = r.json()["choices"][0]["message"]["content"]
+    assert content == "Once upon" + plain["choices"][0]["message"]["content"]
+    chunks = _stream(served, "/v1/chat/completions", body)
+    streamed = "".join((c["choices"][0]["delta"].get("content") or "") for c in chunks
+                       if c["choices"])
+    assert streamed == content
+    # the last message is the user's and the reply the assistant's: nothing to echo
+    ask = {"messages": msgs[:1], "max_tokens": 4, "temperature": 0}
+    assert served.post("/v1/chat/completions", {**ask, "echo": True}).json()["choices"] == \
+        served.post("/v1/chat/completions", ask).json()["choices"]
     r = served.post("/v1/completions", {"prompt": "hi there", "echo": True, "max_tokens": 2})
     assert r.status_code == 200 and r.json()["choices"][0]["text"].startswith("hi there")
+    assert llm is served.llm
+
+
+def test_text_content_parts_are_joined_with_newlines(served):
+    parts = [{"type": "text", "text": "first line"}, {"type": "text", "text": "second"}]
+    a = served.post("/v1/chat/completions", {"messages": [{"role": "user", "content": parts}],
+                                             "max_tokens": 1, "return_token_ids": True}).json()
+    b = served.post("/v1/chat/completions", {"messages": [{"role": "user",
+                                                           "content": "first line\nsecond"}],
+                                             "max_tokens": 1, "return_token_ids": True}).json()
+    assert a["prompt_token_ids"] == b["prompt_token_ids"]
 
 
 # ---- truncate_prompt_tokens ------------------------------------------------------------------
