@@ -18,6 +18,15 @@ TokenEvent (`LLM.finish_listeners`), so the playground's chat counts as well as 
 | vllm:e2e_request_latency_seconds | arrival -> finish |
 | vllm:time_per_output_token_seconds | per request: decode time / (tokens - 1) (vLLM v0 observes each gap) |
 | vllm:request_prompt_tokens, vllm:request_generation_tokens | per-request histograms |
+| vllm:request_queue_time_seconds | arrival -> first scheduled |
+| vllm:request_prefill_time_seconds | first scheduled -> first token |
+| vllm:request_decode_time_seconds | first token -> last token |
+| vllm:request_inference_time_seconds | first scheduled -> last token |
+| vllm:inter_token_latency_seconds | each gap between a request's consecutive tokens |
+| vllm:iteration_tokens_total | tokens (prefill + decode) of each engine step (`LLM.step_listeners`) |
+
+Buckets are vLLM's (its eager-mode list for the iteration tokens, whose last bound vLLM writes
+8096; 8192 here).
 """
 from __future__ import annotations
 
@@ -33,6 +42,11 @@ _LATENCY = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.
 _TPOT = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
          5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 _TOKENS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+_ITL = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+        20.0, 40.0, 80.0)
+_PHASE = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+          120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+_STEP_TOKENS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 
 class EngineMetrics:
@@ -54,6 +68,24 @@ class EngineMetrics:
         self.req_gen = Histogram("vllm:request_generation_tokens",
                                  "Generated tokens per request", label, buckets=_TOKENS,
                                  registry=r)
+        self.queue = Histogram("vllm:request_queue_time_seconds",
+                               "Time a request waited before it was first scheduled", label,
+                               buckets=_PHASE, registry=r)
+        self.prefill = Histogram("vllm:request_prefill_time_seconds",
+                                 "Time from first scheduled to first token", label,
+                                 buckets=_PHASE, registry=r)
+        self.decode = Histogram("vllm:request_decode_time_seconds",
+                                "Time from first token to last token", label, buckets=_PHASE,
+                                registry=r)
+        self.inference = Histogram("vllm:request_inference_time_seconds",
+                                   "Time from first scheduled to last token", label,
+                                   buckets=_PHASE, registry=r)
+        self.itl = Histogram("vllm:inter_token_latency_seconds",
+                             "Time between a request's consecutive output tokens", label,
+                             buckets=_ITL, registry=r)
+        self.iteration = Histogram("vllm:iteration_tokens_total",
+                                   "Tokens (prefill + decode) per engine step", label,
+                                   buckets=_STEP_TOKENS, registry=r)
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens processed", label,
                                      registry=r)
         self.gen_tokens = Counter("vllm:generation_tokens", "Generated tokens", label,
@@ -72,6 +104,8 @@ class EngineMetrics:
             if llm not in self._attached:
                 name = llm.model_name
                 llm.finish_listeners.append(lambda ev: self.observe(name, ev))
+                step = self.iteration.labels(name)
+                llm.step_listeners.append(step.observe)
                 self._attached.add(llm)
         return llm
 
@@ -90,6 +124,17 @@ class EngineMetrics:
             self.e2e.labels(model).observe(m["e2e_s"])
         if n_out > 1 and m.get("decode_s"):
             self.tpot.labels(model).observe(m["decode_s"] / (n_out - 1))
+        if m.get("queue_s") is not None:
+            self.queue.labels(model).observe(m["queue_s"])
+        if m.get("prefill_s") is not None:
+            self.prefill.labels(model).observe(m["prefill_s"])
+            self.decode.labels(model).observe(m.get("decode_s") or 0.0)
+            self.inference.labels(model).observe(m["prefill_s"] + (m.get("decode_s") or 0.0))
+        gaps = m.get("inter_token_s")
+        if gaps:
+            itl = self.itl.labels(model)
+            for g in gaps:
+                itl.observe(g)
 
     def render(self) -> bytes:
         self.attach()

@@ -62,6 +62,10 @@ class EngineClient(Protocol):
     def finish_listeners(self) -> list[Callable[[TokenEvent], None]]:
         """Called with every request's final TokenEvent, on the engine thread: be quick."""
 
+    @property
+    def step_listeners(self) -> list[Callable[[int], None]]:
+        """Called with the token count of every engine step, on the engine thread."""
+
     def stats(self) -> dict:
         """Cheap counters: num_running, num_waiting, kv_usage, prefix_hits, prefix_queries,
         num_preemptions, block_size, alive."""

@@ -43,10 +43,13 @@ class StepResult:
     events: list[TokenEvent] = field(default_factory=list)
     # requests failed by their own data: (request id, the error for its caller)
     failures: list[tuple[str, BaseException]] = field(default_factory=list)
+    # tokens (prefill + decode) of each engine step postprocessed (vLLM's iteration tokens)
+    step_tokens: list[int] = field(default_factory=list)
 
     def extend(self, other: "StepResult") -> None:
         self.events += other.events
         self.failures += other.failures
+        self.step_tokens += other.step_tokens
 
 
 @dataclass
@@ -304,6 +307,7 @@ class EngineCore:
             t3 = time.perf_counter()
             expert_load = self._postprocess(f, res)
             self._record(f, t_wait, time.perf_counter() - t3, expert_load)
+            res.step_tokens.append(sum(s.num_tokens for s in f.scheduled))
 
     def _banned(self, sampling) -> list[tuple[int, int]]:
         out = []
@@ -378,6 +382,9 @@ class EngineCore:
         first = seq.first_token_time is None
         if first:
             seq.first_token_time = now
+        else:
+            seq.token_gaps.append(now - seq.last_token_time)
+        seq.last_token_time = now
         d = self.detok.get(seq.request_id)
         if d is not None:
             d.add(seq.token_ids, seq.num_prompt_tokens, seq.num_resolved_tokens)

@@ -40,6 +40,8 @@ class EngineLoop:
         self._sinks: dict[str, Callable[[object], None]] = {}
         # called with every request's final TokenEvent (engine thread, lock held: be quick)
         self.finish_listeners: list[Callable[[TokenEvent], None]] = []
+        # called with the token count of every engine step (engine thread, lock held)
+        self.step_listeners: list[Callable[[int], None]] = []
         self._stop = False
         self.closed = False
         self.error: BaseException | None = None     # why the engine ended, if it failed
@@ -135,6 +137,9 @@ class EngineLoop:
                     self._fail_one(rid, err)
                 for ev in result.events:
                     self._deliver(ev)
+                for n in result.step_tokens:
+                    for listener in self.step_listeners:    # e.g. /metrics' iteration tokens
+                        _call(listener, n)
                 if self._between_steps is not None:     # e.g. a reader waits for a snapshot
                     self._between_steps()
             # between steps: give waiting threads the lock; CPython locks are not fair

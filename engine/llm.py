@@ -179,6 +179,11 @@ class LLM:
         """Called with every request's final TokenEvent (engine thread, lock held: be quick)."""
         return self.loop.finish_listeners
 
+    @property
+    def step_listeners(self) -> list[Callable[[int], None]]:
+        """Called with the token count of every engine step (engine thread, lock held)."""
+        return self.loop.step_listeners
+
     # ---- requests ------------------------------------------------------------------------------
     def encode(self, prompt) -> list[int]:
         """The token ids the engine runs for `prompt` (a string, token ids, or chat messages);

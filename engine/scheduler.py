@@ -16,6 +16,8 @@ applies the stop rules that need its value (EOS, stop ids). A request that stops
 wasted decode row in flight, whose blocks are freed with the rest of its blocks."""
 from __future__ import annotations
 
+import time
+
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -147,6 +149,8 @@ class Scheduler:
             if seq.group is not None:
                 held[seq.group] = held.get(seq.group, 0) + len(seq.block_table)
             seq.status = SequenceStatus.RUNNING
+            if seq.first_scheduled_time is None:    # vLLM's queue time ends here
+                seq.first_scheduled_time = time.perf_counter()
             self.running.append(seq)
             n = min(len(seq) - seq.num_computed_tokens, budget)
             out.append(ScheduledSeq(seq, n, seq.num_computed_tokens))

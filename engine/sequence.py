@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import enum
 import time
+from array import array
 from dataclasses import dataclass, field
 
 from .probes.spec import ProbeSpec
@@ -71,7 +72,10 @@ class Sequence:
         self.output_text = ""
         self.num_preemptions = 0
         self.arrival_time = time.perf_counter()
+        self.first_scheduled_time: float | None = None  # left the waiting queue the first time
         self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
+        self.token_gaps = array("d")    # seconds between consecutive output tokens (ITL)
         self.finish_time: float | None = None
 
     @classmethod
@@ -135,12 +139,18 @@ class Sequence:
         ttft = (self.first_token_time - self.arrival_time) if self.first_token_time else None
         n = self.num_output_tokens
         decode_s = (now - self.first_token_time) if self.first_token_time else 0.0
+        sched = self.first_scheduled_time
         return {"ttft_s": ttft, "num_prompt_tokens": self.num_prompt_tokens,
                 "num_output_tokens": n,
                 "tok_s": (n - 1) / decode_s if n > 1 and decode_s > 0 else None,
                 "prefix_cached_blocks": self.prefix_cached_blocks,
                 "preemptions": self.num_preemptions,
-                "e2e_s": now - self.arrival_time, "decode_s": decode_s}
+                "e2e_s": now - self.arrival_time, "decode_s": decode_s,
+                # vLLM's request phases: waiting, then scheduled -> first token, then decode
+                "queue_s": sched - self.arrival_time if sched is not None else None,
+                "prefill_s": (self.first_token_time - sched
+                              if sched is not None and self.first_token_time else None),
+                "inter_token_s": self.token_gaps}
 
 
 @dataclass

@@ -54,6 +54,7 @@ class ScriptedLLM:
         self.prompts: list[list[int]] = []
         self._aborted: set[str] = set()
         self.finish_listeners: list = []
+        self.step_listeners: list = []
         self.intervention_facts = ModelFacts(1, 1, 1, (), 0, 0, self.max_model_len)
         self.processor = Processor(tokenizer, self.eos_token_ids, ModelLimits(
             self.hf_config.vocab_size, 1, self.max_model_len, 1 << 20, 16),

@@ -101,6 +101,57 @@ def test_metrics_parse_and_count_requests_tokens_and_latencies(served):
                   model_name=model) >= 2 * n_prompt
 
 
+def _count(fams, name, model) -> float:
+    return _value(fams, name, name + "_count", default=0.0, model_name=model)
+
+
+def _sum(fams, name, model) -> float:
+    return _value(fams, name, name + "_sum", default=0.0, model_name=model)
+
+
+PHASES = ("vllm:request_queue_time_seconds", "vllm:request_prefill_time_seconds",
+          "vllm:request_decode_time_seconds", "vllm:request_inference_time_seconds")
+
+
+def test_metrics_phase_inter_token_and_iteration_histograms_count_every_request(served):
+    """vLLM's request-phase, inter-token and per-step histograms, for the API's requests and
+    for ones made on the engine directly (the playground's chat): no tab needs to be open."""
+    import random
+
+    from engine import SamplingParams
+    model, llm = served.model, served.llm
+    scrape = lambda: _families(httpx.get(served.url + "/metrics",          # noqa: E731
+                                         headers=served.headers).text)
+    before = scrape()
+    rng = random.Random(4049)     # fresh prompts: no prefix-cache hit, every token computed
+    p1 = [rng.randrange(100, 4000) for _ in range(21)]
+    p2 = [rng.randrange(100, 4000) for _ in range(13)]
+    r = served.post("/v1/completions", {"prompt": p1, "max_tokens": 5, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    llm.generate([p2], SamplingParams(max_tokens=7, ignore_eos=True))
+    after = scrape()
+    for h in PHASES + ("vllm:inter_token_latency_seconds", "vllm:iteration_tokens_total"):
+        assert after[h].type == "histogram", h
+    for h in PHASES:
+        assert _count(after, h, model) == _count(before, h, model) + 2, h
+    for h in PHASES[1:]:
+        assert _sum(after, h, model) > _sum(before, h, model), h
+    itl = "vllm:inter_token_latency_seconds"     # one gap between each two tokens
+    assert _count(after, itl, model) == _count(before, itl, model) + (5 - 1) + (7 - 1)
+    assert _sum(after, itl, model) > _sum(before, itl, model)
+    # every step's tokens: each prompt once, then one token per decode step
+    it = "vllm:iteration_tokens_total"
+    assert _sum(after, it, model) - _sum(before, it, model) == len(p1) + 4 + len(p2) + 6
+    assert _count(after, it, model) - _count(before, it, model) == (1 + 4) + (1 + 6)   # steps
+    # vLLM's bucket bounds
+    bounds = sorted({float(s.labels["le"]) for s in after[itl].samples
+                     if s.name == itl + "_bucket"})
+    assert bounds[:4] == [0.01, 0.025, 0.05, 0.075] and bounds[-2:] == [80.0, float("inf")]
+    bounds = sorted({float(s.labels["le"]) for s in after[PHASES[0]].samples
+                     if s.name == PHASES[0] + "_bucket"})
+    assert bounds[:3] == [0.3, 0.5, 0.8] and bounds[-2:] == [7680.0, float("inf")]
+
+
 def test_tokenize_and_detokenize_round_trip_in_vllms_shapes(served):
     tok = served.llm.tokenizer
     r = served.post("/tokenize", {"prompt": "The quick brown fox", "return_token_strs": True})
