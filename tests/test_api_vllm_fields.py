@@ -304,6 +304,30 @@ def test_bad_words_with_overlap_scheduling_match_serial_steps():
     assert outs[True] == outs[False]
 
 
+def test_allowed_token_ids_beside_guided_rows_under_overlap_scheduling():
+    """A guided row's mask is filled late under overlap scheduling (its newest token is still
+    on the device): the allowed rows' static masks ride in the same late fill, and every row
+    gets what the serial engine gives it."""
+    from engine import LLM, SamplingParams
+    from api_served import DEMO
+    allowed = (5, 77, 300, 1024)
+    params = [SamplingParams(seed=1, max_tokens=16, guided={"regex": "[a-z]{3,12}"}),
+              SamplingParams(seed=2, max_tokens=16, allowed_token_ids=allowed,
+                             ignore_eos=True),
+              SamplingParams(seed=3, max_tokens=16, allowed_token_ids=allowed,
+                             guided={"regex": "[a-z ]+"}),
+              SamplingParams(seed=4, max_tokens=16)]
+    outs = {}
+    for overlap in (False, True):
+        with LLM(DEMO, device="cpu", dtype="float32", num_kv_blocks=64,
+                 async_scheduling=overlap) as llm:
+            outs[overlap] = [o.token_ids for o in llm.generate(["a", "b", "c", "d"], params)]
+            eos = set(llm.eos_token_ids)
+    assert outs[True] == outs[False]
+    assert set(outs[True][1]) <= set(allowed) and len(outs[True][1]) == 16
+    assert set(outs[True][2]) <= set(allowed) | eos
+
+
 def test_include_stop_str_in_output_ends_the_text_with_the_stop_string(served):
     llm = served.llm
     prompt = "Once upon a time"
