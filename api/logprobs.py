@@ -27,8 +27,10 @@ class TokenStrings:
     also for a token that ends inside a multi-byte character; an engine without a tokenizer
     names tokens `token_id:N` (vLLM's convention)."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, as_ids: bool = False):
+        """`as_ids`: every token named `token_id:N` (vLLM's return_tokens_as_token_ids)."""
         self.tokenizer = tokenizer
+        self.as_ids = as_ids
         self.alphabet = None
         backend = getattr(tokenizer, "backend_tokenizer", None)
         if backend is not None and type(backend.decoder).__name__ == "ByteLevel":
@@ -36,7 +38,7 @@ class TokenStrings:
         self.lookup = lru_cache(maxsize=1 << 16)(self._lookup)
 
     def _lookup(self, token_id: int) -> tuple[str, list[int]]:
-        if self.tokenizer is None:
+        if self.tokenizer is None or self.as_ids:
             s = f"token_id:{token_id}"
             return s, list(s.encode())
         raw = None

@@ -143,11 +143,11 @@ class SamplingRequest(Lenient):
     bad_words: list[str] | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    return_tokens_as_token_ids: bool = False    # logprob tokens named `token_id:N`
     # refused unless they hold their neutral value (api.sampling: never silently ignored)
     use_beam_search: bool = False
     length_penalty: float | None = None
     logits_processors: list[Any] | None = None
-    return_tokens_as_token_ids: bool = False
     priority: int = 0
 
 

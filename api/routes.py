@@ -215,6 +215,7 @@ def build_router(engines, api_key: str | None = None, *, limits: Limits | None =
                               want_prompt_logprobs=body.prompt_logprobs is not None,
                               return_token_ids=bool(body.return_token_ids),
                               chat_echo=chat_echo_text(body) if chat else "",
+                              tokens_as_ids=body.return_tokens_as_token_ids,
                               parsing=parsing if parsing is not None and parsing.active else None)
             if watch is not None:       # only an accepted request's trace has an owner
                 owners[specs[0].request_id] = principal(request)

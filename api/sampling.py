@@ -63,7 +63,6 @@ _NEUTRAL_ONLY = (
                                     "not have"),
     ("logits_processors", (None, []), "there are no custom logits processors (arbitrary "
                                       "code named by a request is never loaded)"),
-    ("return_tokens_as_token_ids", (False,), "logprob tokens are always returned as text"),
 )
 
 

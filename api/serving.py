@@ -30,8 +30,11 @@ from .streaming import SSE_DONE, EngineStream, sse
 _STRINGS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def token_strings(llm) -> TokenStrings:
-    """One cached id -> text/bytes table per engine."""
+def token_strings(llm, as_ids: bool = False) -> TokenStrings:
+    """One cached id -> text/bytes table per engine; `as_ids`: logprob tokens named
+    `token_id:N` (vLLM's return_tokens_as_token_ids; a table of its own, uncached)."""
+    if as_ids:
+        return TokenStrings(llm.tokenizer, as_ids=True)
     s = _STRINGS.get(llm)
     if s is None:
         s = _STRINGS[llm] = TokenStrings(llm.tokenizer)
@@ -191,11 +194,13 @@ class Job:
             ch.stream.close()
 
 
-async def start(llm, specs: list[ChoiceSpec], meta: Meta, request, pools=None, **render) -> Job:
+async def start(llm, specs: list[ChoiceSpec], meta: Meta, request, pools=None,
+                tokens_as_ids: bool = False, **render) -> Job:
     """Submit the request's choices; returns once each produced its first token (or raises the
     error its request deserves, before any header is sent). `render`: Job's other fields;
-    `pools`: the server's worker pools (api.limits.Pools)."""
-    job = Job(meta=meta, strings=token_strings(llm), **render)
+    `pools`: the server's worker pools (api.limits.Pools); `tokens_as_ids`: vLLM's
+    return_tokens_as_token_ids."""
+    job = Job(meta=meta, strings=token_strings(llm, tokens_as_ids), **render)
     meta.request_ids = [s.request_id for s in specs]
     for wave in ([s for s in specs if not s.copy], [s for s in specs if s.copy]):
         opened = [Choice(s, EngineStream(llm, s.request, pools)) for s in wave]

@@ -181,8 +181,7 @@ def test_a_structural_tag_leaves_text_free_and_constrains_what_follows_a_trigger
 
 # ---- fields held to their neutral value ----------------------------------------------------
 NEUTRAL = [("use_beam_search", False, True), ("length_penalty", 1.0, 0.5),
-           ("logits_processors", [], ["my.module:proc"]),
-           ("return_tokens_as_token_ids", False, True)]
+           ("logits_processors", [], ["my.module:proc"])]
 
 
 @pytest.mark.parametrize("name, neutral, other", NEUTRAL, ids=[n for n, _, _ in NEUTRAL])
@@ -204,6 +203,7 @@ def test_vllm_fields_serve_at_their_neutral_value_and_refuse_any_other(served, r
 
 # ---- vLLM's sampling / output fields, honoured -----------------------------------------------
 HONOURED_DEFAULTS = [("include_stop_str_in_output", False), ("skip_special_tokens", True),
+                     ("return_tokens_as_token_ids", False),
                      ("spaces_between_special_tokens", True), ("bad_words", []),
                      ("allowed_token_ids", None)]
 
@@ -370,6 +370,39 @@ def test_skip_special_tokens_false_keeps_special_tokens_in_the_text(served):
                                         "allowed_token_ids": [eos],
                                         "skip_special_tokens": False}).json()["choices"][0]
     assert r["text"] == "" and r["finish_reason"] == "stop"
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(served, route):
+    """vLLM's return_tokens_as_token_ids: each logprob token (and alternative) is the string
+    `token_id:N`; the reply's text is unchanged."""
+    chat = route == "/v1/chat/completions"
+    base = {"max_tokens": 5, "temperature": 0, "return_token_ids": True, "logprobs": True,
+            "top_logprobs": 2} if chat else \
+        {"max_tokens": 5, "temperature": 0, "return_token_ids": True, "logprobs": 2}
+    base.update({"messages": [{"role": "user", "content": "Hello"}]} if chat
+                else {"prompt": "Hello"})
+    plain = served.post(route, base).json()["choices"][0]
+    for stream in (False, True):
+        if stream:
+            chunks = _stream(served, route, {**base, "return_tokens_as_token_ids": True})
+            lps = [c["choices"][0]["logprobs"] for c in chunks
+                   if c["choices"] and c["choices"][0].get("logprobs")]
+        else:
+            c = served.post(route, {**base, "return_tokens_as_token_ids": True}).json()
+            lps = [c["choices"][0]["logprobs"]]
+            text = c["choices"][0]["message"]["content"] if chat else c["choices"][0]["text"]
+            assert text == (plain["message"]["content"] if chat else plain["text"])
+        if chat:
+            entries = [e for lp in lps for e in lp["content"]]
+            names = [e["token"] for e in entries]
+            alts = [a["token"] for e in entries for a in e["top_logprobs"]]
+            assert all(e["bytes"] == list(e["token"].encode()) for e in entries)
+        else:
+            names = [t for lp in lps for t in lp["tokens"]]
+            alts = [t for lp in lps for top in lp["top_logprobs"] for t in top]
+        assert names == [f"token_id:{t}" for t in plain["token_ids"]], stream
+        assert alts and all(re.fullmatch(r"token_id:\d+", a) for a in alts)
 
 
 # ---- chat echo and content parts -------------------------------------------------------------
