@@ -146,6 +146,27 @@ def test_litellm_structured_output(served):
 
 
 
+def test_litellm_forced_tool_call_with_an_open_schema(served):
+    """LiteLLM's hosted_vllm provider with a tool whose schema leaves objects open: closed by
+    default, the forced call comes back parsed."""
+    litellm = pytest.importorskip("litellm")
+    tool = {"type": "function", "function": {
+        "name": "get_weather", "description": "The weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string",
+                                                                 "maxLength": 10}},
+                       "required": ["city"]}}}
+    r = litellm.completion(model=f"hosted_vllm/{served.model}", api_base=served.url + "/v1",
+                           api_key=KEY, messages=[{"role": "user", "content": "Weather?"}],
+                           tools=[tool], tool_choice={"type": "function",
+                                                      "function": {"name": "get_weather"}},
+                           max_tokens=60, seed=2)
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls", c
+    (call,) = c.message.tool_calls
+    assert call.function.name == "get_weather"
+    assert set(json.loads(call.function.arguments)) == {"city"}
+
+
 def test_the_clients_response_models_are_built_before_threads_use_them():
     """conftest builds openai's deferred models (and each nested one) on one thread: a model
     still deferred would be rebuilt by the first of several threads at once, which raises in
