@@ -201,7 +201,7 @@ class EngineCore:
             if any(s.seq.grammar is not None for s in sampling):
                 self._grammar_mask(batch, sampling, prev_step_id)
         inp = build_step_inputs(step_id, scheduled, self.bm.block_size, batch, plan,
-                                prev_step_id)
+                                prev_step_id, self.runner.kernel_config.cascade_min_saved_tokens)
         if self.interventions is not None and self.interventions.active:
             inp.interventions = self.interventions.plan(scheduled)
         return inp
@@ -367,6 +367,17 @@ class EngineCore:
             ev.prompt_logprobs = list(seq.prompt_logprobs)
         return ev
 
+    def _cascade_record(self, inp: StepInputs, out: StepOutput) -> dict:
+        """The trace's account of a step that read a shared prefix once for its rows instead of
+        once per row (the prefix kernel re-reads it once per 64 packed query rows: the bytes
+        saved are an upper bound by that much)."""
+        c = inp.cascade
+        if c is None or not out.cascade:
+            return {}
+        per_token = self.runner.bytes_per_block // self.bm.block_size   # K and V, every layer
+        return {"cascade_rows": c.rows, "cascade_tokens": c.shared_tokens,
+                "kv_bytes_saved": c.saved_tokens * per_token}
+
     def _record(self, f: InFlight, t_wait: float, t_post: float, expert_load) -> None:
         ids, kinds, ntok, starts, n_pre, n_dec = [], [], [], [], 0, 0
         for s in f.scheduled:
@@ -392,5 +403,6 @@ class EngineCore:
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             kv_usage=used / self.bm.num_blocks, expert_load=expert_load,
             collectives=out.collectives, t_launch=out.t_launch, t_wait=t_wait,
-            collective_time=out.collective_time, overlapped=self.overlap)
+            collective_time=out.collective_time, overlapped=self.overlap,
+            **self._cascade_record(f.inp, out))
         self.steps.append(trace)

@@ -107,6 +107,11 @@ class StepTrace:
     t_wait: float = 0.0         # host seconds blocked waiting for the device (overlap: ~0)
     collective_time: float | None = None    # measured seconds in collectives (TP), if timed
     overlapped: bool = False    # scheduled while the previous step ran (overlap scheduling)
+    # cascade attention (engine/cascade.py): rows that read a shared prefix once, its tokens,
+    # and the KV bytes (every layer, this rank) the step did not read because of it
+    cascade_rows: int = 0
+    cascade_tokens: int = 0
+    kv_bytes_saved: int = 0
 
     def __post_init__(self):
         self.entries = StepEntries.of(self.entries)

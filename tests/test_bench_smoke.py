@@ -123,6 +123,28 @@ def test_latency_runs_tiny_on_cpu():
     _assert_positive(_by_metric(rows, "ratio"), ["decode_tok_s", "ttft_ms_32"])
 
 
+def test_long_context_runs_tiny_on_cpu_with_its_floors():
+    from bench import long_context
+    rows = long_context.main("qwen3-0.6b", "cpu", tiny=True, repeats=1)
+    _assert_no_errors(rows)
+    mine = _by_metric(rows, "glassbox")
+    _assert_positive(mine, ["ttft_ms_64", "ttft_ms_128", "decode_ms_per_token_96"])
+    assert all("floor" in r["note"] for r in rows if r["system"] == "glassbox")
+    _assert_positive(_by_metric(rows, "ratio"), ["ttft_ms_64"])
+
+
+def test_shared_prefix_runs_tiny_on_cpu_through_the_cascade():
+    from bench import shared_prefix
+    rows = shared_prefix.main("qwen3-0.6b", "cpu", tiny=True, repeats=1, hf_num_requests=2)
+    _assert_no_errors(rows)
+    shared = next(r for r in rows if r["metric"] == "shared_tok_s_cascade"
+                  and r["system"] == "glassbox")
+    assert shared["value"] > 0 and " 0 cascade steps" not in shared["note"]
+    off = next(r for r in rows if r["metric"] == "shared_tok_s_no_cascade")
+    assert "; 0 cascade steps" in off["note"]
+    _assert_positive(_by_metric(rows, "ratio"), ["shared_tok_s_cascade"])
+
+
 def test_probes_runs_tiny_on_cpu():
     from bench import probes
     rows = probes.main("qwen3-0.6b", "cpu", num_requests=3, tput_repeats=1, lat_repeats=1,

@@ -626,7 +626,8 @@ def test_cuda_graph_figure_splits_graph_and_eager_steps(rng):
     check_step_chart(spec)
     (panel,) = spec["panels"]
     graph, prefill_graph, eager_t = panel["series"]
-    (batch,) = panel["lines"]
+    batch, cascade = panel["lines"]
+    assert cascade["y"] == [0] * len(snap.steps) and "shared prefix" not in spec["title"]
     # 0: an eager step, or the other kind of graph (a prefill graph's bucket is its tokens)
     assert graph["y"] == [0 if s.num_prefill_tokens else s.graph_bucket or 0 for s in snap.steps]
     assert prefill_graph["y"] == [s.graph_bucket or 0 if s.num_prefill_tokens else 0
@@ -636,6 +637,22 @@ def test_cuda_graph_figure_splits_graph_and_eager_steps(rng):
     assert batch["y"] == [len(s.entries) for s in snap.steps]
     share = (len(snap.steps) - len(eager)) / len(snap.steps)
     assert f"{share:.0%} of recent steps replayed a graph" in spec["title"]
+
+
+def test_the_engine_charts_say_which_steps_read_a_shared_prefix_once(rng):
+    snap = make_snapshot(rng, num_steps=int(rng.integers(10, 60)))
+    used = set(rng.choice(len(snap.steps), int(rng.integers(1, 6)), replace=False).tolist())
+    for i, s in enumerate(snap.steps):
+        if i in used:
+            s.cascade_rows, s.cascade_tokens = int(rng.integers(2, 64)), 2048
+            s.kv_bytes_saved = int(rng.integers(1, 1 << 30))
+    saved = sum(s.kv_bytes_saved for s in snap.steps) / 2 ** 20
+    from views.figures_engine import cpu_batch_figure
+    for spec in (F.cuda_graph_figure(snap.steps), cpu_batch_figure(snap.steps)):
+        check_step_chart(spec)
+        line = spec["panels"][0]["lines"][-1]
+        assert line["y"] == [s.cascade_rows for s in snap.steps]
+        assert f"{len(used)} steps read a shared prefix once ({saved:,.1f} MiB" in spec["title"]
 
 
 def test_history_figure_spans_each_bucket_and_reaches_back_to_the_first(rng):
