@@ -13,7 +13,7 @@ import pytest
 from ui_helpers import make_snapshot, make_trace  # noqa: I001  (puts the repo on sys.path)
 from figure_helpers import (check_chart_spec, check_plotly_figure, decode, drawn_ids, live_ids,
                             map_cells, random_cache, seeded_rng, strict_json,
-                            unpack_map)
+                            unpack_map, kv_map_lists)
 
 from engine.records import StepEntries, StepEntry
 from engine.probes.trace import RequestTrace
@@ -22,7 +22,6 @@ from views.canvas_chart import chart_value, empty_chart
 from views.figures_common import EVICTABLE_COLOUR, FREE_COLOUR, PALETTE, PHASE_COLOURS
 from views.figures_kv import MAP_MIN_CELLS, MAP_ROW, MAX_MAP_CELLS
 from views.figures_layers import MAX_LENS_STEPS
-from views.figures_kv import kv_map_lists
 from views.kv_cache import map_value
 from views.live_plot import plot_value
 
@@ -814,7 +813,8 @@ def test_block_table_cells_are_never_another_requests_under_the_same_id():
 
 
 def test_packed_map_arrays_take_the_narrowest_type_and_round_trip():
-    from views.figures_kv import pack_ints, unpack_ints
+    from figure_helpers import unpack_ints
+    from views.figures_kv import pack_ints
     rng = np.random.default_rng()
     for lo, hi, tag in ((0, 255, "u1"), (-1, 100, "i1"), (0, 65_535, "u2"), (-1, 30_000, "i2"),
                         (-1, 65_536, "i4"), (0, 2**31 - 1, "i4")):
