@@ -20,13 +20,14 @@ from .sequence import Sequence
 
 class Block:
     """The hash-chain record of one block (its ref count is `BlockManager.ref_count[id]`)."""
-    __slots__ = ("block_id", "prefix_hash", "parent_hash", "token_ids")
+    __slots__ = ("block_id", "prefix_hash", "parent_hash", "token_ids", "salt_tag")
 
     def __init__(self, block_id: int):
         self.block_id = block_id
         self.prefix_hash: int | None = None
         self.parent_hash: int | None = None     # the previous block's hash in the chain
         self.token_ids: tuple[int, ...] = ()    # the tokens a hashed block holds
+        self.salt_tag: int | None = None        # the salt digest of the request that hashed it
 
 
 def chain_hash(parent: int | None, token_ids: tuple[int, ...]) -> int:
@@ -98,6 +99,7 @@ class BlockManager:
             if self.hash_to_block.get(block.prefix_hash) == bid:
                 del self.hash_to_block[block.prefix_hash]
             block.prefix_hash, block.parent_hash, block.token_ids = None, None, ()
+            block.salt_tag = None
             self.hashed[bid] = False
             self.evictions += 1
         self.ref_count[bid] = 1
@@ -186,6 +188,7 @@ class BlockManager:
             block = self.blocks[seq.block_table[i]]
             if block.prefix_hash is None and h not in self.hash_to_block:
                 block.prefix_hash, block.parent_hash, block.token_ids = h, parent, ids
+                block.salt_tag = seq.salt_tag
                 self.hash_to_block[h] = block.block_id
                 self.hashed[block.block_id] = True
 

@@ -286,8 +286,8 @@ class LLM:
     def steps_since(self, cursor: int = 0) -> tuple[tuple, int]:
         return self.inspector.steps_since(cursor)
 
-    def block_info(self, block_id: int):
-        return self.inspector.block_info(block_id)
+    def block_info(self, block_id: int, viewer_salt: str | None = None):
+        return self.inspector.block_info(block_id, viewer_salt)
 
     def read_kv_block(self, block_id: int, layer: int, head: int, which: str = "k"):
         return self.inspector.read_kv_block(block_id, layer, head, which)

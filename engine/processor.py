@@ -49,6 +49,7 @@ class EngineRequest:
     grammar: object | None = None       # guided.Grammar: this request's own matcher
     group: str | None = None            # the API request whose choice this is (n x prompts > 1)
     priority: int = 0                   # vLLM's: lower is scheduled first
+    salt_tag: int | None = None         # its cache salt's digest: who may read its blocks' text
 
 
 
@@ -189,7 +190,7 @@ class Processor:
                 chat_options: dict | None = None, group: str | None = None,
                 priority: int = 0) -> EngineRequest:
         """The EngineRequest for one prompt (a Prompt from `tokenize`, or anything it takes)."""
-        from .cache_salt import chain_root, check_salt
+        from .cache_salt import chain_root, check_salt, salt_tag
         from .interventions.spec import cache_salt as interventions_salt, resolve_interventions
         params = SamplingParams() if sampling is None else sampling
         if not isinstance(params, SamplingParams):
@@ -218,7 +219,7 @@ class Processor:
                                    params.guided)
         return EngineRequest(request_id or self.new_request_id(), p, params, self._seed(params),
                              watch, ivs, chain_root(interventions_salt(ivs), salt), grammar,
-                             group, int(priority))
+                             group, int(priority), salt_tag(salt))
 
     def _seed(self, params: SamplingParams) -> int:
         return params.seed if params.seed is not None else self._rng.getrandbits(62)

@@ -28,6 +28,7 @@ class BlockInfo:
     prefix_hash: int | None     # hash-chain key of a cached block (block_info only, else None)
     evictable: bool             # cached but free: reusable by a prefix hit until evicted
     token_ids: list[int] = field(default_factory=list)   # held tokens (block_info only)
+    hidden: bool = False        # a salted request's block seen by another viewer: counts only
 
 
 class StepEntry(NamedTuple):

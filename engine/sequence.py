@@ -48,6 +48,7 @@ class Sequence:
         self.cache_salt: int | None = None
         self.group = None           # the request this choice belongs to (scheduler fairness)
         self.priority = 0           # vLLM's: lower is served first
+        self.salt_tag = None        # its cache salt's digest (engine/cache_salt.salt_tag)
         self.status = SequenceStatus.WAITING
         # position -> (step id, sampled row) of output tokens still on the device: with overlap
         # scheduling a token is appended as PENDING when its step is launched, and resolved
@@ -79,7 +80,7 @@ class Sequence:
         seq = cls(req.request_id, list(req.prompt.token_ids), req.params, req.seed, req.watch)
         seq.interventions, seq.cache_salt, seq.grammar = (req.interventions, req.cache_root,
                                                           req.grammar)
-        seq.group, seq.priority = req.group, req.priority
+        seq.group, seq.priority, seq.salt_tag = req.group, req.priority, req.salt_tag
         return seq
 
     def __len__(self) -> int:

@@ -146,7 +146,9 @@ def block_detail(info, block_size: int, decode: Decode) -> str:
     return (f"block {b.block_id} · {block_state(b)} · ref {b.ref_count}\n"
             f"owners: {owners}\nfilled {b.num_filled}/{block_size}"
             + (f" · hash {b.prefix_hash & 0xffffffff:08x}" if b.prefix_hash is not None else "")
-            + (f"\n“{text}”" if text else ""))
+            + (f"\n“{text}”" if text else "")
+            + ("\ntext hidden: a private request's block (sent with a cache_salt)"
+               if b.hidden else ""))
 
 
 def request_meta_html(rec) -> str:

@@ -2,7 +2,6 @@
 layout, a data-plane drilldown (K or V of one block), and a shared-prefix burst to watch."""
 from __future__ import annotations
 
-import json
 import threading
 import time
 from pathlib import Path
@@ -207,7 +206,7 @@ def build(hub: EngineHub) -> LiveTab:
 
     burst.click(on_burst, [burst_n, burst_tokens], burst_status, api_visibility="private")
 
-    def on_show(block_id, layer_id, head_id, kv):
+    def on_show(block_id, layer_id, head_id, kv, request: gr.Request = None):
         llm = hub.llm
         cfg = llm.hf_config
         n_kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
@@ -224,22 +223,28 @@ def build(hub: EngineHub) -> LiveTab:
                 return gr.skip(), plot_value(F.empty_figure(msg, "K or V of one block"))
         b, l, h = int(block_id), int(layer_id), int(head_id)
         try:
+            # the viewer's own salted blocks show; another client's never (#48: not its text,
+            # nor the K/V numbers that encode it)
+            info = llm.block_info(b, hub.session_salt(getattr(request, "session_hash", None)))
+        except (ValueError, RuntimeError):   # switched or shut down meanwhile
+            info = None
+        if info is not None and info.hidden:
+            msg = (f"Block {b} belongs to a private request (sent with a cache_salt): its "
+                   f"numbers and text are not shown to other viewers.")
+            return b, plot_value(F.empty_figure(msg, "K or V of one block"))
+        try:
             data = llm.read_kv_block(b, l, h, which=kv)      # [block_size, head_dim]
         except (ValueError, IndexError, RuntimeError) as e:
             gr.Warning(f"Cannot show that block: {e}")
             return gr.skip(), gr.skip()
-        try:
-            info = llm.block_info(b)
-        except (ValueError, RuntimeError):   # switched or shut down meanwhile
-            info = None
         texts = [hub.decode([t]) for t in info.token_ids] if info else []
         return b, plot_value(F.kv_block_figure(data, b, l, h, kv, texts))
 
     drill_inputs = [block, layer, head, which]
     show.click(on_show, drill_inputs, [block, drill], api_visibility="private")
 
-    def on_map_click(layer_id, head_id, kv, evt: gr.EventData):
-        return on_show(evt._data.get("block"), layer_id, head_id, kv)
+    def on_map_click(layer_id, head_id, kv, evt: gr.EventData, request: gr.Request = None):
+        return on_show(evt._data.get("block"), layer_id, head_id, kv, request)
 
     grid.click(on_map_click, [layer, head, which], [block, drill], api_visibility="private")
     return LiveTab(timer, tick, [last], [stats] + [o for o in outputs if o is not stats])
