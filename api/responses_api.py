@@ -1,0 +1,164 @@
+"""The Responses API: POST /v1/responses (streamed as the openai SDK's typed events, or whole),
+GET and DELETE /v1/responses/{id} for stored responses.
+
+A request is served by the chat path: api.responses_items turns it into a chat request, which
+the routes' `open_job` parses, checks, renders with the chat template and starts in the engine
+(through the same Processor, watched in the playground's tabs like every API request);
+api.responses_output builds the output items from the reply. Errors are the chat path's 400s,
+naming the Responses field (input, max_output_tokens, text.format, ...)."""
+from __future__ import annotations
+
+import time
+
+from fastapi import APIRouter, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from .chat_parsing import tool_calls_note
+from .errors import APIError
+from .response_store import ResponseStore, owner_of
+from .responses_items import chat_request, parse_responses_request, response_id_param
+from .responses_output import OutputBuilder
+from .serving import ClientGone, engine_error
+from .streaming import SSE_HEADERS, sse
+
+
+def not_found(response_id: str) -> APIError:
+    return APIError(404, f"Response with id {response_id!r} not found: responses are kept in "
+                         "memory for a while, and only for the API key that created them",
+                    "response_id", "response_not_found")
+
+
+def sse_event(event: dict) -> bytes:
+    return b"event: " + event["type"].encode() + b"\n" + sse(event)
+
+
+def response_fields(req, job, created: int) -> dict:
+    """The response object's fields that do not change while it is generated."""
+    chat = job.choices[0].spec.params
+    return {"id": job.meta.id, "object": "response", "created_at": created,
+            "model": job.meta.model, "error": None, "incomplete_details": None,
+            "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
+            "metadata": req.metadata or {}, "parallel_tool_calls": req.parallel_tool_calls,
+            "previous_response_id": req.previous_response_id, "reasoning": req.reasoning,
+            "store": req.store, "temperature": chat.temperature, "top_p": chat.top_p,
+            "text": req.text or {"format": {"type": "text"}},
+            "tool_choice": req.tool_choice or "auto", "tools": req.tools or [],
+            "truncation": req.truncation or "disabled", "user": req.user,
+            "glassbox": job.meta.glassbox()}
+
+
+def add_responses_routes(router: APIRouter, open_job, current_engine,
+                         store: ResponseStore) -> None:
+    """`open_job(request, parse, chat, id_prefix)`: the routes' own start of a request
+    (api.routes); `current_engine()`: the engine now (503 while a model switches)."""
+
+    def parser(request: Request, kept: dict):
+        """raw body -> the chat request (on the prepare pool); `kept`: the Responses request and
+        the conversation to store, for the reply."""
+        owner = owner_of(request)
+
+        def parse(raw: bytes):
+            req = parse_responses_request(raw)
+            history = []
+            if req.previous_response_id is not None:
+                prev = store.get(owner, req.previous_response_id)
+                if prev is None:
+                    raise APIError(404, f"Previous response with id "
+                                        f"{req.previous_response_id!r} not found: responses "
+                                        "are kept in memory for a while (store: true), and "
+                                        "only for the API key that created them",
+                                   "previous_response_id", "previous_response_not_found")
+                history = list(prev.messages)
+            body, conversation = chat_request(req, history)
+            kept.update(req=req, conversation=conversation, owner=owner)
+            return body
+        return parse
+
+    def keep(kept: dict, builder: OutputBuilder) -> None:
+        req = kept["req"]
+        if req.store:
+            store.put(kept["owner"], builder.body(),
+                      kept["conversation"] + [builder.reply_message()])
+
+    async def stream(job, builder: OutputBuilder, kept: dict):
+        ch = job.choices[0]
+        llm = ch.stream.llm
+        try:
+            yield b"".join(sse_event(e) for e in builder.start())
+            async for items in ch.stream.batches():
+                out = []
+                for ev in items:
+                    if isinstance(ev, BaseException):
+                        err = engine_error(ev, "input", True, ch.spec.request_id)
+                        out.append(sse_event(builder.event(
+                            "error", code=err.code, message=err.message,
+                            param=response_id_param(err.param))))
+                        yield b"".join(out)
+                        return
+                    ch.reply.add(ev)
+                    calls = len(builder.parser.calls)
+                    events = builder.feed(ev.text, ev.token_id is not None)
+                    if len(builder.parser.calls) > calls and not ev.finished:
+                        llm.annotate(ch.spec.request_id, tool_calls_note(builder.parser.calls))
+                    if ev.finished:
+                        job.finish(ch)
+                        r = ch.reply
+                        events += builder.finish(r.finish_reason, r.prompt_tokens,
+                                                 r.completion_tokens)
+                        keep(kept, builder)
+                    out += [sse_event(e) for e in events]
+                if out:
+                    yield b"".join(out)
+        finally:
+            job.close()
+
+    async def whole(job, builder: OutputBuilder, kept: dict, request: Request) -> dict:
+        ch = job.choices[0]
+        if not await ch.stream.wait_end(request):
+            job.close()
+            raise ClientGone()
+        for ev in ch.stream.drain():
+            if isinstance(ev, BaseException):
+                job.close()
+                raise engine_error(ev, "input", True, ch.spec.request_id)
+            ch.reply.add(ev)
+            builder.feed(ev.text, ev.token_id is not None)
+        job.finish(ch)
+        r = ch.reply
+        builder.finish(r.finish_reason, r.prompt_tokens, r.completion_tokens)
+        keep(kept, builder)
+        return builder.body()
+
+    @router.post("/v1/responses")
+    async def create_response(request: Request):
+        kept: dict = {}
+        created = int(time.time())
+        try:
+            body, job, headers = await open_job(request, parser(request, kept), True, "resp")
+        except ClientGone:
+            return Response(status_code=499)
+        except APIError as e:       # the chat path's field names -> the Responses API's
+            if e.param is not None and e.param != "previous_response_id":
+                e.param = response_id_param(e.param)
+            raise
+        builder = OutputBuilder(job.parsing, response_fields(kept["req"], job, created))
+        if body.stream:
+            return StreamingResponse(stream(job, builder, kept), media_type="text/event-stream",
+                                     headers={**SSE_HEADERS, **headers})
+        try:
+            return JSONResponse(await whole(job, builder, kept, request), headers=headers)
+        except ClientGone:
+            return Response(status_code=499)
+
+    @router.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str, request: Request):
+        item = store.get(owner_of(request), response_id)
+        if item is None:
+            raise not_found(response_id)
+        return JSONResponse(item.body)
+
+    @router.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str, request: Request):
+        if not store.delete(owner_of(request), response_id):
+            raise not_found(response_id)
+        return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
