@@ -58,6 +58,13 @@ def add_responses_routes(router: APIRouter, open_job, current_engine,
         owner = owner_of(request)
 
         def parse(raw: bytes):
+            try:
+                return to_chat(raw)
+            except APIError as e:   # named by its Responses field already
+                e.responses_param = True
+                raise
+
+        def to_chat(raw: bytes):
             req = parse_responses_request(raw)
             history = []
             if req.previous_response_id is not None:
@@ -138,7 +145,7 @@ def add_responses_routes(router: APIRouter, open_job, current_engine,
         except ClientGone:
             return Response(status_code=499)
         except APIError as e:       # the chat path's field names -> the Responses API's
-            if e.param is not None and e.param != "previous_response_id":
+            if not getattr(e, "responses_param", False):
                 e.param = response_id_param(e.param)
             raise
         builder = OutputBuilder(job.parsing, response_fields(kept["req"], job, created))
