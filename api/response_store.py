@@ -32,7 +32,7 @@ def owner_of(request: Request) -> str:
 class StoredResponse:
     owner: str
     body: dict              # the response object as it was returned
-    messages: list          # the conversation (instructions left out) with the reply, as chat messages
+    messages: list          # the conversation with the reply, as chat messages (no instructions)
     size: int
 
 
