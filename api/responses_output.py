@@ -44,6 +44,9 @@ class OutputBuilder:
                "output": json.loads(json.dumps(self.output)), "usage": self.usage}
         if self.status == "incomplete":
             out["incomplete_details"] = {"reason": "max_output_tokens"}
+        elif self.status == "cancelled":
+            out["error"] = {"code": "server_error", "message": "the engine aborted the request "
+                                                               "before it finished"}
         return out
 
     def start(self) -> list[dict]:
@@ -63,18 +66,20 @@ class OutputBuilder:
                ) -> list[dict]:
         """The reply ended: the held-back text, the open item closed, the final response."""
         events = self._apply(self.parser.finish())
-        cut = finish_reason == "length"
+        # "length": cut at max_output_tokens; "abort": the engine dropped it (shutdown, switch)
+        self.status = {"length": "incomplete", "abort": "cancelled"}.get(finish_reason,
+                                                                         "completed")
         if not self.output and self.current is None:    # an empty reply: one empty message
             events += self._open("message")
-        events += self._close("incomplete" if cut else "completed")
-        self.status = "incomplete" if cut else "completed"
+        events += self._close("completed" if self.status == "completed" else "incomplete")
         self.usage = {"input_tokens": prompt_tokens,
                       "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
                       "output_tokens": output_tokens,
                       "output_tokens_details": {"reasoning_tokens": min(self.reasoning_tokens,
                                                                         output_tokens)},
                       "total_tokens": prompt_tokens + output_tokens}
-        events.append(self.event("response.incomplete" if cut else "response.completed",
+        final = {"incomplete": "response.incomplete", "cancelled": "response.failed"}
+        events.append(self.event(final.get(self.status, "response.completed"),
                                  response=self.snapshot()))
         return events
 

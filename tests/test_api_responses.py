@@ -183,6 +183,16 @@ def test_a_watched_response_has_a_trace_like_any_api_request(served):
     assert trace.status_code == 200
 
 
+def test_the_sdk_parse_helper_reads_structured_output(served):
+    from pydantic import BaseModel
+
+    class Flag(BaseModel):
+        ok: bool
+    r = served.client().responses.parse(model=served.model, input="json please",
+                                        text_format=Flag, max_output_tokens=20, temperature=0)
+    assert isinstance(r.output_parsed, Flag)
+
+
 # ---- reasoning and tool-call replies (scripted) ------------------------------------------------
 def test_thinking_becomes_a_reasoning_item_whole_and_streamed(scripted):
     s = scripted(THINK_REPLY)
@@ -229,6 +239,13 @@ def test_the_second_turn_sees_the_first_turns_reply_and_tool_calls(scripted):
     assert "Weather?" in prompt and "Let me check." in prompt
     assert '{"name": "get_weather", "arguments": {"city": "Paris"}}' in prompt
     assert "<tool_response>\nsunny\n</tool_response>" in prompt
+
+
+def test_chat_fields_pass_through_under_their_chat_names(scripted):
+    s = scripted("ok")
+    r = s.post({"input": "hi", "chat_template_kwargs": {"enable_thinking": False}})
+    assert r.status_code == 200, r.text
+    assert s.llm.tokenizer.decode(s.llm.prompts[-1]).endswith("<think>\n\n</think>\n\n")
 
 
 # ---- the store ---------------------------------------------------------------------------------
@@ -306,10 +323,12 @@ def _langchain(served, **kw):
 
 
 def test_langchain_use_responses_api_invoke(served):
-    ai = _langchain(served, temperature=0, max_tokens=8).invoke("what is 2 + 2?")
+    chat = _langchain(served, temperature=0, max_tokens=8)
+    ai = chat.invoke("what is 2 + 2?")
     text, _ = chat_text(served, [{"role": "user", "content": "what is 2 + 2?"}], 8)
     assert ai.text == text
     assert ai.usage_metadata["output_tokens"] > 0
+    assert "".join(chunk.text for chunk in chat.stream("what is 2 + 2?")) == text
 
 
 def test_langchain_use_responses_api_bind_tools(served):
@@ -328,3 +347,6 @@ def test_litellm_responses(served):
     got = "".join(part.text for item in r.output if item.type == "message"
                   for part in item.content)
     assert got == text and r.usage.output_tokens > 0
+    deltas = [e.delta for e in litellm.responses(**kw, stream=True)
+              if getattr(e, "type", None) == "response.output_text.delta"]
+    assert "".join(deltas) == text
