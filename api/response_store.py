@@ -33,6 +33,7 @@ class StoredResponse:
     owner: str
     body: dict              # the response object as it was returned
     messages: list          # the conversation with the reply, as chat messages (no instructions)
+    input_items: list       # this request's input, as items with ids (GET .../input_items)
     size: int
 
 
@@ -45,14 +46,14 @@ class ResponseStore:
         self._bytes = 0
         self._lock = threading.Lock()
 
-    def put(self, owner: str, body: dict, messages: list) -> None:
-        size = len(json.dumps(body, ensure_ascii=False)) + len(
-            json.dumps(messages, ensure_ascii=False))
+    def put(self, owner: str, body: dict, messages: list, input_items: list = ()) -> None:
+        input_items = list(input_items)
+        size = sum(len(json.dumps(x, ensure_ascii=False)) for x in (body, messages, input_items))
         if size > self.max_bytes:
             return              # larger than the whole store: kept by nobody
         with self._lock:
             self._drop(body["id"])
-            self._items[body["id"]] = StoredResponse(owner, body, messages, size)
+            self._items[body["id"]] = StoredResponse(owner, body, messages, input_items, size)
             self._bytes += size
             while len(self._items) > self.max_responses or self._bytes > self.max_bytes:
                 self._drop(next(iter(self._items)))

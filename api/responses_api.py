@@ -16,7 +16,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from .chat_parsing import tool_calls_note
 from .errors import APIError
 from .response_store import ResponseStore, owner_of
-from .responses_items import chat_request, parse_responses_request, response_id_param
+from .responses_items import (chat_request, listed_items, parse_responses_request,
+                              response_id_param)
 from .responses_output import OutputBuilder
 from .serving import ClientGone, engine_error
 from .streaming import SSE_HEADERS, sse
@@ -77,7 +78,8 @@ def add_responses_routes(router: APIRouter, open_job, current_engine,
                                    "previous_response_id", "previous_response_not_found")
                 history = list(prev.messages)
             body, conversation = chat_request(req, history)
-            kept.update(req=req, conversation=conversation, owner=owner)
+            kept.update(req=req, conversation=conversation, owner=owner,
+                        input_items=listed_items(req.input))
             return body
         return parse
 
@@ -85,7 +87,7 @@ def add_responses_routes(router: APIRouter, open_job, current_engine,
         req = kept["req"]
         if req.store:
             store.put(kept["owner"], builder.body(),
-                      kept["conversation"] + [builder.reply_message()])
+                      kept["conversation"] + [builder.reply_message()], kept["input_items"])
 
     async def stream(job, builder: OutputBuilder, kept: dict):
         ch = job.choices[0]
@@ -163,6 +165,31 @@ def add_responses_routes(router: APIRouter, open_job, current_engine,
         if item is None:
             raise not_found(response_id)
         return JSONResponse(item.body)
+
+    @router.get("/v1/responses/{response_id}/input_items")
+    async def list_input_items(response_id: str, request: Request, order: str = "desc",
+                               limit: int = 20, after: str | None = None):
+        """The stored response's input items (this request's, not its predecessors'), a page
+        of at most `limit` (1 to 100) after the item `after`, newest first unless order=asc."""
+        item = store.get(owner_of(request), response_id)
+        if item is None:
+            raise not_found(response_id)
+        if order not in ("asc", "desc"):
+            raise APIError(400, f"order must be 'asc' or 'desc', got {order!r}", "order")
+        if not 1 <= limit <= 100:
+            raise APIError(400, f"limit must be between 1 and 100, got {limit}", "limit")
+        items = item.input_items if order == "asc" else item.input_items[::-1]
+        if after is not None:
+            ids = [x["id"] for x in items]
+            if after not in ids:
+                raise APIError(400, f"no input item {after!r} in response {response_id!r}",
+                               "after")
+            items = items[ids.index(after) + 1:]
+        page = items[:limit]
+        return JSONResponse({"object": "list", "data": page,
+                             "first_id": page[0]["id"] if page else None,
+                             "last_id": page[-1]["id"] if page else None,
+                             "has_more": len(items) > limit})
 
     @router.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str, request: Request):

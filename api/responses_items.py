@@ -169,6 +169,25 @@ def input_messages(items: str | list[dict]) -> list[dict]:
     return out
 
 
+def listed_items(items: str | list[dict]) -> list[dict]:
+    """The input as the items GET /v1/responses/{id}/input_items lists: each with an id and a
+    type, a string as one user message."""
+    if isinstance(items, str):
+        items = [{"type": "message", "role": "user",
+                  "content": [{"type": "input_text", "text": items}]}]
+    out = []
+    for item in items:
+        kind = item.get("type", "message")
+        prefix = {"message": "msg", "function_call": "fc", "function_call_output": "fco",
+                  "reasoning": "rs"}.get(kind, "item")
+        one = {"id": item.get("id") or item_id(prefix), **item, "type": kind}
+        if kind == "message" and isinstance(one.get("content"), str):
+            part = "output_text" if one.get("role") == "assistant" else "input_text"
+            one["content"] = [{"type": part, "text": one["content"]}]
+        out.append(one)
+    return out
+
+
 def chat_tools(tools: list[dict] | None) -> list[dict] | None:
     """Responses' flat function tools -> chat's {type: function, function: {...}}."""
     if not tools:

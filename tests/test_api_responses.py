@@ -267,6 +267,20 @@ def test_stored_responses_are_private_to_the_key_that_made_them(scripted):
         alice.responses.retrieve(r.id)
 
 
+def test_a_stored_responses_input_items_are_listed_with_the_sdk(scripted):
+    s = scripted("hello")
+    c = s.client()
+    r = c.responses.create(model="scripted", input=[
+        {"role": "user", "content": "first"}, {"role": "assistant", "content": "reply"},
+        {"role": "user", "content": [{"type": "input_text", "text": "second"}]}])
+    items = c.responses.input_items.list(r.id)
+    assert [i.content[0].text for i in items.data] == ["second", "reply", "first"]
+    asc = c.responses.input_items.list(r.id, order="asc", limit=2)
+    assert [i.content[0].text for i in asc.data] == ["first", "reply"] and asc.has_more
+    assert [i.content[0].text for i in c.responses.input_items.list(
+        r.id, order="asc", after=asc.data[-1].id).data] == ["second"]
+
+
 def test_store_false_keeps_nothing(scripted):
     import openai
     s = scripted("hello")
