@@ -8,12 +8,13 @@ The vLLM sampling fields chat accepts (top_k, min_p, seed, stop, repetition_pena
 Glassbox's own (`glassbox`, `interventions`) pass through under their chat names."""
 from __future__ import annotations
 
+import json
 import secrets
 from typing import Any
 
 from pydantic import Field
 
-from .errors import bad_request
+from .errors import APIError, bad_request
 from .limits import parse_body
 from .protocol import ChatCompletionRequest, Lenient
 
@@ -258,14 +259,11 @@ def chat_request(req: ResponsesRequest, history: list[dict]) -> tuple[ChatComple
                 response_format=response_format(req.text))
     if req.tool_choice not in (None, "auto", "none") and not req.tools:
         raise bad_request("tool_choice needs tools", "tool_choice")
+    # as JSON, strictly, as the chat route parses its body: a passed-through field is held to
+    # the same types ("ignore_eos": "true" is a 400 here too)
+    raw = json.dumps(body).encode()     # escaped: a lone surrogate reads back as it came
     try:
-        return ChatCompletionRequest.model_validate(body), conversation
-    except Exception as e:      # a passed-through field of the wrong type
-        from pydantic import ValidationError
-
-        from .errors import from_validation
-        if isinstance(e, ValidationError):
-            err = from_validation(e)
-            err.param = response_id_param(err.param)
-            raise err from None
+        return parse_body(raw, ChatCompletionRequest), conversation
+    except APIError as e:
+        e.param = response_id_param(e.param)
         raise

@@ -322,6 +322,8 @@ def test_the_store_is_bounded_least_recently_used_first():
     ({"input": "hi", "background": True}, "background"),
     ({"input": "hi", "messages": []}, "messages"),
     ({"input": "hi", "top_k": "many"}, "top_k"),
+    ({"input": "hi", "ignore_eos": "true"}, "ignore_eos"),
+    ({"input": "hi", "glassbox": {"watch": "yes"}}, "glassbox.watch"),
 ])
 def test_a_bad_request_is_a_400_naming_the_field(scripted, body, param):
     r = scripted().post(body)
