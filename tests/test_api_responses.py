@@ -281,6 +281,16 @@ def test_a_stored_responses_input_items_are_listed_with_the_sdk(scripted):
         r.id, order="asc", after=asc.data[-1].id).data] == ["second"]
 
 
+def test_a_keyed_server_wants_its_key_on_every_responses_route(served):
+    import httpx
+    for method, path in [("POST", "/v1/responses"), ("GET", "/v1/responses/resp-x"),
+                         ("GET", "/v1/responses/resp-x/input_items"),
+                         ("DELETE", "/v1/responses/resp-x")]:
+        r = httpx.request(method, served.url + path, json={"input": "hi"} if method == "POST"
+                          else None, headers={"Authorization": "Bearer wrong"}, timeout=30)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+
+
 def test_store_false_keeps_nothing(scripted):
     import openai
     s = scripted("hello")
