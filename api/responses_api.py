@@ -48,10 +48,9 @@ def response_fields(req, job, created: int) -> dict:
             "glassbox": job.meta.glassbox()}
 
 
-def add_responses_routes(router: APIRouter, open_job, current_engine,
-                         store: ResponseStore) -> None:
+def add_responses_routes(router: APIRouter, open_job, store: ResponseStore) -> None:
     """`open_job(request, parse, chat, id_prefix)`: the routes' own start of a request
-    (api.routes); `current_engine()`: the engine now (503 while a model switches)."""
+    (api.routes: parsed, checked and started in the engine as a chat request is)."""
 
     def parser(request: Request, kept: dict):
         """raw body -> the chat request (on the prepare pool); `kept`: the Responses request and

@@ -275,7 +275,7 @@ def build_router(engines, api_key: str | None = None, *, limits: Limits | None =
         return Response(data, media_type="application/zip", headers={
             "Content-Disposition": f'attachment; filename="{request_id}.zip"'})
 
-    add_responses_routes(router, open_job, current_engine, ResponseStore())
+    add_responses_routes(router, open_job, ResponseStore())
 
     open_ops, keyed_ops = build_ops_routers(engines, current_engine, auth, metrics)
     # each route carries its own router's dependencies (the key or none): one list of routes
