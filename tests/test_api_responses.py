@@ -357,6 +357,14 @@ def test_langchain_use_responses_api_invoke(served):
     assert "".join(chunk.text for chunk in chat.stream("what is 2 + 2?")) == text
 
 
+def test_langchain_use_responses_api_batch(served):
+    chat = _langchain(served, temperature=0, max_tokens=6)
+    prompts = ["hi", "what is 2 + 2?", "tell me a story"]
+    outs = chat.batch(prompts)          # a thread per request
+    assert [o.text for o in outs] == [chat_text(served, [{"role": "user", "content": p}], 6)[0]
+                                      for p in prompts]
+
+
 def test_langchain_use_responses_api_bind_tools(served):
     ai = _langchain(served, temperature=0, max_tokens=60).bind_tools(
         [WEATHER], tool_choice="required", parallel_tool_calls=False).invoke("Weather in Paris?")
