@@ -41,13 +41,14 @@ class ResponsesRequest(Lenient):
     background: bool = False
     top_logprobs: int | None = None
     conversation: Any = None
+    stream_options: dict[str, Any] | None = None    # include_obfuscation: nothing to obfuscate
 
 
 # chat fields that the Responses API names otherwise: sent here under their chat name, a 400
 # that says which field to use
 _CHAT_NAMES = {"messages": "input", "max_tokens": "max_output_tokens",
                "max_completion_tokens": "max_output_tokens", "response_format": "text.format",
-               "n": None, "stream_options": None, "logprobs": None, "echo": None,
+               "n": None, "logprobs": None, "echo": None,
                "continue_final_message": None, "add_generation_prompt": None}
 # request fields of the chat path a reply needs nothing else for
 _PASSED = ("model", "stream", "temperature", "top_p", "user", "metadata", "parallel_tool_calls")

@@ -228,6 +228,25 @@ def test_a_tool_call_reply_streams_its_text_then_the_call(scripted):
     assert final.output[1].name == "get_weather" and final.output[1].status == "completed"
 
 
+def test_every_event_and_the_response_validate_against_the_sdks_types(scripted):
+    """Validated, not merely constructed (the SDK constructs without checking)."""
+    import httpx
+    from openai.types.responses import Response, ResponseStreamEvent
+    from pydantic import TypeAdapter
+    s = scripted(THINK_REPLY.replace("Hello there!", TOOL_REPLY))
+    body = {"input": "Weather?", "tools": [WEATHER], "max_output_tokens": 200}
+    Response.model_validate(s.post(body).json())
+    streamed = {**body, "stream": True, "stream_options": {"include_obfuscation": False}}
+    with httpx.stream("POST", s.url + "/v1/responses", json=streamed,
+                      timeout=30) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    adapter = TypeAdapter(ResponseStreamEvent)
+    types = [adapter.validate_python(e).type for e in events]
+    assert types[-1] == "response.completed" and "response.reasoning_text.delta" in types
+    assert [e["item"]["type"] for e in events if e["type"] == "response.output_item.done"] == \
+        ["reasoning", "message", "function_call"]
+
+
 def test_the_second_turn_sees_the_first_turns_reply_and_tool_calls(scripted):
     s = scripted(TOOL_REPLY)
     c = s.client()
