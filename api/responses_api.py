@@ -33,6 +33,13 @@ def sse_event(event: dict) -> bytes:
     return b"event: " + event["type"].encode() + b"\n" + sse(event)
 
 
+def logprobs_of(job, ev) -> list[dict]:
+    """The event's token logprobs in chat's (and the Responses API's) shape, when asked for."""
+    if not job.want_logprobs or ev.logprobs is None:
+        return []
+    return job.logprobs_for([ev.logprobs])["content"]
+
+
 def response_fields(req, job, created: int) -> dict:
     """The response object's fields that do not change while it is generated."""
     chat = job.choices[0].spec.params
@@ -105,7 +112,8 @@ def add_responses_routes(router: APIRouter, open_job, store: ResponseStore) -> N
                         return
                     ch.reply.add(ev)
                     calls = len(builder.parser.calls)
-                    events = builder.feed(ev.text, ev.token_id is not None)
+                    events = builder.feed(ev.text, ev.token_id is not None,
+                                          logprobs_of(job, ev))
                     if len(builder.parser.calls) > calls and not ev.finished:
                         llm.annotate(ch.spec.request_id, tool_calls_note(builder.parser.calls))
                     if ev.finished:
@@ -130,7 +138,7 @@ def add_responses_routes(router: APIRouter, open_job, store: ResponseStore) -> N
                 job.close()
                 raise engine_error(ev, "input", True, ch.spec.request_id)
             ch.reply.add(ev)
-            builder.feed(ev.text, ev.token_id is not None)
+            builder.feed(ev.text, ev.token_id is not None, logprobs_of(job, ev))
         job.finish(ch)
         r = ch.reply
         builder.finish(r.finish_reason, r.prompt_tokens, r.completion_tokens)

@@ -39,11 +39,12 @@ class ResponsesRequest(Lenient):
     truncation: str | None = None
     include: list[str] | None = None
     background: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
     conversation: Any = None
     stream_options: dict[str, Any] | None = None    # include_obfuscation: nothing to obfuscate
 
 
+LOGPROBS = "message.output_text.logprobs"      # `include`: the output text's token logprobs
 # chat fields that the Responses API names otherwise: sent here under their chat name, a 400
 # that says which field to use
 _CHAT_NAMES = {"messages": "input", "max_tokens": "max_output_tokens",
@@ -84,9 +85,6 @@ def checked(req: ResponsesRequest) -> None:
     if req.conversation is not None:
         raise bad_request("conversation objects are not supported: continue a conversation "
                           "with previous_response_id", "conversation")
-    if req.top_logprobs:
-        raise bad_request("top_logprobs is not supported on /v1/responses: use "
-                          "/v1/chat/completions with logprobs", "top_logprobs")
     if req.truncation not in (None, "disabled", "auto"):
         raise bad_request(f"truncation must be 'disabled' or 'auto', got {req.truncation!r}",
                           "truncation")
@@ -258,6 +256,8 @@ def chat_request(req: ResponsesRequest, history: list[dict]) -> tuple[ChatComple
                 tools=chat_tools(req.tools),
                 tool_choice=chat_tool_choice(req.tool_choice) if req.tools else None,
                 response_format=response_format(req.text))
+    if req.top_logprobs is not None or LOGPROBS in (req.include or ()):
+        body.update(logprobs=True, top_logprobs=req.top_logprobs or 0)
     if req.tool_choice not in (None, "auto", "none") and not req.tools:
         raise bad_request("tool_choice needs tools", "tool_choice")
     # as JSON, strictly, as the chat route parses its body: a passed-through field is held to

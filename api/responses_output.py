@@ -31,6 +31,7 @@ class OutputBuilder:
         self.reasoning_tokens = 0
         self.usage: dict | None = None
         self.status = "in_progress"
+        self.logprobs: list[dict] = []      # tokens not yet shown (held back or reasoning)
 
     # ---- events --------------------------------------------------------------------------------
     def event(self, kind: str, **fields) -> dict:
@@ -54,8 +55,11 @@ class OutputBuilder:
                 self.event("response.in_progress", response=self.snapshot())]
 
     # ---- the reply -----------------------------------------------------------------------------
-    def feed(self, text: str, is_token: bool = True) -> list[dict]:
-        """One engine event's text -> the stream events it makes."""
+    def feed(self, text: str, is_token: bool = True, logprobs: list | None = None
+             ) -> list[dict]:
+        """One engine event's text (and its token's logprobs entry, when asked for) -> the
+        stream events it makes. A token's logprobs go with the output text it shows in."""
+        self.logprobs += logprobs or ()
         before = self.parser.phase
         events = self._apply(self.parser.feed(text))
         if is_token and "reasoning" in (before, self.parser.phase):
@@ -71,6 +75,8 @@ class OutputBuilder:
                                                                          "completed")
         if not self.output and self.current is None:    # an empty reply: one empty message
             events += self._open("message")
+        if self.logprobs and self.current is not None and self.current["type"] == "message":
+            events += self._text("message", "")     # the last tokens' (EOS: no text)
         events += self._close("completed" if self.status == "completed" else "incomplete")
         self.usage = {"input_tokens": prompt_tokens,
                       "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
@@ -120,7 +126,11 @@ class OutputBuilder:
         item["content"][0]["text"] += text
         delta = "response.output_text.delta" if kind == "message" else \
             "response.reasoning_text.delta"
-        extra = {"logprobs": []} if kind == "message" else {}
+        lps, self.logprobs = self.logprobs, []     # a reasoning token's are not shown
+        extra = {}
+        if kind == "message":
+            item["content"][0]["logprobs"] += lps
+            extra = {"logprobs": lps}
         events.append(self.event(delta, item_id=item["id"], output_index=at, content_index=0,
                                  delta=text, **extra))
         return events
@@ -139,7 +149,7 @@ class OutputBuilder:
         events = [self.event("response.output_item.added", output_index=at,
                              item=json.loads(json.dumps(item))),
                   self.event("response.content_part.added", item_id=item["id"], output_index=at,
-                             content_index=0, part=dict(part))]
+                             content_index=0, part=json.loads(json.dumps(part)))]
         item["content"].append(part)
         self.current = item
         return events
@@ -153,7 +163,7 @@ class OutputBuilder:
         item["status"] = status
         done = "response.output_text.done" if item["type"] == "message" else \
             "response.reasoning_text.done"
-        extra = {"logprobs": []} if item["type"] == "message" else {}
+        extra = {"logprobs": part["logprobs"]} if item["type"] == "message" else {}
         return [self.event(done, item_id=item["id"], output_index=at, content_index=0,
                            text=part["text"], **extra),
                 self.event("response.content_part.done", item_id=item["id"], output_index=at,

@@ -173,6 +173,24 @@ def test_text_format_json_schema_gives_json_matching_the_schema(served):
     assert isinstance(json.loads(r.output_text)["ok"], bool)
 
 
+def test_logprobs_are_chat_completions_logprobs_whole_and_streamed(served):
+    c = served.client()
+    kw = dict(model=served.model, input="hello", max_output_tokens=8, temperature=0,
+              top_logprobs=2, include=["message.output_text.logprobs"])
+    r = c.responses.create(**kw)
+    chat = c.chat.completions.create(model=served.model, max_tokens=8, temperature=0,
+                                     messages=[{"role": "user", "content": "hello"}],
+                                     logprobs=True, top_logprobs=2)
+    want = [(t.token, t.logprob, [a.token for a in t.top_logprobs])
+            for t in chat.choices[0].logprobs.content]
+    got = r.output[0].content[0].logprobs
+    assert [(t.token, t.logprob, [a.token for a in t.top_logprobs]) for t in got] == want
+    events = list(c.responses.create(**kw, stream=True))
+    streamed = [t.token for e in events if e.type == "response.output_text.delta"
+                for t in e.logprobs]
+    assert streamed == [t.token for t in got]
+
+
 def test_a_watched_response_has_a_trace_like_any_api_request(served):
     import httpx
     r = served.post("/v1/responses", {"input": "hi", "max_output_tokens": 3,
@@ -352,6 +370,7 @@ def test_the_store_is_bounded_least_recently_used_first():
     ({"input": "hi", "messages": []}, "messages"),
     ({"input": "hi", "top_k": "many"}, "top_k"),
     ({"input": "hi", "ignore_eos": "true"}, "ignore_eos"),
+    ({"input": "hi", "top_logprobs": 21}, "top_logprobs"),
     ({"input": "hi", "glassbox": {"watch": "yes"}}, "glassbox.watch"),
 ])
 def test_a_bad_request_is_a_400_naming_the_field(scripted, body, param):
