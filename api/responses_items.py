@@ -135,7 +135,7 @@ def input_messages(items: str | list[dict]) -> list[dict]:
             if role not in ("user", "system", "developer", "assistant"):
                 raise bad_request(f"{where}.role must be 'user', 'system', 'developer' or "
                                   f"'assistant', got {role!r}", f"{where}.role")
-            parts = ("output_text", "refusal") if role == "assistant" else ("input_text",)
+            parts = ("output_text",) if role == "assistant" else ("input_text",)
             text = _text_of(item.get("content"), f"{where}.content", parts + ("text",))
             if role == "assistant":
                 msg = assistant()
