@@ -256,6 +256,12 @@ def chat_request(req: ResponsesRequest, history: list[dict]) -> tuple[ChatComple
                 tools=chat_tools(req.tools),
                 tool_choice=chat_tool_choice(req.tool_choice) if req.tools else None,
                 response_format=response_format(req.text))
+    effort = (req.reasoning or {}).get("effort")
+    kwargs = body.get("chat_template_kwargs")
+    if effort == "none" and (kwargs is None or isinstance(kwargs, dict)):
+        # Qwen3's hybrid templates: no thinking (a template without the variable ignores it);
+        # the client's own enable_thinking wins
+        body["chat_template_kwargs"] = {"enable_thinking": False, **(kwargs or {})}
     if req.top_logprobs is not None or LOGPROBS in (req.include or ()):
         body.update(logprobs=True, top_logprobs=req.top_logprobs or 0)
     if req.tool_choice not in (None, "auto", "none") and not req.tools:

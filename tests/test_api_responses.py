@@ -285,6 +285,14 @@ def test_chat_fields_pass_through_under_their_chat_names(scripted):
     assert s.llm.tokenizer.decode(s.llm.prompts[-1]).endswith("<think>\n\n</think>\n\n")
 
 
+def test_reasoning_effort_none_turns_qwen3_thinking_off(scripted):
+    s = scripted("ok")
+    assert s.post({"input": "hi", "reasoning": {"effort": "none"}}).status_code == 200
+    assert s.llm.tokenizer.decode(s.llm.prompts[-1]).endswith("<think>\n\n</think>\n\n")
+    assert s.post({"input": "hi", "reasoning": {"effort": "high"}}).status_code == 200
+    assert s.llm.tokenizer.decode(s.llm.prompts[-1]).endswith("<|im_start|>assistant\n")
+
+
 # ---- the store ---------------------------------------------------------------------------------
 def test_stored_responses_are_private_to_the_key_that_made_them(scripted):
     import openai
