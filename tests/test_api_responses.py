@@ -265,6 +265,27 @@ def test_every_event_and_the_response_validate_against_the_sdks_types(scripted):
         ["reasoning", "message", "function_call"]
 
 
+def test_a_client_that_leaves_mid_stream_aborts_the_request_and_stores_nothing(scripted):
+    import time
+
+    import httpx
+    s = scripted("word " * 400)
+    s.llm.token_s = 0.01
+    with httpx.stream("POST", s.url + "/v1/responses", json={"input": "hi", "stream": True},
+                      timeout=30) as r:
+        for line in r.iter_lines():
+            if '"response.output_text.delta"' in line:
+                break           # leave after the first token
+    deadline = time.time() + 10
+    while not s.llm._aborted and time.time() < deadline:
+        time.sleep(0.05)
+    (rid,) = s.llm._aborted         # the response's id is its engine request's
+    assert rid.startswith("resp-")
+    import openai
+    with pytest.raises(openai.NotFoundError):
+        s.client().responses.retrieve(rid)
+
+
 def test_the_second_turn_sees_the_first_turns_reply_and_tool_calls(scripted):
     s = scripted(TOOL_REPLY)
     c = s.client()
