@@ -11,6 +11,7 @@ import numpy as np
 import plotly.graph_objects as go
 
 from engine.anatomy import KVDataPlane, ShapeRow, TPPlan, WeightBreakdown
+from views.byte_ticks import linear_byte_axis, log_byte_axis
 from views.figures_common import Figure, empty_figure, fmt_bytes, make_figure  # noqa: F401
 
 GROUP_COLOURS = {
@@ -91,7 +92,8 @@ def weights_figure(w: WeightBreakdown) -> Figure:
     return _figure(traces, title, uirevision="anatomy-weights",
                    height=height, annotations=callouts, barmode="stack", legend=TOP_LEGEND,
                    margin=dict(l=110, r=20, t=top, b=40),
-                   xaxis=dict(title="bytes", rangemode="tozero"), yaxis=dict(autorange="reversed"))
+                   xaxis=dict(title="bytes", rangemode="tozero", **linear_byte_axis(sum_bytes)),
+                   yaxis=dict(autorange="reversed"))
 
 
 # ---- KV cache data plane ---------------------------------------------------------------------
@@ -174,8 +176,8 @@ def tp_bytes_figure(plans: Sequence[TPPlan], running_tp: int) -> Figure:
         traces, f"What one rank holds at each degree (budget {fmt_bytes(plans[0].gpu_bytes)} "
                 f"× {plans[0].utilisation:g} per GPU)",
         uirevision="anatomy-tp-bytes", height=330, barmode="stack", legend=TOP_LEGEND,
-        annotations=notes, yaxis=dict(type="log", title="bytes",
-                                      range=[math.log10(low), math.log10(top * 3)]))
+        annotations=notes, yaxis=dict(title="bytes", range=[math.log10(low), math.log10(top * 3)],
+                                      **log_byte_axis(low, top * 3)))
 
 
 # ---- depth vs width --------------------------------------------------------------------------
