@@ -96,6 +96,20 @@ def demo_choices() -> dict[str, str]:
     return {k: str(v) for k, v in found.items() if (v / "config.json").exists()}
 
 
+def switch_choices(model: str | None, no_switch: bool = False) -> tuple[str | None, dict]:
+    """(the model to load, the demos the model switch offers): both demos when no --model was
+    given or when it names one of them (then given as the switch knows it, so the selector
+    shows it chosen); none for any other checkpoint, or with --no-model-switch."""
+    demos = {} if no_switch else demo_choices()
+    if model is None:
+        return model, demos
+    named = Path(model).expanduser()
+    for path in demos.values():
+        if named.exists() and named.resolve() == Path(path).resolve():
+            return path, demos
+    return model, {}
+
+
 SYNC_S = 2.0   # how often each page checks that the model it shows is still the one loaded
 
 
@@ -348,7 +362,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(refusal)
     check_port(args.host, args.port)
     raise_fd_limit()            # the connection cap, not the OS, bounds connections
-    model, banner = resolve_model(args.model)
+    model, choices = switch_choices(args.model, args.no_model_switch)
+    model, banner = resolve_model(model)
     llm_kwargs = dict(engine_kwargs(args), record_expert_load=True)
     if banner is not None and args.device in (None, "cpu") and args.num_kv_blocks is None:
         llm_kwargs["num_kv_blocks"] = 256   # the tiny fallback: a cache the map shows whole
@@ -363,7 +378,6 @@ def main(argv: list[str] | None = None) -> None:
         stages.bar.close()
         sys.exit(f"could not load {model}: {e}")
     stages.next()
-    choices = demo_choices() if args.model is None and not args.no_model_switch else {}
     shared = (resolve_api_key(args.api_key) is not None or args.share
               or args.host not in ("127.0.0.1", "localhost", "::1"))
     demo = build_app(llm, banner=banner, choices=choices, llm_kwargs=llm_kwargs,
