@@ -197,7 +197,7 @@ def build(hub, conversation, box, system, max_tokens) -> WhatIf:
                 fig = None
             return md, fig
         except (ValueError, RuntimeError) as e:
-            return f"⚠️ {html.escape(str(e))}", None
+            return f"**Cannot compare:** {html.escape(str(e))}", None
 
     inputs = [conversation, box, system, max_tokens, kind, layer, ids, prompt_a, prompt_b,
               scale, positions]

@@ -208,7 +208,7 @@ def build(hub: EngineHub) -> LiveTab:
             ids = fire_burst(hub, int(n), int(max_tokens))
         except ValueError as e:
             gr.Warning(str(e))
-            return f"⚠️ {e}"
+            return f"**Burst not fired:** {e}"
         return f"fired {len(ids)} requests sharing a {len(BURST_SYSTEM.split())}-word system prompt"
 
     burst.click(on_burst, [burst_n, burst_tokens], burst_status, api_visibility="private")

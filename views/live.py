@@ -137,7 +137,7 @@ class EngineHub(ServingHub):
                 f"{llm.num_kv_blocks} KV blocks × {llm.block_size} tokens · "
                 f"max {llm.max_model_len} tokens")
         if self.switching:
-            line = f"⏳ loading **{self.switching}** (replies wait) · was: " + line
+            line = f"Loading **{self.switching}** (replies wait) · was: " + line
         return line
 
     def is_demo(self) -> bool:
