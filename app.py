@@ -181,7 +181,9 @@ def build_app(llm, *, banner: str | None = None, choices: dict[str, str] | None 
                 ev.then(live.refresh, live.inputs, live.outputs, api_visibility="private",
                         show_progress="hidden", show_progress_on=live.inputs[:1] or [seen])
 
-        sync_outputs = [model_line, switch, chat_parts.max_tokens, chat_parts.examples, seen]
+        whatif = chat_parts.whatif
+        sync_outputs = [model_line, switch, chat_parts.max_tokens, chat_parts.examples,
+                        whatif.kind, whatif.help, seen]
 
         def sync(seen_state):
             """The model line, selector and model limits as they are now on the server: a new
@@ -193,7 +195,10 @@ def build_app(llm, *, banner: str | None = None, choices: dict[str, str] | None 
             return [hub.model_line(),
                     gr.Dropdown(value=hub.current_choice(), interactive=not hub.switching),
                     gr.Slider(maximum=limit, label=chat.max_tokens_label(hub.llm)),
-                    gr.Row(visible=hub.is_demo()), now]
+                    gr.Row(visible=hub.is_demo()),
+                    gr.Radio(choices=interventions.kinds_for(bool(hub.llm.moe_layers)),
+                             value="ablate heads"),
+                    interventions.form_help(hub.llm), now]
 
         def on_switch(choice, seen_state):
             if choice and choice != hub.current_choice() and not hub.switching:

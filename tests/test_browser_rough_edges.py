@@ -56,3 +56,34 @@ def test_a_token_index_past_the_end_snaps_to_the_last_token(running, browser):
     assert f"token **{last}**" in page.inner_text("#layers-status") or \
         f"token {last}" in page.inner_text("#layers-status")
     page.context.close()
+
+
+def test_the_what_if_form_shows_steering_fields_only_for_steer(running, browser):
+    page = open_app(browser, running.url)
+    page.click("#iv-accordion button")                   # open the accordion
+    page.wait_for_selector("#iv-kind")
+    assert not page.is_visible("#iv-prompt-a")
+    options = page.locator("#iv-kind label").all_inner_texts()
+    assert any("mask experts" in o for o in options) == bool(running.llm.moe_layers), options
+    page.locator("#iv-kind label", has_text="steer").click()
+    page.wait_for_selector("#iv-prompt-a", state="visible")
+    page.locator("#iv-kind label", has_text="ablate heads").click()
+    page.wait_for_selector("#iv-prompt-a", state="hidden")
+    page.context.close()
+
+
+def test_cached_free_blocks_are_drawn_only_when_asked(running, browser):
+    page = open_app(browser, running.url)
+    send(page, "Copy: glass box", 8, ignore_eos=False)
+    reply_done(page, 1)                 # its blocks stay cached but free
+    show_tab(page, "kv")
+    page.wait_for_selector("#kv-grid .kv-show-cached")
+    root = "document.querySelector('#kv-grid .kv-map')"
+    wait_js(page, f"() => {root}.dataset.showCached === '0'", what="cached blocks hidden")
+    page.check("#kv-grid .kv-show-cached")
+    wait_js(page, f"() => {root}.dataset.showCached === '1'", what="cached blocks shown")
+    page.reload()                       # remembered per browser
+    show_tab(page, "kv")
+    wait_js(page, f"() => ({root} || {{dataset: {{}}}}).dataset.showCached === '1'",
+            what="the choice kept after a reload")
+    page.context.close()
