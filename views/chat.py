@@ -195,7 +195,10 @@ def build(hub: EngineHub) -> ChatParts:
             gr.Markdown("Each reply is one engine request, streamed token by token; the other "
                         "tabs show its internals live (Layers follows your latest reply).",
                         elem_classes=["gb-help"], elem_id="chat-help")
-            chatbot = gr.Chatbot(elem_id="chat-log", height=440, show_label=False,
+            # the log grows with the window but leaves the first screen (900 px) room for the
+            # message box, its buttons, the reply's stats, the notes and the "What if" header
+            chatbot = gr.Chatbot(elem_id="chat-log", height="max(260px, calc(100vh - 600px))",
+                                 show_label=False,
                                  render_markdown=False, latex_delimiters=[], buttons=[],
                                  feedback_options=None,
                                  placeholder="Say something: the reply streams from the engine, "
