@@ -124,7 +124,7 @@ def build_app(llm, *, banner: str | None = None, choices: dict[str, str] | None 
     import gradio as gr
 
     from api.model_names import check_names
-    from views import anatomy, chat, engine_view, interventions, kv_cache, layers
+    from views import anatomy, chat, engine_view, interventions, kv_cache, layers, tour
     from views.live import EngineHub, LiveTab
     from views.live_plot import preload_plotly
 
@@ -160,6 +160,7 @@ def build_app(llm, *, banner: str | None = None, choices: dict[str, str] | None 
                 engine_tab = engine_view.build(hub)
             with gr.Tab("Anatomy", id="anatomy", elem_id="tab-anatomy") as tab_anatomy:
                 anatomy_timer = anatomy.build(hub)
+        tour.build(hub.is_demo(), llm.block_size)     # the first run's guided walk, once
         # the Layers tab's layer and head pickers and its routing chart, by their elem_ids
         by_id = {getattr(c, "elem_id", None): c for c in layers_tab.inputs + layers_tab.outputs}
         interventions.wire_from_layers(rerun_head, by_id["layers-layer"], by_id["layers-head"],

@@ -6,8 +6,8 @@ arrow strikes through a label; no canvas chart shortened a label to fit or drew 
 folder (tests/test_browser.py SHOTS) to look at."""
 import pytest
 
-from test_browser import (ReplyDriver, browser, running, screenshot, send,  # noqa: F401
-                          show_tab)
+from test_browser import (ReplyDriver, browser, quiet_context, running, screenshot,  # noqa: F401
+                          send, show_tab)
 from ui_helpers import wait_until
 
 pytestmark = pytest.mark.slow
@@ -97,7 +97,7 @@ FIT_JS = """([tab]) => {
 @pytest.mark.parametrize("size", SIZES, ids=[f"{w}x{h}" for w, h in SIZES])
 def test_every_tab_fits_its_window_while_a_reply_streams(running, browser, size):
     w, h = size
-    page = browser.new_context(viewport={"width": w, "height": h}).new_page()
+    page = quiet_context(browser, w, h).new_page()
     page.set_default_timeout(60_000)
     page.goto(running.url)
     page.wait_for_selector("#chat-input textarea")

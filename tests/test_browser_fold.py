@@ -4,7 +4,7 @@ header are all on the first screen after a reply; at 1024×768 every example but
 it, and the message box shows its whole placeholder."""
 import pytest
 
-from test_browser import browser, running, send  # noqa: F401
+from test_browser import browser, quiet_context, running, send  # noqa: F401
 from test_browser_newcomer import reply_done
 
 pytestmark = pytest.mark.slow
@@ -20,7 +20,7 @@ PLACEHOLDER_JS = """() => { const t = document.querySelector('#chat-input textar
 
 
 def open_at(browser, url, w, h):
-    page = browser.new_context(viewport={"width": w, "height": h}).new_page()
+    page = quiet_context(browser, w, h).new_page()
     page.set_default_timeout(60_000)
     page.goto(url)
     page.wait_for_selector("#chat-input textarea")

@@ -45,6 +45,7 @@ def overlay_figure(ta, tb, step: int, decode) -> Figure:
                          {"untouched": UNTOUCHED, "intervened": INTERVENED})
     return make_figure(
         data, title, uirevision="iv-overlay", height=320, margin=dict(l=60, r=20, t=64, b=44),
-        xaxis=dict(domain=[0, 0.44], title="after layer"), yaxis=dict(title="‖resid‖"),
+        xaxis=dict(domain=[0, 0.44], title="after layer", type="category"),
+        yaxis=dict(title="‖resid‖"),
         xaxis2=dict(domain=[0.56, 1], title="layer", anchor="y2", dtick=1),
         yaxis2=dict(anchor="x2", range=[0, 1.05], title="p(own token)"))

@@ -16,6 +16,7 @@ from typing import Callable, NamedTuple
 import gradio as gr
 
 from engine import Intervention, ProbeSpec, SamplingParams
+from views import try_this
 from views.figures_interventions import overlay_figure
 from views.live_plot import live_plot, plot_value
 
@@ -138,21 +139,27 @@ def build(hub, conversation, box, system, max_tokens) -> WhatIf:
     moe = bool(getattr(llm.runner, "moe_layers", []))
     with gr.Accordion("What if: re-run with an intervention", open=False,
                       elem_id="iv-accordion") as accordion:
-        help_md = gr.Markdown(form_help(llm), elem_id="iv-help")
         with gr.Row():
-            kind = gr.Radio(kinds_for(moe), value="ablate heads", label="what",
-                            elem_id="iv-kind")
-            layer = gr.Number(value=cfg.num_hidden_layers - 1, precision=0, label="layer",
-                              elem_id="iv-layer")
-            ids = gr.Textbox("0", label="heads / experts (e.g. 0, 3)", elem_id="iv-ids")
-        # the steering fields mean nothing to an ablation: shown only while "steer" is picked
-        with gr.Row(visible=False, elem_id="iv-steer-row") as steer_row:
-            prompt_a = gr.Textbox("", label="steer: towards prompt A", elem_id="iv-prompt-a")
-            prompt_b = gr.Textbox("", label="steer: away from prompt B", elem_id="iv-prompt-b")
-            scale = gr.Number(value=2.0, label="scale", elem_id="iv-scale")
-            positions = gr.Radio(["all", "prompt", "generated"], value="all",
-                                 label="positions", elem_id="iv-positions")
-        run = gr.Button("Compare", variant="secondary", elem_id="iv-compare")
+            with gr.Column(scale=3):
+                help_md = gr.Markdown(form_help(llm), elem_id="iv-help")
+                with gr.Row():
+                    kind = gr.Radio(kinds_for(moe), value="ablate heads", label="what",
+                                    elem_id="iv-kind")
+                    layer = gr.Number(value=cfg.num_hidden_layers - 1, precision=0,
+                                      label="layer", elem_id="iv-layer")
+                    ids = gr.Textbox("0", label="heads / experts (e.g. 0, 3)",
+                                     elem_id="iv-ids")
+                # the steering fields mean nothing to an ablation: shown only for "steer"
+                with gr.Row(visible=False, elem_id="iv-steer-row") as steer_row:
+                    prompt_a = gr.Textbox("", label="steer: towards prompt A",
+                                          elem_id="iv-prompt-a")
+                    prompt_b = gr.Textbox("", label="steer: away from prompt B",
+                                          elem_id="iv-prompt-b")
+                    scale = gr.Number(value=2.0, label="scale", elem_id="iv-scale")
+                    positions = gr.Radio(["all", "prompt", "generated"], value="all",
+                                         label="positions", elem_id="iv-positions")
+                run = gr.Button("Compare", variant="secondary", elem_id="iv-compare")
+            tries = try_this.build(hub)         # effects found on this demo, one click each
         out = gr.Markdown("", elem_id="iv-result")
         plot = live_plot("iv-plot")
     kind.change(lambda k: gr.Row(visible=k == "steer"), kind, steer_row,
@@ -190,6 +197,8 @@ def build(hub, conversation, box, system, max_tokens) -> WhatIf:
     inputs = [conversation, box, system, max_tokens, kind, layer, ids, prompt_a, prompt_b,
               scale, positions]
     run.click(on_compare, inputs, [out, plot], api_name="compare_intervention")
+    try_this.wire(tries, hub, [kind, layer, ids, prompt_a, prompt_b, scale, positions, box,
+                               system, accordion], (on_compare, inputs, [out, plot]))
     return WhatIf(accordion, kind, layer, ids, on_compare, inputs, [out, plot], help_md)
 
 
