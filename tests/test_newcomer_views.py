@@ -159,7 +159,7 @@ def test_layers_follow_this_pages_reply_and_server_wide_is_one_choice():
         assert t - 1 <= slider_max(t, False) <= t + 7
 
 
-def test_norm_weights_get_a_callout_in_the_weights_bar():
+def test_norm_weights_are_named_in_the_weights_bars_note():
     from test_figures_anatomy import make_anatomy
     from views import figures_anatomy as FA
     a = make_anatomy("qwen3")
@@ -168,10 +168,10 @@ def test_norm_weights_get_a_callout_in_the_weights_bar():
     thin = [p for p in a.weights.parts if p.params and p.params * a.weights.elem_bytes
             < FA.MIN_VISIBLE * total]
     assert thin, "the tiny model has norms far under the visible share"
-    notes = fig["layout"]["annotations"]
-    assert len(notes) == len(thin)
-    for p, n in zip(thin, notes):
-        assert p.label in n["text"] and fmt_bytes(p.params * a.weights.elem_bytes) in n["text"]
+    (note,) = fig["layout"]["annotations"]        # one note under the bar, no arrows
+    assert not note["showarrow"]
+    for p in thin:
+        assert p.label in note["text"] and fmt_bytes(p.params * a.weights.elem_bytes) in note["text"]
     assert sum(t["x"][0] for t in fig["data"]) == a.weights.total_bytes    # widths exact
 
 
