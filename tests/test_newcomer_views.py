@@ -171,7 +171,8 @@ def test_norm_weights_are_named_in_the_weights_bars_note():
     (note,) = fig["layout"]["annotations"]        # one note under the bar, no arrows
     assert not note["showarrow"]
     for p in thin:
-        assert p.label in note["text"] and fmt_bytes(p.params * a.weights.elem_bytes) in note["text"]
+        assert p.label in note["text"]
+        assert fmt_bytes(p.params * a.weights.elem_bytes) in note["text"]
     assert sum(t["x"][0] for t in fig["data"]) == a.weights.total_bytes    # widths exact
 
 

@@ -337,8 +337,8 @@ def build(hub: EngineHub) -> ChatParts:
     # no `cancels`: the aborted reply's own handler ends with an empty chat (CLEARED), so its
     # last word is always the empty one; cancelling it could leave a streamed update that
     # arrived after Clear's on the page
-    # the chat log's own clear (bin) icon empties only the log on the page: the conversation (what the
-    # next message sends) must go with it, so it is the Clear button's twin
+    # the chat log's own clear (bin) icon empties only the log on the page: the conversation
+    # (what the next message sends) must go with it, so it is the Clear button's twin
     gr.on([clear.click, chatbot.clear], on_clear, None, [chatbot, conversation, stats, send],
           api_visibility="private", queue=False, show_progress="hidden",
           show_progress_on=[conversation])
