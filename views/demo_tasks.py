@@ -22,8 +22,8 @@ _TASKS = [re.compile(p, re.IGNORECASE) for p in (
     r"sort these numbers: [\d ]+",
     r"tell me about .+", r"continue: .+")]
 DEMO_NOTE = ("**Note:** this tiny demo checkpoint (3–5 M parameters) was trained only on sums, "
-             "copy, reverse, word counts and sorting (the example buttons) and on Python-docs prose "
-             "(assets/README.md): other prompts get fluent nonsense. For a real model run "
+             "copy, reverse, word counts and sorting (the example buttons) and on Python-docs "
+             "prose (assets/README.md): other prompts get fluent nonsense. For a real model run "
              "`python app.py --model Qwen/Qwen3-0.6B` (any HF Qwen directory or hub id).")
 
 
