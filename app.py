@@ -143,6 +143,7 @@ def build_app(llm, *, banner: str | None = None, choices: dict[str, str] | None 
                                  label="model (shared by everyone on this server)",
                                  visible=len(hub.choices) > 1, elem_id="model-switch", scale=0,
                                  min_width=300)
+            tour.restart_button()
         gr.Markdown(banner or "", visible=bool(banner), elem_id="banner")
         preload_plotly()
         model_line = gr.Markdown(hub.model_line(), elem_id="model-line")

@@ -62,7 +62,7 @@ def test_the_tour_sends_an_example_shows_its_blocks_layers_and_tries_an_effect(r
     page.context.close()
 
 
-def test_skipping_the_tour_ends_it_for_good(running, browser):
+def test_skipping_the_tour_ends_it_for_good_until_asked_again(running, browser):
     page = fresh_page(browser, running.url)
     page.click(".gb-tour-skip")
     assert page.locator("#gb-tour-card").count() == 0
@@ -70,6 +70,8 @@ def test_skipping_the_tour_ends_it_for_good(running, browser):
     page.wait_for_selector("#chat-input textarea")
     page.wait_for_timeout(1000)
     assert page.locator("#gb-tour-card").count() == 0
+    page.click("#tour-start")                           # the header's "Guided tour"
+    page.wait_for_selector("#gb-tour-card")
     page.context.close()
 
 

@@ -16,6 +16,8 @@ import gradio as gr
 JS = Path(__file__).with_name("tour.js").read_text()
 TEMPLATE = '<div class="gb-tour"></div>'
 DONE_KEY = "gb-tour-done"           # localStorage: the tour was finished or skipped here
+# the header's "Guided tour" button: forget that it was done, and start it on a fresh page
+RESTART_JS = f"() => {{ localStorage.removeItem('{DONE_KEY}'); location.reload(); }}"
 
 
 def tour_steps(demo: bool, block_size: int) -> list[dict]:
@@ -45,6 +47,14 @@ def tour_steps(demo: bool, block_size: int) -> list[dict]:
              "text": "Its layers: the logit lens reads each layer's guess for the next token, "
                      "so you see where the answer forms. Click a column to scrub to a token."},
             last]
+
+
+def restart_button() -> gr.Button:
+    """For the page's header: take the tour again (it runs in the browser only)."""
+    button = gr.Button("Guided tour", size="sm", variant="secondary", elem_id="tour-start",
+                       scale=0, min_width=120)
+    button.click(None, js=RESTART_JS, api_visibility="private", queue=False)
+    return button
 
 
 def build(demo: bool, block_size: int) -> gr.HTML:
