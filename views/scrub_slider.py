@@ -14,4 +14,6 @@ class ScrubSlider(gr.Slider):
     is_template = True          # the page draws it as a plain Slider
 
     def preprocess(self, payload: float | None) -> float | None:
+        if payload is None:         # an emptied box: the handler keeps the token it has
+            return None
         return gr.Number.round_to_precision(payload, self.precision)
