@@ -1,5 +1,6 @@
-"""The Engine tab's latency table counts every request the engine finishes (issue 52.4): a
-finish listener feeds it, so requests sent while no tab polls the engine are not missed."""
+"""The Engine tab's latency table counts every request the engine finishes (issue 52.4), and
+its history their steps: a finish listener feeds both, so requests sent while no tab polls the
+engine are not missed."""
 import time
 from types import SimpleNamespace
 
@@ -32,9 +33,12 @@ def test_requests_sent_with_no_tab_open_are_all_counted():
     require_engine()
     from engine import SamplingParams
     running = shared_app()
-    before = history_for(running.hub).latency(time.time())["requests"]
+    hist = history_for(running.hub)
+    before = hist.latency(time.time())["requests"]
+    tokens = sum(b.decode_tokens for b in hist.series())
     n = 6
     running.hub.llm.generate([f"Count to {i}." for i in range(n)],
-                             SamplingParams(temperature=0.0, max_tokens=4))
-    wait_until(lambda: history_for(running.hub).latency(time.time())["requests"] >= before + n,
-               timeout=30)
+                             SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    wait_until(lambda: hist.latency(time.time())["requests"] >= before + n, timeout=30)
+    # and their steps are in the tokens/s history, read by no tab
+    assert sum(b.decode_tokens for b in hist.series()) >= tokens + 3 * n

@@ -92,13 +92,21 @@ class EngineHub(ServingHub):
         self._count_finishes()
 
     def _count_finishes(self) -> None:
-        """Every request the engine finishes goes into the Engine tab's latencies (API ones
-        included), whether or not a tab is open to read the engine: a finish listener, once
-        per engine."""
+        """Every request the engine finishes goes into the Engine tab's latencies and its steps
+        into its history (API ones included), whether or not a tab is open to read the engine:
+        a finish listener, once per engine."""
         llm = self.llm
         if llm is None or llm in self._counted:
             return
-        llm.finish_listeners.append(lambda ev: history_for(self).finish(ev))
+        cursor = 0
+
+        def on_finish(ev) -> None:      # the engine thread, holding its (reentrant) lock
+            nonlocal cursor
+            h = history_for(self)
+            steps, cursor = llm.steps_since(cursor)
+            h.fold_steps(steps)
+            h.finish(ev)
+        llm.finish_listeners.append(on_finish)
         self._counted.add(llm)
 
     def switch(self, choice: str) -> None:

@@ -5,10 +5,10 @@ gone from it within seconds. Each live tab folds every snapshot it reads into on
 StepHistory per hub, keyed by step_id so each step is counted once: the last two minutes in
 one-second buckets, older time in ten-second buckets, up to HISTORY_S.
 
-Latencies do not depend on a tab being open: the hub hands every finished request's final
-event to `finish` (an engine finish listener, views/live.py), with the engine's own timings
-(time to first token and end to end from its arrival, queueing included; time per output
-token over its decode).
+Nor does it depend on a tab being open: the hub's engine finish listener (views/live.py) folds
+the steps run since its last call (the engine keeps 256) and hands every finished request's
+final event to `finish`, with the engine's own timings (time to first token and end to end
+from its arrival, queueing included; time per output token over its decode).
 """
 from __future__ import annotations
 
@@ -75,10 +75,14 @@ class StepHistory:
 
     def fold(self, snap: EngineSnapshot) -> None:
         """Add the snapshot's steps not folded yet (each step once)."""
+        self.fold_steps(snap.steps)
+
+    def fold_steps(self, steps: Sequence[StepTrace]) -> None:
+        """Add the steps not folded yet (each step once, by step id), oldest first."""
         with self.lock:
-            new = [s for s in snap.steps if s.step_id > self.last_step_id]
-            if snap.steps and snap.steps[-1].step_id < self.last_step_id:   # engine restarted
-                new = list(snap.steps)
+            new = [s for s in steps if s.step_id > self.last_step_id]
+            if steps and steps[-1].step_id < self.last_step_id:   # engine restarted
+                new = list(steps)
             for s in new:
                 self._add_step(s)
             if new:
