@@ -95,7 +95,7 @@ function drawHeatmap(ctx, s, width, height) {
                                    cb.title ? ctx.measureText(cb.title).width - 16 : 0) : 12;
   const span = Math.max(cols, s.x_end || cols);       // the x range may run past the data
   // the first turned label reaches half its width left of its tick
-  const px = Math.max(yw, labelled ? 0.5 * lw + 4 : 0), py = (s.vlines || []).some(m => m.label) ? 40 : 28, pw = Math.max(40, width - yw - right), ph = Math.max(20, height - py - bottom);
+  const px = Math.max(yw, labelled ? 0.5 * lw + 4 : 0), py = (s.vlines || []).some(m => m.label) ? 40 : 28, pw = Math.max(40, width - px - right), ph = Math.max(20, height - py - bottom);
   const cw = pw / span, rh = ph / Math.max(rows, 1);
   geom = {px, py, pw, ph, cw, rh, rows, cols};
   // cells: one pixel each in an offscreen image, scaled up without smoothing
