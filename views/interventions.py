@@ -70,7 +70,9 @@ def compare(orig, edited, decode, what: str) -> str:
              "| untouched | intervened |", "| --- | --- |",
              f"| {_cell(orig.text) or '∅'} | {_cell(edited.text) or '∅'} |", ""]
     if part is None:
-        lines.append("Same tokens from start to end.")
+        # an edit that changes nothing says where edits that do are to be found
+        lines.append("Same tokens from start to end. This edit changes nothing in this reply: "
+                     "try another layer or head, or (on a demo) one from the *Try this* list.")
     else:
         lines.append(f"**They part at token {part}**: untouched "
                      + (_tok(decode, a[part]) if part < len(a) else "(ended)")
