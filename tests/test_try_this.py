@@ -4,7 +4,7 @@ real checkpoint's tour has no demo-specific step."""
 import json
 
 from ui_helpers import ROOT  # noqa: F401  (puts the repo on sys.path)
-from views.found_effects import FoundEffects, cache_key
+from views.found_effects import FoundEffects, cache_key, cache_path
 from views.tour import tour_steps
 from views.try_this import effect_label, status_text
 
@@ -18,7 +18,7 @@ def test_a_cached_search_is_read_back_at_once(tmp_path, monkeypatch):
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
     (ckpt / "config.json").write_text("{}")
-    path = tmp_path / "cache" / "effects" / f"{cache_key(str(ckpt), 'sys')}.json"
+    path = cache_path(str(ckpt), "sys", {})
     path.parent.mkdir(parents=True)
     path.write_text(json.dumps([EFFECT]))
     store = FoundEffects("sys")

@@ -48,6 +48,13 @@ def cache_key(model_path: str, system: str) -> str:
     return h.hexdigest()[:32]
 
 
+def cache_path(model_path: str, system: str, engine_kwargs: dict) -> Path:
+    """Where a search's result is kept: one file per checkpoint, system prompt, search source
+    and the engine's device and dtype (greedy replies may differ by dtype)."""
+    settings = repr(sorted((k, str(v)) for k, v in engine_kwargs.items()))
+    return cache_dir() / "effects" / f"{cache_key(model_path, system + settings)}.json"
+
+
 class FoundEffects:
     """Per checkpoint path: None while its search runs, then its effects (dicts with the
     fields of find_interventions.Effect), or an error line."""
@@ -68,24 +75,25 @@ class FoundEffects:
             if key in self._found:
                 return
             self._found[key] = None
-        path = cache_dir() / "effects" / f"{cache_key(key, self.system)}.json"
+        # the search's engine: the page's device and dtype
+        kw = {k: v for k, v in (llm_kwargs or {}).items() if k in ("device", "dtype")}
+        path = cache_path(key, self.system, kw)
         try:
             self._set(key, json.loads(path.read_text()))
             return
         except (OSError, ValueError):
             pass
-        threading.Thread(target=self._search, args=(key, path, llm_kwargs or {}),
+        threading.Thread(target=self._search, args=(key, path, kw),
                          name="glassbox-find-effects", daemon=True).start()
 
     def _set(self, key: str, value) -> None:
         with self._lock:
             self._found[key] = value
 
-    def _search(self, key: str, path: Path, llm_kwargs: dict) -> None:
+    def _search(self, key: str, path: Path, kw: dict) -> None:
         from engine import LLM
         try:
             # a small cache of its own: the search runs one batch of short prompts at a time
-            kw = {k: v for k, v in llm_kwargs.items() if k in ("device", "dtype")}
             with LLM(key, num_kv_blocks=64, **kw) as llm:
                 found = [e.to_dict() for e in _tool().search(llm, self.system)]
         except Exception as e:      # noqa: BLE001 — a failed search must not touch the page
