@@ -56,3 +56,19 @@ def test_example_buttons_and_placeholder_whole_at_1024x768(running, browser):
     width, room = page.evaluate(PLACEHOLDER_JS)
     assert width <= room, f"the placeholder is {width:.0f} px in a {room:.0f} px box"
     page.context.close()
+
+
+def test_the_open_what_if_form_and_its_list_fit_at_1024x768(running, browser):
+    if not running.hub.is_demo():
+        pytest.skip("no bundled demo checkpoint")
+    from test_browser_fit import FIT_JS
+    from ui_helpers import wait_until
+    wait_until(lambda: running.hub.found_effects.get(running.llm.model_path), timeout=180)
+    page = open_at(browser, running.url, 1024, 768)
+    page.click("#iv-accordion > button")
+    page.wait_for_selector("#iv-try-0", state="visible")
+    page.locator("#iv-kind label", has_text="steer").click()      # the widest form
+    page.wait_for_selector("#iv-prompt-a", state="visible")
+    problems = page.evaluate(FIT_JS, ["chat"])
+    assert not problems, problems
+    page.context.close()
