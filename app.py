@@ -392,6 +392,8 @@ def main(argv: list[str] | None = None) -> None:
                      public_traces=args.public_traces or not shared,
                      served_model_names=tuple(args.served_model_name or ()))
     stages.next()
+    from views.try_this import found_store
+    found_store(demo.hub)       # on a demo: its Try-this search starts now, off the request path
     from api.limits import Limits
     limits = Limits(max_request_bytes=args.max_request_bytes,
                     max_stop_strings=args.max_stop_strings, max_stop_chars=args.max_stop_chars,

@@ -62,8 +62,8 @@ def test_the_open_what_if_form_and_its_list_fit_at_1024x768(running, browser):
     if not running.hub.is_demo():
         pytest.skip("no bundled demo checkpoint")
     from test_browser_fit import FIT_JS
-    from ui_helpers import wait_until
-    wait_until(lambda: running.hub.found_effects.get(running.llm.model_path), timeout=180)
+    from test_browser_tour import found
+    found(running)
     page = open_at(browser, running.url, 1024, 768)
     page.click("#iv-accordion > button")
     page.wait_for_selector("#iv-try-0", state="visible")

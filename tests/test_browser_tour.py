@@ -21,7 +21,8 @@ def fresh_page(browser, url):
 
 def found(running) -> list[dict]:
     """The effects the search found on the shared app's checkpoint (waits for the search)."""
-    store = running.hub.found_effects
+    from views.try_this import found_store
+    store = found_store(running.hub)                    # starts the search if no page did
     return wait_until(lambda: store.get(running.llm.model_path), timeout=180)
 
 

@@ -56,8 +56,9 @@ def found_store(hub) -> FoundEffects:
 
 
 def build(hub) -> TryThis:
-    """The list's components, inside the caller's column."""
-    found_store(hub)
+    """The list's components, inside the caller's column. The search starts when a page first
+    asks for it (or at the command line's start, app.main), not here: an app built for API
+    tests never pays for it."""
     with gr.Column(visible=hub.is_demo(), elem_id="iv-try", min_width=240) as column:
         status = gr.Markdown(SEARCHING, elem_id="iv-try-status")
         buttons = [gr.Button("", visible=False, size="sm", variant="secondary",
