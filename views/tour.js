@@ -42,7 +42,7 @@ async function go(k) {
   unmark();
   const tab = document.getElementById(`tab-${s.tab}-button`);
   if (tab && tab.getAttribute('aria-selected') !== 'true') tab.click();
-  if (s.open && !visible('#iv-kind')) {            // an accordion: open it once
+  if (s.open && !visible(s.opened)) {              // an accordion: open it once
     const head = await shown(`${s.open} > button`);
     if (head) head.click();
   }

@@ -30,11 +30,13 @@ def tour_steps(demo: bool, block_size: int) -> list[dict]:
              {"tab": "chat", "target": "#chat-input",
               "text": "Type a message and press Send: each reply is one engine request, "
                       "streamed token by token. Then press Next."})
-    last = ({"tab": "chat", "target": "#iv-try", "open": "#iv-accordion", "click": "#iv-try-0",
+    # `open`: an accordion to open first, unless `opened` (an element inside it) shows already
+    form = {"open": "#iv-accordion", "opened": "#iv-kind"}
+    last = ({"tab": "chat", "target": "#iv-try", **form, "click": "#iv-try-0",
              "text": "What if? A search on this demo found interventions whose effect shows. "
                      "Next tries the first: the same message re-run with it, beside the "
                      "untouched reply, and where the two part."} if demo else
-            {"tab": "chat", "target": "#iv-accordion", "open": "#iv-accordion",
+            {"tab": "chat", "target": "#iv-accordion", **form,
              "text": "What if? Re-run your last message with attention heads ablated, or the "
                      "residual stream steered, beside the untouched reply; the Layers tab's "
                      "button does it for the head you pick there."})
