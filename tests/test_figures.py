@@ -673,14 +673,14 @@ def test_history_figure_spans_each_bucket_and_reaches_back_to_the_first(rng):
 
 def test_latency_table_has_p50_p90_p99_in_ms():
     from views.figures_engine import latency_table
-    lat = {"requests": 3, "tokens": 9, "ttft": [0.012, 0.02, 0.5], "itl": None,
+    lat = {"requests": 3, "ttft": [0.012, 0.02, 0.5], "tpot": None,
            "e2e": [1.0, 2.0, 3.0]}
     spec = latency_table(lat, 300)
     assert spec["head"] == ["", "p50", "p90", "p99"]
     assert spec["rows"] == [["time to first token (ms)", "12", "20", "500"],
-                            ["inter-token (ms)", "—", "—", "—"],
+                            ["time per output token (ms)", "—", "—", "—"],
                             ["end to end (ms)", "1000", "2000", "3000"]]
-    assert "rows" not in latency_table({"requests": 0, "tokens": 0}, 300)
+    assert "rows" not in latency_table({"requests": 0}, 300)
 
 
 def test_tp_map_places_each_head_on_its_rank(rng):

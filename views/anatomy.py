@@ -59,7 +59,7 @@ def _trace(hub: EngineHub, rid: str | None):
         return None
 
 
-SWITCHING = "⏳ The model is being switched: this tab redraws when the new one is up."
+SWITCHING = "The model is being switched: this tab redraws when the new one is up."
 
 
 def _during_switch(on_switch):

@@ -258,15 +258,16 @@ def _ms(v: float) -> str:
 
 
 def latency_table(lat: dict, window_s: float) -> dict:
-    """The latency panel: TTFT, inter-token and end-to-end p50 / p90 / p99, in ms."""
+    """The latency panel: TTFT, time per output token and end-to-end p50 / p90 / p99, in ms."""
     title = f"Latency, last {window_s / 60:.0f} min"
-    note = (f"{lat['requests']} requests finished, {lat['tokens']} token gaps; measured in "
-            "engine steps from each request's first scheduled step, queueing before it not "
-            "included")
-    if not lat["requests"] and not lat["tokens"]:
+    note = (f"{lat['requests']} requests finished (every request the engine finished, the "
+            "API's too, whether or not this tab was open); timed by the engine from each "
+            "request's arrival, queueing included")
+    if not lat["requests"]:
         return {"kind": "table", "title": title + ": none yet", "note": note}
     rows = [[name] + ([_ms(v) for v in lat[key]] if lat[key] else ["—"] * 3)
-            for name, key in (("time to first token (ms)", "ttft"), ("inter-token (ms)", "itl"),
+            for name, key in (("time to first token (ms)", "ttft"),
+                              ("time per output token (ms)", "tpot"),
                               ("end to end (ms)", "e2e"))]
     return {"kind": "table", "title": title, "head": ["", "p50", "p90", "p99"], "rows": rows,
             "note": note}

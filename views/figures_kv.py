@@ -213,7 +213,10 @@ def block_tables_html(snap: EngineSnapshot) -> str:
             f'{req}</div>')
     extra = len(snap.block_tables) - MAX_TABLE_ROWS
     tail = f'<div class="kv-note">+{extra} more requests</div>' if extra > 0 else ""
-    return f'<div class="kv-tables">{"".join(rows)}{tail}</div>'
+    head = ('<div class="kv-thead">Block tables: each request\'s blocks in order, as '
+            '<b>physical block ids</b> (the cells of the map above; a shared id is the same '
+            'block in two tables)</div>')
+    return f'<div class="kv-tables">{head}{"".join(rows)}{tail}</div>'
 
 
 def kv_usage_figure(snap: EngineSnapshot, hit_history: Sequence[tuple[float, float]],

@@ -103,12 +103,18 @@ MAP_TEMPLATE = ('<div class="kv-map"><div class="kv-legend"></div>'
                 '<canvas class="kv-canvas"></canvas><div class="kv-note"></div>'
                 '<div class="kv-tip"></div></div>')
 MAP_JS = (Path(__file__).with_name("kv_map.js")).read_text()
-HELP = ("**What this shows:** the paged KV cache. Each cell is one physical block of "
-        "`block size` token slots; a block holds the keys and values of those tokens for every "
-        "layer (L × 2 regions: see Anatomy §3). Colour = the request that owns it, height of the "
-        "fill = slots written, a dot = shared by several requests (a cached prefix), hatching = "
-        "free but still holding a reusable prefix. Hover a block for its text; click it for its "
-        "numbers.")
+def kv_help(block_size: int) -> str:
+    """The tab's "What this shows" line, with this engine's block size in it; it names the
+    marks the map's legend (views/kv_map.js) draws, in the same words."""
+    return (f"**What this shows:** the paged KV cache. Each cell is one physical block of "
+            f"{block_size} token slots; a block holds the keys and values of those tokens for "
+            "every layer (L × 2 regions: see Anatomy §3). Colour = the request that owns it, "
+            "height of the fill = slots written, a dark border with a white dot = shared by "
+            "several requests (a cached prefix), hatching = free but still holding a reusable "
+            "prefix (hidden until you tick *show* in the legend). Hover a block for its text; "
+            "click it for its numbers.")
+
+
 DRILL_HINT = ("Click a block in the map (or type its id) to see its K or V numbers: one row per "
               "token slot, one column per head dimension.")
 
@@ -123,7 +129,7 @@ def build(hub: EngineHub) -> LiveTab:
     """The KV tab's components and events; returns its timer and refresh."""
     timer = gr.Timer(TICK_IDLE_S, active=False)
     last = gr.State({})
-    gr.Markdown(HELP, elem_classes=["gb-help"], elem_id="kv-help")
+    gr.Markdown(kv_help(hub.llm.block_size), elem_classes=["gb-help"], elem_id="kv-help")
     stats = gr.Markdown("", elem_id="kv-stats")
     with gr.Row(visible=getattr(hub, "burst_enabled", True)):      # --no-burst hides it
         burst_n = gr.Slider(2, MAX_BURST, 6, step=1, label="requests in burst", scale=1,
@@ -201,7 +207,7 @@ def build(hub: EngineHub) -> LiveTab:
             ids = fire_burst(hub, int(n), int(max_tokens))
         except ValueError as e:
             gr.Warning(str(e))
-            return f"⚠️ {e}"
+            return f"**Burst not fired:** {e}"
         return f"fired {len(ids)} requests sharing a {len(BURST_SYSTEM.split())}-word system prompt"
 
     burst.click(on_burst, [burst_n, burst_tokens], burst_status, api_visibility="private")
