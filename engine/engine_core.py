@@ -93,6 +93,9 @@ class EngineCore:
         self.masks = GrammarMasks()         # guided rows' bitmask buffers
         self.speculative_config = speculative_config
         self.speculating = False            # some request was added with speculation on
+        # seq -> a proposer (token_ids, k) -> drafts for that request, or None for n-gram: the
+        # benchmark's oracle proposer; the engine itself never sets it
+        self.proposer_for = None
 
     # ---- requests ----------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -115,7 +118,8 @@ class EngineCore:
         if not k or seq.grammar is not None or seq.watch is not None or seq.interventions or \
                 p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0:
             return
-        seq.spec = SpecState(cfg if cfg is not None else SpeculativeConfig(), k)
+        seq.spec = SpecState(cfg if cfg is not None else SpeculativeConfig(), k,
+                             self.proposer_for(seq) if self.proposer_for is not None else None)
         self.speculating = True
 
     def has_work(self) -> bool:

@@ -216,16 +216,20 @@ def test_one_hot_verify_by_sampling_and_comparing_is_the_rejection_rule():
 
 # ---- adaptive back-off -----------------------------------------------------------------------
 def test_a_request_with_low_acceptance_stops_speculating():
-    st = SpecState(SpeculativeConfig(adaptive_window=8), 4)
+    st = SpecState(SpeculativeConfig(adaptive_window=32), 4)
     for i in range(7):
         st.record(DraftVerdict(i, (1, 2, 3, 4), 1, 5))
-    assert st.active                                 # the window is not full yet
+    assert st.active                                 # judged from the 8th proposal on
     st.record(DraftVerdict(7, (1, 2, 3, 4), 0, 5))   # 7 / 32 < 0.3
     assert not st.active and st.propose([1, 2, 1, 2], 4) == []
     good = SpecState(SpeculativeConfig(adaptive_window=8), 4)
     for i in range(20):
         good.record(DraftVerdict(i, (1, 2, 3, 4), 2, 5))
     assert good.active
+    # the window slides: a request that turns bad later stops too
+    for i in range(8):
+        good.record(DraftVerdict(20 + i, (1, 2, 3, 4), 0, 5))
+    assert not good.active
 
 
 # ---- the engine ------------------------------------------------------------------------------
@@ -417,3 +421,43 @@ def test_final_metrics_carry_the_request_speculation_summary(engines):
     m = o.metrics["spec_decode"]
     assert m["num_drafts"] == len(o.drafts)
     assert m["num_accepted_tokens"] == sum(v.num_accepted for v in o.drafts)
+
+
+def test_a_watched_request_beside_speculating_ones_records_what_it_would_alone(qwen3_dir):
+    """Watched requests decode plainly; in a step with verify entries their probes and tokens
+    are those of a batch without speculation (verify rows come after every plain row)."""
+    from engine import ProbeSpec
+    prompts = _prompts(3)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    watch = [None, ProbeSpec(layers=(0, 1)), None]
+    traces = []
+    for spec in (None, NGRAM):
+        with _engine(qwen3_dir, spec) as llm:
+            outs = llm.generate(prompts, params, watch=watch)
+            traces.append((outs, llm.trace(outs[1].request_id)))
+            if spec is not None:
+                assert outs[0].drafts and not outs[1].drafts
+                assert any(t.num_draft_tokens and len(t.entries) > 1
+                           for t in llm.inspect().steps), "no step mixed verify and plain rows"
+    (a, ta), (b, tb) = traces
+    _same(a, b)
+    np.testing.assert_allclose(ta.norms(), tb.norms(), rtol=1e-5, atol=1e-5)
+    for x, y in zip(ta.lens, tb.lens):
+        np.testing.assert_array_equal(x.top_ids, y.top_ids)
+    assert ta.output_token_ids == tb.output_token_ids
+
+
+def test_an_aborted_speculating_request_returns_its_blocks(qwen3_dir):
+    with _engine(qwen3_dir, NGRAM, async_scheduling=True) as llm:
+        long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+        stream = llm.stream(_prompts(1)[0], long, request_id="victim")
+        n = 0
+        for ev in stream:
+            n += 1
+            if n == 12:
+                llm.abort("victim")
+            if ev.finished:
+                assert ev.finish_reason == "abort"
+                break
+        llm.generate(_prompts(2), SamplingParams(temperature=0, max_tokens=5))
+        _drain_check(llm)

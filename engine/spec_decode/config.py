@@ -32,7 +32,8 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
     # adaptive back-off: a request whose drafts were accepted at less than this rate over its
-    # last `adaptive_window` proposals stops speculating (plain decoding costs less then)
+    # last `adaptive_window` proposals (judged from its 8th on) stops speculating for good
+    # (plain decoding costs less then)
     adaptive_min_acceptance: float = 0.3
     adaptive_window: int = 32
 

@@ -28,8 +28,11 @@ class DraftVerdict:
 class SpecState:
     """One request's speculation: k drafts per step while its acceptance stays high enough."""
 
-    def __init__(self, config: SpeculativeConfig, k: int):
+    def __init__(self, config: SpeculativeConfig, k: int, proposer=None):
         self.config = config
+        # (token_ids, k) -> up to k drafts; None: n-gram prompt lookup (bench/spec_decode.py
+        # plugs in an oracle that replays a plain run)
+        self.proposer = proposer
         self.k = k
         self.active = k > 0
         self.drafts: list[int] = []     # in flight: token_ids[position:position + len] hold them
@@ -45,6 +48,8 @@ class SpecState:
         k = min(self.k, limit)
         if not self.active or k < 1:
             return []
+        if self.proposer is not None:
+            return list(self.proposer(token_ids, k))[:k]
         c = self.config
         return propose_ngram(token_ids, k, c.prompt_lookup_min, c.prompt_lookup_max)
 
@@ -56,7 +61,9 @@ class SpecState:
         self.num_draft_tokens += n
         self.num_accepted_tokens += verdict.num_accepted
         self._window.append((n, verdict.num_accepted))
-        if len(self._window) == self._window.maxlen:
+        # judged from min(8, window) proposals on: a request with nothing to find stops paying
+        # for verifies after a few steps, not after a whole window of them
+        if len(self._window) >= min(8, self._window.maxlen):
             drafted = sum(d for d, _ in self._window)
             accepted = sum(a for _, a in self._window)
             if accepted < self.config.adaptive_min_acceptance * drafted:
