@@ -461,3 +461,121 @@ def test_an_aborted_speculating_request_returns_its_blocks(qwen3_dir):
                 break
         llm.generate(_prompts(2), SamplingParams(temperature=0, max_tokens=5))
         _drain_check(llm)
+
+
+# ---- the scheduler with a fake target: rollbacks under budgets, tiny caches, preemption ----------
+def _target(i: int) -> int:
+    """The fake target's token at index i of any sequence (a function of the index only)."""
+    return (i * 7) % 50 + 3
+
+
+def _spec_seq(rid, n, max_tokens, k, alpha, seed):
+    import random
+    from engine.sequence import Sequence
+    rng = random.Random(seed)
+
+    def proposer(ids, kk):      # the target's tokens, each wrong with probability 1 - alpha
+        return [_target(len(ids) + j) if rng.random() < alpha else 1 for j in range(kk)]
+    seq = Sequence(rid, list(range(100, 100 + n)),
+                   SamplingParams(max_tokens=max_tokens, ignore_eos=True), 0)
+    seq.spec = SpecState(SpeculativeConfig(adaptive_min_acceptance=0.0), k, proposer)
+    return seq
+
+
+def _fake_tokens(out) -> list[int]:
+    toks = []
+    for e in out:
+        if e.samples:
+            idx = range(e.start + 1, e.start + 2 + e.num_draft) if e.num_draft else [len(e.seq)]
+            toks += [_target(i) for i in idx]
+    return toks
+
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@settings(max_examples=60, deadline=None)
+@given(lens=st.lists(st.integers(1, 12), min_size=1, max_size=4),
+       max_tokens=st.integers(1, 14), budget=st.integers(1, 16), max_seqs=st.integers(1, 4),
+       bs=st.integers(1, 4), spare=st.integers(0, 6), k=st.integers(1, 5),
+       alpha=st.sampled_from([0.0, 0.5, 0.9, 1.0]), seed=st.integers(0, 1000))
+def test_scheduler_with_speculation_yields_the_targets_tokens_and_leaks_nothing(
+        lens, max_tokens, budget, max_seqs, bs, spare, k, alpha, seed):
+    from engine.block_manager import BlockManager
+    from engine.scheduler import Scheduler
+    need = max(-(-(n + max_tokens) // bs) for n in lens)
+    bm = BlockManager(need + spare, bs)
+    sched = Scheduler(bm, max_seqs, budget, (need + spare) * bs, set())
+    seqs = [_spec_seq(f"s{i}", n, max_tokens, k, alpha, seed + i) for i, n in enumerate(lens)]
+    for s in seqs:
+        sched.add(s)
+    steps = 0
+    while sched.has_work():
+        steps += 1
+        assert steps < 2000, "no progress"
+        out = sched.schedule()
+        assert out
+        assert sum(e.num_tokens for e in out) <= budget and len(out) <= max_seqs
+        for e in out:
+            assert len(e.seq.block_table) * bs >= e.start + e.num_tokens
+        sched.postprocess(out, _fake_tokens(out))
+        bm.check_invariants(sched.all_sequences())
+        for s in seqs:
+            assert not s.spec.drafts and -1 not in s.token_ids
+    for s in seqs:
+        assert s.output_token_ids == [_target(i) for i in
+                                      range(s.num_prompt_tokens, s.num_prompt_tokens + max_tokens)]
+        assert s.finish_reason == "length"
+    assert bm.num_free_blocks == bm.num_blocks
+    # a hashed block holds the real tokens at its place in some request
+    for b in bm.blocks:
+        if b.prefix_hash is not None:
+            assert any(tuple(s.token_ids[i * bs:(i + 1) * bs]) == b.token_ids
+                       for s in seqs for i in range(len(s.token_ids) // bs))
+
+
+def test_a_request_preempted_in_the_step_that_drafted_for_it_drops_its_drafts():
+    from engine.block_manager import BlockManager
+    from engine.scheduler import Scheduler
+    from engine.sequence import Sequence
+    bm = BlockManager(5, 2)
+    sched = Scheduler(bm, 4, 64, 64, set())
+    a = _spec_seq("a", 3, 20, 1, 1.0, 0)
+    b = Sequence("b", [9, 9, 9, 9], SamplingParams(max_tokens=20, ignore_eos=True), 0)
+    a.priority = 1                       # a (older, lower priority) is the one preempted
+    sched.add(a)
+    sched.postprocess(sched.schedule(), [_target(3)])      # a's prefill: 2 blocks
+    a.spec.active = False
+    sched.add(b)
+    sched.postprocess(sched.schedule(), [_target(4), 5])   # a decodes, b prefills: 4 blocks
+    assert bm.num_free_blocks == 1
+    a.spec.active = True
+    proposed = []
+    propose = a.spec.propose
+    a.spec.propose = lambda ids, limit: proposed.append(1) or propose(ids, limit)
+    # a drafts one token into the last free block; b then needs a block: a is preempted
+    out = sched.schedule()
+    assert proposed
+    assert a.status.value == "waiting" and not a.spec.drafts
+    assert a.token_ids == [100, 101, 102, _target(3), _target(4)]
+    assert [e.seq for e in out] == [b]
+    bm.check_invariants(sched.all_sequences())
+
+
+def test_an_abort_while_a_verify_is_in_flight_drops_the_drafts():
+    from engine.block_manager import BlockManager
+    from engine.scheduler import Scheduler
+    bm = BlockManager(16, 2)
+    sched = Scheduler(bm, 4, 64, 64, set())
+    a = _spec_seq("a", 3, 20, 4, 1.0, 0)
+    sched.add(a)
+    sched.postprocess(sched.schedule(), [_target(3)])
+    before = list(a.token_ids)
+    out = sched.schedule()
+    assert out[0].num_draft == 4
+    sched.on_launch(out, 7)
+    sched.finish(a, "abort")
+    assert a.token_ids == before and not a.pending and not a.spec.drafts
+    assert list(sched.on_result(out, _fake_tokens(out), 7)) == []
+    assert bm.num_free_blocks == bm.num_blocks
