@@ -30,3 +30,20 @@ def test_spec_decode_counters_use_vllms_names(qwen3_dir):
     per_pos = [samples.get(("vllm:spec_decode_num_accepted_tokens_per_pos_total", str(i)), 0)
                for i in range(3)]
     assert sum(per_pos) == accepted and per_pos == sorted(per_pos, reverse=True)
+
+
+def test_the_engine_tab_headline_tells_the_acceptance_rate():
+    from engine.records import StepTrace
+    from views.engine_view import speculation_note
+
+    def trace(i, verifies):
+        return StepTrace(step_id=i, wall_time=0.0, entries=[], num_prefill_tokens=0,
+                         num_decode_tokens=1, t_schedule=0, t_prepare=0, t_forward=0,
+                         t_sample=0, graph_bucket=None, num_running=1, num_waiting=0,
+                         kv_usage=0.1, num_draft_tokens=sum(len(d) for _, d, _ in verifies),
+                         num_accepted_tokens=sum(a for _, _, a in verifies), verifies=verifies)
+    assert speculation_note([trace(0, ())]) == ""
+    note = speculation_note([trace(0, (("r", (1, 2, 3, 4), 3),)), trace(1, ()),
+                             trace(2, (("r", (5, 6, 7, 8), 1),))])
+    assert "**50%** of 8 draft tokens accepted" in note
+    assert "**3.00** tokens per verify" in note
