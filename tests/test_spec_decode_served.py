@@ -47,3 +47,16 @@ def test_the_engine_tab_headline_tells_the_acceptance_rate():
                              trace(2, (("r", (5, 6, 7, 8), 1),))])
     assert "**50%** of 8 draft tokens accepted" in note
     assert "**3.00** tokens per verify" in note
+
+
+def test_the_chat_reply_stats_tell_how_much_drafting_paid():
+    from engine.sequence import TokenEvent
+    from views.chat import format_stats
+    m = {"num_output_tokens": 20, "prefix_cached_blocks": 0,
+         "spec_decode": {"num_drafts": 5, "num_draft_tokens": 18, "num_accepted_tokens": 11,
+                         "speculating": True}}
+    line = format_stats(TokenEvent("chat-1", None, "", "", True, "stop", metrics=m), "done")
+    assert "**11** of 18 drafted tokens accepted (5 verifies)" in line
+    plain = format_stats(TokenEvent("chat-2", None, "", "", True, "stop",
+                                    metrics={"num_output_tokens": 3}), "done")
+    assert "drafted" not in plain
