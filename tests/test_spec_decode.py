@@ -579,3 +579,13 @@ def test_an_abort_while_a_verify_is_in_flight_drops_the_drafts():
     assert a.token_ids == before and not a.pending and not a.spec.drafts
     assert list(sched.on_result(out, _fake_tokens(out), 7)) == []
     assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_spec_state_proposes_from_the_tokens_it_was_given_as_they_grow():
+    st = SpecState(SpeculativeConfig(prompt_lookup_min=1, prompt_lookup_max=3), 3)
+    ids = [1, 2, 3, 4, 1, 2]
+    assert st.propose(ids, 3) == [3, 4, 1]
+    ids += [3, 9, 9, 9] * 20 + [1, 2]
+    assert st.propose(ids, 3) == propose_ngram(ids, 3, 1, 3)
+    ids += [5]
+    assert st.propose(ids, 2) == propose_ngram(ids, 2, 1, 3)

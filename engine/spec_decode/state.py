@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+import numpy as np
+
 from .config import SpeculativeConfig
 from .ngram import propose_ngram
 
@@ -42,6 +44,21 @@ class SpecState:
         self.num_drafts = 0
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
+        # the request's tokens as int64, grown in place: at a proposal token_ids holds no draft
+        # and only ever grew since the last one, so only the new tail is copied (not O(length))
+        self._ids = np.zeros(0, np.int64)
+        self._n = 0
+
+    def _token_array(self, token_ids) -> np.ndarray:
+        n = len(token_ids)
+        if n > len(self._ids):
+            grown = np.zeros(max(2 * len(self._ids), n + 64), np.int64)
+            grown[:self._n] = self._ids[:self._n]
+            self._ids = grown
+        if n > self._n:
+            self._ids[self._n:n] = token_ids[self._n:n]
+        self._n = n
+        return self._ids[:n]
 
     def propose(self, token_ids, limit: int) -> list[int]:
         """Up to min(k, limit) drafts continuing token_ids (none when inactive)."""
@@ -51,7 +68,8 @@ class SpecState:
         if self.proposer is not None:
             return list(self.proposer(token_ids, k))[:k]
         c = self.config
-        return propose_ngram(token_ids, k, c.prompt_lookup_min, c.prompt_lookup_max)
+        return propose_ngram(self._token_array(token_ids), k, c.prompt_lookup_min,
+                             c.prompt_lookup_max)
 
     def record(self, verdict: DraftVerdict) -> None:
         """Count one verify; back off for good when the recent acceptance rate is too low."""
