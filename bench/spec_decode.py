@@ -8,7 +8,9 @@ token with probability 1 - alpha, alpha chosen so the acceptance rate (vLLM's: a
 drafted tokens; a draft after a wrong one is never accepted) is 100 % / 80 % / 50 %, and 0 %:
 every draft wrong, where the adaptive back-off must make speculation cost almost nothing. Each
 speculative run's tokens are checked against the plain run's (`exact`): speculation must not
-change greedy output.
+change greedy output. Then the many-request workload (bench/throughput.py's: 256 requests,
+seeded sampling at temperature 0.6) with n-gram speculation on and off: output tok/s, and the
+share of requests whose tokens are plain decoding's (seeded: all, up to batch numerics).
 Per run: tok/s, the measured acceptance (accepted / drafted draft tokens) and tokens per decode
 step (the step cost model: speculation wins when tokens per step beats the verify step's cost
 over a plain step's)."""
@@ -28,6 +30,7 @@ from bench.common import (TINY_OF, base_parser, build_engine, error_row, finish_
 
 FULL = dict(prompt_len=128, new_tokens=256)
 TINY = dict(prompt_len=16, new_tokens=24)
+TINY_WORKLOAD = dict(prompt_len=(8, 48), output_len=(4, 16))
 K = 4
 RATES = (1.0, 0.8, 0.5, 0.0)       # target acceptance rates (accepted / drafted)
 
@@ -144,9 +147,45 @@ def run(llm, id_high: int, vocab: int, prompt_len: int, new_tokens: int, repeats
     return rows
 
 
+def workload(llm, model: str, num_requests: int, tiny: bool, dev, bench: str) -> list[dict]:
+    """Many requests at once, speculation off then on (n-gram, K tokens), same seeded params."""
+    from bench.common import make_workload, timed
+    kw = dict(TINY_WORKLOAD) if tiny else {}
+    reqs = make_workload(num_requests, seed=0, id_stream=0, id_high=min(10000, vocab_size(model)),
+                         **kw)
+    prompts = [r.prompt for r in reqs]
+    rows, outs, base = [], {}, None
+    note = f"{num_requests} requests (throughput.py's workload), temperature 0.6, seeded"
+    for system, k in (("workload-plain", 0), ("workload-ngram", K)):
+        params = [sampling(temperature=0.6, seed=i, ignore_eos=True, max_tokens=r.max_tokens,
+                           num_speculative_tokens=k) for i, r in enumerate(reqs)]
+        got, secs = timed(lambda: llm.generate(prompts, params), dev)
+        tokens = sum(len(o.token_ids) for o in got)
+        outs[system] = got
+        tok_s = tokens / secs
+        log(f"{system}: {tokens} tokens in {secs:.2f}s = {tok_s:,.0f} tok/s")
+        rows.append(row(bench, model, system, "output_tok_s", tok_s, "tok/s", note))
+        if base is None:
+            base = tok_s
+        else:
+            drafted = sum(len(v.drafted) for o in got for v in o.drafts)
+            accepted = sum(v.num_accepted for o in got for v in o.drafts)
+            same = sum(a.token_ids == b.token_ids for a, b in
+                       zip(outs["workload-plain"], got)) / len(got)
+            rows += [row(bench, model, system, "speedup", tok_s / base, "x",
+                         "output tok/s over plain decoding's"),
+                     row(bench, model, system, "acceptance",
+                         accepted / drafted if drafted else None, "ratio",
+                         f"accepted / drafted draft tokens ({drafted} drafted)"),
+                     row(bench, model, system, "exact_share", same, "ratio",
+                         "requests whose tokens equal plain decoding's")]
+    return rows
+
+
 def main(model: str = "qwen3-0.6b", device: str | None = None, dtype=None, repeats: int = 3,
          tiny: bool = False, floors: bool = True, bench: str = "spec_decode",
-         engine_kwargs: dict | None = None) -> list[dict]:
+         engine_kwargs: dict | None = None, num_requests: int | None = 256) -> list[dict]:
+    """num_requests: the many-request workload's size (None or 0: skip it; tiny: 4)."""
     dev = resolve_device(device)
     dtype = parse_dtype(dtype)
     if tiny:
@@ -160,6 +199,8 @@ def main(model: str = "qwen3-0.6b", device: str | None = None, dtype=None, repea
         llm = build_engine(model, dev, dtype, max_model_len=4096 if not tiny else 256,
                            **(engine_kwargs or {}))
         rows += run(llm, id_high, vocab, repeats=repeats, bench=bench, model=model, **shape)
+        if num_requests:
+            rows += workload(llm, model, 4 if tiny else num_requests, tiny, dev, bench)
     except Exception as exc:
         rows.append(error_row(bench, model, "glassbox", exc))
     finally:
@@ -171,10 +212,13 @@ def main(model: str = "qwen3-0.6b", device: str | None = None, dtype=None, repea
 def cli(argv=None) -> list[dict]:
     p = base_parser(__doc__)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--num-requests", type=int, default=256,
+                   help="the many-request workload's size (0: skip it)")
     a = p.parse_args(argv)
     if a.tiny:
         a.repeats = min(a.repeats, 2)
-    rows = main(a.model, a.device, a.dtype, a.repeats, a.tiny, not a.no_floors)
+    rows = main(a.model, a.device, a.dtype, a.repeats, a.tiny, not a.no_floors,
+                num_requests=a.num_requests)
     finish_cli(rows, "spec_decode", a.json)
     return rows
 

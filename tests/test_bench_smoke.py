@@ -135,6 +135,10 @@ def test_spec_decode_runs_tiny_on_cpu_and_speculation_is_exact():
     assert _by_metric(rows, "oracle-100")["acceptance"] == 1.0
     assert _by_metric(rows, "oracle-0")["acceptance"] == 0.0
     assert _by_metric(rows, "oracle-100")["tokens_per_step"] > 2
+    _assert_positive(_by_metric(rows, "workload-plain"), ["output_tok_s"])
+    many = _by_metric(rows, "workload-ngram")
+    _assert_positive(many, ["output_tok_s", "speedup"])
+    assert many["exact_share"] == 1.0           # seeded sampling: plain decoding's tokens
 
 
 def test_spec_decode_oracle_alpha_gives_the_target_acceptance_rate():
