@@ -248,8 +248,7 @@ class Scheduler:
             if seq.is_finished:                  # aborted or stopped while in flight
                 continue
             if s.num_draft:
-                yield from self._verify(seq, tokens[k - 1 - s.num_draft:k], step_id,
-                                        k - 1 - s.num_draft)
+                yield from self._verify(seq, tokens[k - 1 - s.num_draft:k])
                 continue
             pos = next((p for p, src in seq.pending.items() if src == (step_id, k - 1)), None)
             if pos is None:
@@ -271,8 +270,7 @@ class Scheduler:
             del seq.token_ids[pos + 1:]
             self.finish(seq, "length")
 
-    def _verify(self, seq: Sequence, sampled: list[int], step_id: int, row: int
-                ) -> Iterator[tuple[Sequence, int]]:
+    def _verify(self, seq: Sequence, sampled: list[int]) -> Iterator[tuple[Sequence, int]]:
         """A verify entry's result: the target's tokens at the 1 + k positions (sampled with
         the request's own settings and noise). Drafts are kept while they equal them, then the
         target's token; rollback: the drafts leave token_ids, and blocks that only rejected
