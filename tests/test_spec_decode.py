@@ -589,3 +589,24 @@ def test_spec_state_proposes_from_the_tokens_it_was_given_as_they_grow():
     assert st.propose(ids, 3) == propose_ngram(ids, 3, 1, 3)
     ids += [5]
     assert st.propose(ids, 2) == propose_ngram(ids, 2, 1, 3)
+
+
+def test_a_continuation_reuses_blocks_hashed_from_accepted_drafts(qwen3_dir):
+    """Blocks completed by accepted drafts enter the prefix cache with the right tokens: a
+    request that continues an earlier reply hits them and decodes what plain decoding does."""
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    first = _prompts(1)[0]
+    outs = []
+    for spec in (None, NGRAM):
+        with _engine(qwen3_dir, spec) as llm:
+            a = llm.generate([first], params)[0]
+            cont = first + a.token_ids[:24]
+            b = llm.generate([cont], params)[0]
+            outs.append((a, b))
+            if spec is not None:
+                assert sum(v.num_accepted for v in a.drafts) > 0
+                # past the first prompt's blocks: blocks its decode (verifies) completed
+                assert b.metrics["prefix_cached_blocks"] > len(first) // 4
+                _drain_check(llm)
+    (pa, pb), (sa, sb) = outs
+    _same([pa, pb], [sa, sb])
