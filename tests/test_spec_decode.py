@@ -610,3 +610,17 @@ def test_a_continuation_reuses_blocks_hashed_from_accepted_drafts(qwen3_dir):
                 _drain_check(llm)
     (pa, pb), (sa, sb) = outs
     _same([pa, pb], [sa, sb])
+
+
+def test_speculation_with_tensor_parallelism_equals_plain(qwen3_dir):
+    """TP=2 over gloo: every rank samples the verify rows from the same logits."""
+    params = [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+              SamplingParams(temperature=0.9, seed=3, max_tokens=20, ignore_eos=True)]
+    prompts = _prompts(2)
+    with _engine(qwen3_dir, num_kv_blocks=48) as plain:
+        a = plain.generate(prompts, params)
+    with _engine(qwen3_dir, NGRAM, num_kv_blocks=48, tensor_parallel_size=2) as spec:
+        b = spec.generate(prompts, params)
+        _drain_check(spec)
+    _same(a, b)
+    assert any(o.drafts for o in b)
