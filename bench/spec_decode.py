@@ -137,8 +137,8 @@ def run(llm, id_high: int, vocab: int, prompt_len: int, new_tokens: int, repeats
         alpha = alpha_for(rate)
         runs = []
         for i, p in enumerate(prompts):
-            llm.core.proposer_for = (lambda seq, ref=plain[i]["tokens"]:
-                                     OracleProposer(prompt_len, ref, alpha, vocab, seed=i))
+            llm.core.proposer_for = (lambda seq, ref=plain[i]["tokens"], a=alpha, s=i:
+                                     OracleProposer(prompt_len, ref, a, vocab, seed=s))
             try:
                 runs.append(timed_stream(llm, p, new_tokens, K))
             finally:
@@ -159,7 +159,7 @@ def workload(llm, model: str, num_requests: int, tiny: bool, dev, bench: str) ->
     for system, k in (("workload-plain", 0), ("workload-ngram", K)):
         params = [sampling(temperature=0.6, seed=i, ignore_eos=True, max_tokens=r.max_tokens,
                            num_speculative_tokens=k) for i, r in enumerate(reqs)]
-        got, secs = timed(lambda: llm.generate(prompts, params), dev)
+        got, secs = timed(lambda ps=params: llm.generate(prompts, ps), dev)
         tokens = sum(len(o.token_ids) for o in got)
         outs[system] = got
         tok_s = tokens / secs

@@ -8,6 +8,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from scipy.stats import chisquare
 
 from engine import LLM, SamplingParams
@@ -489,10 +491,6 @@ def _fake_tokens(out) -> list[int]:
             idx = range(e.start + 1, e.start + 2 + e.num_draft) if e.num_draft else [len(e.seq)]
             toks += [_target(i) for i in idx]
     return toks
-
-
-from hypothesis import given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
 
 
 @settings(max_examples=60, deadline=None)
