@@ -108,15 +108,12 @@ class EngineCore:
 
     def _speculation(self, seq: Sequence) -> None:
         """Give seq a SpecState when it speculates: the request's num_speculative_tokens, else
-        the engine's. Requests whose verify would need per-position state the sampler does not
-        keep (count penalties, a grammar), or whose probes and interventions index decode
-        rows, decode plainly."""
+        the engine's. Requests with a grammar (its matcher would have to advance through each
+        draft), or whose probes and interventions index decode rows, decode plainly."""
         cfg, k = self.speculative_config, seq.params.num_speculative_tokens
         if k is None:
             k = cfg.num_speculative_tokens if cfg is not None else 0
-        p = seq.params
-        if not k or seq.grammar is not None or seq.watch is not None or seq.interventions or \
-                p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0:
+        if not k or seq.grammar is not None or seq.watch is not None or seq.interventions:
             return
         seq.spec = SpecState(cfg if cfg is not None else SpeculativeConfig(), k,
                              self.proposer_for(seq) if self.proposer_for is not None else None)
