@@ -33,6 +33,7 @@ from .records import StepEntries, StepTrace
 from .scheduler import ScheduledSeq, Scheduler
 from .sequence import Sequence, TokenEvent, TokenLogprobs
 from .spec_decode.config import SpeculativeConfig
+from .spec_decode.grammar import verify_grammars
 from .spec_decode.state import SpecState
 from .step_history import StepHistory
 from .step_inputs import SamplingBatch, StepInputs, build_step_inputs, prompt_logprob_rows
@@ -108,12 +109,12 @@ class EngineCore:
 
     def _speculation(self, seq: Sequence) -> None:
         """Give seq a SpecState when it speculates: the request's num_speculative_tokens, else
-        the engine's. Requests with a grammar (its matcher would have to advance through each
-        draft), or whose probes and interventions index decode rows, decode plainly."""
+        the engine's. Requests whose probes and interventions index decode rows decode
+        plainly."""
         cfg, k = self.speculative_config, seq.params.num_speculative_tokens
         if k is None:
             k = cfg.num_speculative_tokens if cfg is not None else 0
-        if not k or seq.grammar is not None or seq.watch is not None or seq.interventions:
+        if not k or seq.watch is not None or seq.interventions:
             return
         seq.spec = SpecState(cfg if cfg is not None else SpeculativeConfig(), k,
                              self.proposer_for(seq) if self.proposer_for is not None else None)
@@ -229,7 +230,7 @@ class EngineCore:
                 batch.penalties = self.penalty_slots.batch(
                     row_seqs or [s.seq for s in sampling], prev_step_id)
             if any(s.seq.grammar is not None for s in sampling):
-                self._grammar_mask(batch, sampling, prev_step_id, len(batch))
+                self._grammar_mask(batch, sampling, prev_step_id)
         inp = build_step_inputs(step_id, scheduled, self.bm.block_size, batch, plan,
                                 prev_step_id, self.runner.kernel_config.cascade_min_saved_tokens)
         if self.interventions is not None and self.interventions.active:
@@ -260,13 +261,14 @@ class EngineCore:
                 rows.append(seq)
         return SamplingBatch.build(params, seeds, positions, banned), rows
 
-    def _grammar_mask(self, batch: SamplingBatch, sampling, prev_step_id: int,
-                      num_rows: int) -> None:
+    def _grammar_mask(self, batch: SamplingBatch, sampling, prev_step_id: int) -> None:
         """The guided rows' bitmask now, or (a row's newest token still in flight) a LateMask
-        the runner fills once it has launched the forward. Verify rows (last, never guided)
-        allow everything."""
-        grammars = [s.seq.grammar for s in sampling]
-        grammars += [None] * (num_rows - len(grammars))
+        the runner fills once it has launched the forward. A verify entry's row j is masked
+        as the grammar stands after its drafts 0..j-1 (spec_decode/grammar.py)."""
+        grammars = [s.seq.grammar for s in sampling if not s.num_draft]
+        for s in sampling:
+            if s.num_draft:             # verify entries: after the plain rows
+                grammars += verify_grammars(s.seq.grammar, s.seq.spec.drafts)
         advance = [(s.seq.grammar, pos - s.seq.num_prompt_tokens,
                     s.seq.pending_src(pos, prev_step_id))
                    for s in sampling if s.seq.grammar is not None for pos in s.seq.pending]

@@ -645,3 +645,32 @@ def test_speculation_with_tensor_parallelism_equals_plain(qwen3_dir):
         _drain_check(spec)
     _same(a, b)
     assert any(o.drafts for o in b)
+
+
+def test_guided_requests_speculate_to_the_plain_tokens():
+    """Structured output: verify row j is masked by the grammar after drafts 0..j-1, and the
+    request's matcher consumes only the kept tokens (the reply still parses)."""
+    import json
+    from pathlib import Path
+    demo = str(Path(__file__).resolve().parents[1] / "assets" / "demo-qwen3")
+    schema = {"type": "object", "properties": {
+        "n": {"type": "integer"}, "tags": {"type": "array", "items": {"type": "string"}}},
+        "required": ["n", "tags"], "additionalProperties": False}
+    params = [SamplingParams(temperature=0, max_tokens=120, guided={"json_schema": schema}),
+              SamplingParams(seed=3, max_tokens=120, guided={"json_schema": schema}),
+              SamplingParams(seed=8, max_tokens=120, guided={"regex": "(ab|cd){3,12}"}),
+              SamplingParams(temperature=0, max_tokens=20)]           # unguided beside them
+    prompts = ["a", "b", "c", "Copy: glass box glass box"]
+    outs = []
+    for spec in (None, NGRAM):
+        with LLM(demo, device="cpu", dtype="float32", num_kv_blocks=64,
+                 speculative_config=spec) as llm:
+            outs.append(llm.generate(prompts, params))
+            if spec is not None:
+                _drain_check(llm)
+    _same(outs[0], outs[1])
+    guided = outs[1][:3]
+    assert sum(v.num_accepted for o in guided for v in o.drafts) > 0, \
+        "no draft of a guided request was accepted"
+    for o in guided[:2]:
+        assert set(json.loads(o.text)) == {"n", "tags"}
