@@ -660,15 +660,18 @@ def test_guided_requests_speculate_to_the_plain_tokens():
               SamplingParams(seed=3, max_tokens=120, guided={"json_schema": schema}),
               SamplingParams(seed=8, max_tokens=120, guided={"regex": "(ab|cd){3,12}"}),
               SamplingParams(temperature=0, max_tokens=20)]           # unguided beside them
-    prompts = ["a", "b", "c", "Copy: glass box glass box"]
+    params.append(SamplingParams(seed=4, max_tokens=60, guided={"json_schema": schema},
+                                 num_speculative_tokens=0))          # guided, not speculating
+    prompts = ["a", "b", "c", "Copy: glass box glass box", "d"]
     outs = []
-    for spec in (None, NGRAM):
+    for spec, overlap in ((None, False), (NGRAM, False), (NGRAM, True)):
         with LLM(demo, device="cpu", dtype="float32", num_kv_blocks=64,
-                 speculative_config=spec) as llm:
+                 speculative_config=spec, async_scheduling=overlap) as llm:
             outs.append(llm.generate(prompts, params))
             if spec is not None:
                 _drain_check(llm)
     _same(outs[0], outs[1])
+    _same(outs[0], outs[2])       # overlap: a non-speculating guided row's mask may come late
     guided = outs[1][:3]
     assert sum(v.num_accepted for o in guided for v in o.drafts) > 0, \
         "no draft of a guided request was accepted"
