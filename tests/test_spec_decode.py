@@ -677,3 +677,29 @@ def test_guided_requests_speculate_to_the_plain_tokens():
         "no draft of a guided request was accepted"
     for o in guided[:2]:
         assert set(json.loads(o.text)) == {"n", "tags"}
+
+
+def test_max_model_len_cuts_exactly(qwen3_dir):
+    prompts = _prompts(2)
+    limit = max(len(p) for p in prompts) + 9
+    params = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
+    with _engine(qwen3_dir, max_model_len=limit) as plain:
+        a = plain.generate(prompts, params)
+    with _engine(qwen3_dir, NGRAM, max_model_len=limit) as spec:
+        b = spec.generate(prompts, params)
+        _drain_check(spec)
+    _same(a, b)
+    assert all(len(o.prompt_token_ids) + len(o.token_ids) == limit for o in b)
+    assert any(o.drafts for o in b)
+
+
+def test_prompt_logprobs_with_speculation_equal_plain(engines):
+    plain, spec = engines
+    params = SamplingParams(temperature=0.7, seed=2, max_tokens=20, ignore_eos=True,
+                            prompt_logprobs=1)
+    a = plain.generate(_prompts(2), params)
+    b = spec.generate(_prompts(2), params)
+    _same(a, b)
+    for x, y in zip(a, b):
+        np.testing.assert_allclose([lp.logprob for lp in x.prompt_logprobs[1:]],
+                                   [lp.logprob for lp in y.prompt_logprobs[1:]], atol=1e-5)
