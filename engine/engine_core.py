@@ -97,6 +97,7 @@ class EngineCore:
         # seq -> a proposer (token_ids, k) -> drafts for that request, or None for n-gram: the
         # benchmark's oracle proposer; the engine itself never sets it
         self.proposer_for = None
+        self._t_propose: dict[int, float] = {}  # step id -> seconds its drafts took to propose
 
     # ---- requests ----------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -204,6 +205,8 @@ class EngineCore:
         t1 = time.perf_counter()
         step_id = self.step_id
         self.step_id += 1
+        if self.speculating and self.scheduler.t_propose:
+            self._t_propose[step_id] = self.scheduler.t_propose
         prev = self.inflight.inp.step_id if self.inflight is not None else -1
         try:
             inp = self._inputs(step_id, scheduled, prev)
@@ -503,6 +506,7 @@ class EngineCore:
             kv_usage=used / self.bm.num_blocks, expert_load=expert_load,
             collectives=out.collectives, t_launch=out.t_launch, t_wait=t_wait,
             collective_time=out.collective_time, overlapped=self.overlap,
+            t_propose=self._t_propose.pop(f.inp.step_id, 0.0) if self.speculating else 0.0,
             **(self._spec_record(f.scheduled) if n_draft else {}),
             **self._cascade_record(f.inp, out))
         self.steps.append(trace)

@@ -117,6 +117,7 @@ class StepTrace:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     verifies: tuple = ()
+    t_propose: float = 0.0      # host seconds proposing drafts (part of t_schedule)
 
     def __post_init__(self):
         self.entries = StepEntries.of(self.entries)

@@ -23,6 +23,7 @@ applies the stop rules that need its value (EOS, stop ids). A request that stops
 wasted decode row in flight, whose blocks are freed with the rest of its blocks."""
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -64,6 +65,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.spec_stats = SpecStats()        # speculative decoding's counters (vLLM's metrics)
+        self.t_propose = 0.0                 # seconds proposing drafts in the last schedule()
 
     def add(self, seq: Sequence) -> None:
         if self.waiting and seq.priority < self.waiting[-1].priority:
@@ -118,6 +120,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         out: list[ScheduledSeq] = []
         drafted = False
+        self.t_propose = 0.0
         # 1. running requests, oldest first; make room by preempting (see _victim)
         i, bs = 0, self.bm.block_size
         while i < len(self.running) and budget > 0:
@@ -190,7 +193,9 @@ class Scheduler:
                     budget) - 1
         if limit < 1:
             return 0
+        t0 = time.perf_counter()
         drafts = seq.spec.propose(seq.token_ids, limit)
+        self.t_propose += time.perf_counter() - t0
         if not drafts or not self.bm.can_append(seq, length + len(drafts)):
             return 0
         self.bm.append_slots(seq, length + len(drafts))

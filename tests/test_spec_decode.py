@@ -437,6 +437,7 @@ def test_step_traces_record_drafts_and_acceptance(engines):
         assert t.num_draft_tokens == sum(len(d) for _, d, _ in t.verifies)
         assert t.num_accepted_tokens == sum(a for _, _, a in t.verifies)
         assert 0 <= t.num_accepted_tokens <= t.num_draft_tokens
+        assert 0 < t.t_propose <= t.t_schedule
 
 
 def test_final_metrics_carry_the_request_speculation_summary(engines):

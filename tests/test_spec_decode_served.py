@@ -41,12 +41,14 @@ def test_the_engine_tab_headline_tells_the_acceptance_rate():
                          num_decode_tokens=1, t_schedule=0, t_prepare=0, t_forward=0,
                          t_sample=0, graph_bucket=None, num_running=1, num_waiting=0,
                          kv_usage=0.1, num_draft_tokens=sum(len(d) for _, d, _ in verifies),
-                         num_accepted_tokens=sum(a for _, _, a in verifies), verifies=verifies)
+                         num_accepted_tokens=sum(a for _, _, a in verifies), verifies=verifies,
+                         t_propose=0.001 if verifies else 0.0)
     assert speculation_note([trace(0, ())]) == ""
     note = speculation_note([trace(0, (("r", (1, 2, 3, 4), 3),)), trace(1, ()),
                              trace(2, (("r", (5, 6, 7, 8), 1),))])
     assert "**50%** of 8 draft tokens accepted" in note
     assert "**3.00** tokens per verify" in note
+    assert "1.00 ms proposing per verify" in note
 
 
 def test_the_chat_reply_stats_tell_how_much_drafting_paid():

@@ -52,15 +52,18 @@ def stats_line(snap, now: float | None = None, history: StepHistory | None = Non
 
 
 def speculation_note(steps) -> str:
-    """Speculative decoding over the recorded steps: the share of draft tokens accepted and
-    the tokens a verify yields (accepted drafts + the target's own); '' when nothing drafted."""
+    """Speculative decoding over the recorded steps: the share of draft tokens accepted, the
+    tokens a verify yields (accepted drafts + the target's own) and the host time proposing
+    takes per verify; '' when nothing drafted."""
     verifies = sum(len(t.verifies) for t in steps)
     if not verifies:
         return ""
     drafted = sum(t.num_draft_tokens for t in steps)
     accepted = sum(t.num_accepted_tokens for t in steps)
+    propose_ms = 1e3 * sum(t.t_propose for t in steps) / verifies
     return (f" · speculative decoding: **{accepted / drafted:.0%}** of {drafted} draft tokens "
-            f"accepted, **{(accepted + verifies) / verifies:.2f}** tokens per verify")
+            f"accepted, **{(accepted + verifies) / verifies:.2f}** tokens per verify, "
+            f"{propose_ms:.2f} ms proposing per verify")
 
 
 # the board's layout: (slot id, flex weight, chart or table) per row
