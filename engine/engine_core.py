@@ -214,6 +214,7 @@ class EngineCore:
             raise
         except Exception as e:              # noqa: BLE001 — attribute it to a request
             self.penalty_slots.invalidate([s.seq for s in scheduled])
+            self._t_propose.pop(step_id, None)  # this step id is never recorded
             return PrepareFailed(scheduled, e)
         return scheduled, inp, t0, t1 - t0, time.perf_counter() - t1
 
@@ -290,6 +291,7 @@ class EngineCore:
         except Exception as e:              # noqa: BLE001 — attribute it to a request
             # the failed launch may have updated some penalty count rows: rebuild them
             self.penalty_slots.invalidate([s.seq for s in scheduled])
+            self._t_propose.pop(inp.step_id, None)
             return self._isolate(scheduled, e, res)
         with self.lock:
             self.scheduler.on_launch(scheduled, inp.step_id)
