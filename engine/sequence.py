@@ -112,12 +112,13 @@ class Sequence:
         return row
 
     def drop_pending(self) -> None:
-        """Forget unresolved tokens (the request finished before they came back)."""
-        if self.pending:
-            cut = min(self.pending)
-            if self.spec is not None and self.spec.drafts:    # a verify in flight: its drafts
-                cut, self.spec.drafts = self.spec.position, []
-            del self.token_ids[cut:]
+        """Forget unresolved tokens and drafts (the request finished before they came back)."""
+        if self.spec is not None and self.spec.drafts:    # a verify scheduled or in flight
+            del self.token_ids[self.spec.position:]
+            self.spec.drafts = []
+            self.pending.clear()
+        elif self.pending:
+            del self.token_ids[min(self.pending):]
             self.pending.clear()
 
     @property

@@ -704,3 +704,19 @@ def test_prompt_logprobs_with_speculation_equal_plain(engines):
     for x, y in zip(a, b):
         np.testing.assert_allclose([lp.logprob for lp in x.prompt_logprobs[1:]],
                                    [lp.logprob for lp in y.prompt_logprobs[1:]], atol=1e-5)
+
+
+def test_a_request_finished_between_scheduling_and_launch_drops_its_drafts():
+    """(A batch whose inputs fail to build fails its requests before the launch.)"""
+    from engine.block_manager import BlockManager
+    from engine.scheduler import Scheduler
+    bm = BlockManager(16, 2)
+    sched = Scheduler(bm, 4, 64, 64, set())
+    a = _spec_seq("a", 3, 20, 4, 1.0, 0)
+    sched.add(a)
+    sched.postprocess(sched.schedule(), [_target(3)])
+    before = list(a.token_ids)
+    assert sched.schedule()[0].num_draft == 4
+    sched.finish(a, "abort")
+    assert a.token_ids == before and not a.spec.drafts
+    assert bm.num_free_blocks == bm.num_blocks
