@@ -137,6 +137,21 @@ class BlockManager:
         for _ in range(self.blocks_for(num_tokens) - len(seq.block_table)):
             seq.block_table.append(self._take_free().block_id)
 
+    def truncate(self, seq: Sequence, num_tokens: int) -> None:
+        """Keep the blocks that hold seq's first num_tokens tokens; free the rest (speculative
+        decoding: blocks taken for drafts the target rejected). Those never hold a prefix hash
+        (commit sees accepted tokens only), so they go to the front of the free queue."""
+        keep = self.blocks_for(num_tokens)
+        ref = self.ref_count
+        for bid in reversed(seq.block_table[keep:]):
+            ref[bid] -= 1
+            assert ref[bid] >= 0, f"block {bid} freed twice"
+            if ref[bid] == 0:
+                self.free_queue[bid] = None
+                if self.blocks[bid].prefix_hash is None:
+                    self.free_queue.move_to_end(bid, last=False)
+        del seq.block_table[keep:]
+
     def free(self, seq: Sequence) -> None:
         """Drop seq's references. Hashed blocks stay cached (evictable); the rest go to the
         front of the queue so they are reused before any cached prefix is evicted."""

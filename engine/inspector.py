@@ -164,6 +164,7 @@ class Inspector:
                     "kv_usage": (bm.num_blocks - bm.num_free_blocks) / bm.num_blocks,
                     "prefix_hits": bm.prefix_hits, "prefix_queries": bm.prefix_queries,
                     "num_preemptions": sched.num_preemptions, "block_size": bm.block_size,
+                    "spec_decode": sched.spec_stats.as_dict(),
                     "alive": self.loop.alive}
 
     def release(self) -> None:

@@ -113,6 +113,12 @@ class StepTrace:
     cascade_rows: int = 0
     cascade_tokens: int = 0
     kv_bytes_saved: int = 0
+    # speculative decoding (engine/spec_decode): draft tokens verified this step, how many the
+    # target accepted, and per verify entry (request id, drafted token ids, number accepted)
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    verifies: tuple = ()
+    t_propose: float = 0.0      # host seconds proposing drafts (part of t_schedule)
 
     def __post_init__(self):
         self.entries = StepEntries.of(self.entries)

@@ -68,6 +68,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0     # HF's / vLLM's, > 0 (1 = off)
     logit_bias: tuple[tuple[int, float], ...] | dict = ()   # token id -> bias in [-100, 100]
     guided: str | dict | None = None    # a grammar the output must match (engine/guided.py)
+    # speculative decoding (engine/spec_decode): None = the engine's setting, 0 = off for this
+    # request, k = up to k drafts per step (with the engine's method, n-gram by default)
+    num_speculative_tokens: int | None = None
 
     def __post_init__(self):
         put = functools.partial(object.__setattr__, self)     # the dataclass is frozen
@@ -126,6 +129,9 @@ class SamplingParams:
         if self.guided is not None:
             from .guided import grammar_of
             put("guided", grammar_of(self.guided))
+        if self.num_speculative_tokens is not None:
+            _int("num_speculative_tokens", self.num_speculative_tokens, 0, 17,
+                 "None (the engine's setting), 0 (off) or an integer in 1..16")
         if not isinstance(self.ignore_eos, bool):
             raise InvalidArgumentError(f"ignore_eos must be True or False, got {self.ignore_eos!r}",
                                        "ignore_eos")

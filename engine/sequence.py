@@ -55,6 +55,7 @@ class Sequence:
         # when that step is postprocessed. Always the tail of token_ids (at most two).
         self.pending: dict[int, tuple[int, int]] = {}
         self.block_table: list[int] = []
+        self.spec = None            # spec_decode.SpecState when this request speculates
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0          # prompt tokens served by the prefix cache (last admit)
         self.prefix_cached_blocks = 0       # total blocks reused from the prefix cache
@@ -112,8 +113,12 @@ class Sequence:
         return row
 
     def drop_pending(self) -> None:
-        """Forget unresolved tokens (the request finished before they came back)."""
-        if self.pending:
+        """Forget unresolved tokens and drafts (the request finished before they came back)."""
+        if self.spec is not None and self.spec.drafts:    # a verify scheduled or in flight
+            del self.token_ids[self.spec.position:]
+            self.spec.drafts = []
+            self.pending.clear()
+        elif self.pending:
             del self.token_ids[min(self.pending):]
             self.pending.clear()
 
@@ -139,7 +144,8 @@ class Sequence:
                 "tok_s": (n - 1) / decode_s if n > 1 and decode_s > 0 else None,
                 "prefix_cached_blocks": self.prefix_cached_blocks,
                 "preemptions": self.num_preemptions,
-                "e2e_s": now - self.arrival_time, "decode_s": decode_s}
+                "e2e_s": now - self.arrival_time, "decode_s": decode_s,
+                **({"spec_decode": self.spec.summary()} if self.spec is not None else {})}
 
 
 @dataclass
@@ -154,6 +160,8 @@ class RequestOutput:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     metrics: dict = field(default_factory=dict)
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    # speculative decoding: every verify of this request (spec_decode.DraftVerdict), in order
+    drafts: list = field(default_factory=list)
 
 
 @dataclass
@@ -171,3 +179,6 @@ class TokenEvent:
     # on the final event of a request that captured its prompt's resid_post (steering vectors):
     # the sum over its prompt tokens, fp64 [hidden]
     resid_capture: object = None
+    # speculative decoding: on the first token of a verify, its spec_decode.DraftVerdict (what
+    # was drafted from this token's position on, how many were accepted, the target's token)
+    draft: object = None

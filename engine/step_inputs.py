@@ -127,7 +127,10 @@ def build_step_inputs(step_id: int, scheduled, block_size: int, sampling: Sampli
         if n > max_q:
             max_q = n
         if s.samples:
-            rows.append(total - 1)
+            if s.num_draft:                          # a verify: every row of the chunk samples
+                rows.extend(range(total - 1 - s.num_draft, total))
+            else:
+                rows.append(total - 1)
     ctx = np.array(ctx_lens, dtype=np.int32)
     lp_rows = lp_targets = None
     lp_k = 0

@@ -123,6 +123,32 @@ def test_latency_runs_tiny_on_cpu():
     _assert_positive(_by_metric(rows, "ratio"), ["decode_tok_s", "ttft_ms_32"])
 
 
+def test_spec_decode_runs_tiny_on_cpu_and_speculation_is_exact():
+    from bench import spec_decode
+    rows = spec_decode.main("qwen3-0.6b", "cpu", repeats=1, tiny=True, floors=False)
+    _assert_no_errors(rows)
+    _assert_positive(_by_metric(rows, "plain"), ["decode_tok_s"])
+    for system in ("ngram-random", "oracle-100", "oracle-80", "oracle-50", "oracle-0"):
+        got = _by_metric(rows, system)
+        _assert_positive(got, ["decode_tok_s", "tokens_per_step", "speedup"])
+        assert got["exact"] == 1.0, system          # greedy output unchanged by speculation
+    assert _by_metric(rows, "oracle-100")["acceptance"] == 1.0
+    assert _by_metric(rows, "oracle-0")["acceptance"] == 0.0
+    assert _by_metric(rows, "oracle-100")["tokens_per_step"] > 2
+    _assert_positive(_by_metric(rows, "workload-plain"), ["output_tok_s"])
+    many = _by_metric(rows, "workload-ngram")
+    _assert_positive(many, ["output_tok_s", "speedup"])
+    assert many["exact_share"] == 1.0           # seeded sampling: plain decoding's tokens
+
+
+def test_spec_decode_oracle_alpha_gives_the_target_acceptance_rate():
+    from bench.spec_decode import alpha_for
+    assert alpha_for(1.0) > 0.999 and alpha_for(0.0) < 1e-6
+    for rate in (0.8, 0.5):
+        a = alpha_for(rate)
+        assert abs(sum(a ** i for i in range(1, 5)) / 4 - rate) < 1e-9
+
+
 def test_long_context_runs_tiny_on_cpu_with_its_floors():
     from bench import long_context
     rows = long_context.main("qwen3-0.6b", "cpu", tiny=True, repeats=1)

@@ -156,6 +156,10 @@ def format_stats(ev, note: str) -> str:
     n = m.get("prefix_cached_blocks", 0)
     parts.append(f"**{n}** prefix-cache block{'' if n == 1 else 's'} reused")
     parts.append(f"{m.get('num_output_tokens', 0)} tokens")
+    sd = m.get("spec_decode")
+    if sd and sd["num_draft_tokens"]:     # speculative decoding: how much of its drafting paid
+        parts.append(f"**{sd['num_accepted_tokens']}** of {sd['num_draft_tokens']} drafted "
+                     f"tokens accepted ({sd['num_drafts']} verifies)")
     parts.append(note)
     return f"`{ev.request_id}` · " + " · ".join(parts)
 
