@@ -138,9 +138,11 @@ class BlockManager:
             seq.block_table.append(self._take_free().block_id)
 
     def truncate(self, seq: Sequence, num_tokens: int) -> None:
-        """Keep the blocks that hold seq's first num_tokens tokens; free the rest (speculative
-        decoding: blocks taken for drafts the target rejected). Those never hold a prefix hash
-        (commit sees accepted tokens only), so they go to the front of the free queue."""
+        """Keep the blocks that hold seq's first num_tokens tokens and drop its references to
+        the rest (speculative decoding: blocks taken for drafts the target rejected; `free`:
+        all of them). A block no one holds any more stays cached if hashed (evictable), else
+        goes to the front of the queue, reused before any cached prefix is evicted. Draft
+        blocks never hold a hash (commit sees accepted tokens only)."""
         keep = self.blocks_for(num_tokens)
         ref = self.ref_count
         for bid in reversed(seq.block_table[keep:]):
@@ -150,20 +152,11 @@ class BlockManager:
                 self.free_queue[bid] = None
                 if self.blocks[bid].prefix_hash is None:
                     self.free_queue.move_to_end(bid, last=False)
-        del seq.block_table[keep:]
+        seq.block_table = seq.block_table[:keep]      # a new list: a snapshot may hold the old
 
     def free(self, seq: Sequence) -> None:
-        """Drop seq's references. Hashed blocks stay cached (evictable); the rest go to the
-        front of the queue so they are reused before any cached prefix is evicted."""
-        ref = self.ref_count
-        for bid in reversed(seq.block_table):
-            ref[bid] -= 1
-            assert ref[bid] >= 0, f"block {bid} freed twice"
-            if ref[bid] == 0:
-                self.free_queue[bid] = None
-                if self.blocks[bid].prefix_hash is None:
-                    self.free_queue.move_to_end(bid, last=False)
-        seq.block_table = []
+        """Drop all of seq's references (see truncate) and its hash chain."""
+        self.truncate(seq, 0)
         self.hashes.pop(seq.request_id, None)
 
     def fork(self, parent: Sequence, child: Sequence) -> tuple[int, int] | None:
