@@ -96,6 +96,20 @@ def demo_choices() -> dict[str, str]:
     return {k: str(v) for k, v in found.items() if (v / "config.json").exists()}
 
 
+def switch_choices(model: str | None, no_switch: bool = False) -> tuple[str | None, dict]:
+    """(the model to load, the demos the model switch offers): both demos when no --model was
+    given or when it names one of them (then given as the switch knows it, so the selector
+    shows it chosen); none for any other checkpoint, or with --no-model-switch."""
+    demos = {} if no_switch else demo_choices()
+    if model is None:
+        return model, demos
+    named = Path(model).expanduser()
+    for path in demos.values():
+        if named.exists() and named.resolve() == Path(path).resolve():
+            return path, demos
+    return model, {}
+
+
 SYNC_S = 2.0   # how often each page checks that the model it shows is still the one loaded
 
 
@@ -110,7 +124,7 @@ def build_app(llm, *, banner: str | None = None, choices: dict[str, str] | None 
     import gradio as gr
 
     from api.model_names import check_names
-    from views import anatomy, chat, engine_view, interventions, kv_cache, layers
+    from views import anatomy, chat, engine_view, interventions, kv_cache, layers, tour
     from views.live import EngineHub, LiveTab
     from views.live_plot import preload_plotly
 
@@ -129,6 +143,7 @@ def build_app(llm, *, banner: str | None = None, choices: dict[str, str] | None 
                                  label="model (shared by everyone on this server)",
                                  visible=len(hub.choices) > 1, elem_id="model-switch", scale=0,
                                  min_width=300)
+            tour.restart_button()
         gr.Markdown(banner or "", visible=bool(banner), elem_id="banner")
         preload_plotly()
         model_line = gr.Markdown(hub.model_line(), elem_id="model-line")
@@ -146,6 +161,7 @@ def build_app(llm, *, banner: str | None = None, choices: dict[str, str] | None 
                 engine_tab = engine_view.build(hub)
             with gr.Tab("Anatomy", id="anatomy", elem_id="tab-anatomy") as tab_anatomy:
                 anatomy_timer = anatomy.build(hub)
+        tour.build(hub.is_demo(), llm.block_size)     # the first run's guided walk, once
         # the Layers tab's layer and head pickers and its routing chart, by their elem_ids
         by_id = {getattr(c, "elem_id", None): c for c in layers_tab.inputs + layers_tab.outputs}
         interventions.wire_from_layers(rerun_head, by_id["layers-layer"], by_id["layers-head"],
@@ -167,7 +183,9 @@ def build_app(llm, *, banner: str | None = None, choices: dict[str, str] | None 
                 ev.then(live.refresh, live.inputs, live.outputs, api_visibility="private",
                         show_progress="hidden", show_progress_on=live.inputs[:1] or [seen])
 
-        sync_outputs = [model_line, switch, chat_parts.max_tokens, chat_parts.examples, seen]
+        whatif = chat_parts.whatif
+        sync_outputs = [model_line, switch, chat_parts.max_tokens, chat_parts.examples,
+                        whatif.kind, whatif.help, seen]
 
         def sync(seen_state):
             """The model line, selector and model limits as they are now on the server: a new
@@ -179,7 +197,10 @@ def build_app(llm, *, banner: str | None = None, choices: dict[str, str] | None 
             return [hub.model_line(),
                     gr.Dropdown(value=hub.current_choice(), interactive=not hub.switching),
                     gr.Slider(maximum=limit, label=chat.max_tokens_label(hub.llm)),
-                    gr.Row(visible=hub.is_demo()), now]
+                    gr.Row(visible=hub.is_demo()),
+                    gr.Radio(choices=interventions.kinds_for(bool(hub.llm.moe_layers)),
+                             value="ablate heads"),
+                    interventions.form_help(hub.llm), now]
 
         def on_switch(choice, seen_state):
             if choice and choice != hub.current_choice() and not hub.switching:
@@ -348,7 +369,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(refusal)
     check_port(args.host, args.port)
     raise_fd_limit()            # the connection cap, not the OS, bounds connections
-    model, banner = resolve_model(args.model)
+    model, choices = switch_choices(args.model, args.no_model_switch)
+    model, banner = resolve_model(model)
     llm_kwargs = dict(engine_kwargs(args), record_expert_load=True)
     if banner is not None and args.device in (None, "cpu") and args.num_kv_blocks is None:
         llm_kwargs["num_kv_blocks"] = 256   # the tiny fallback: a cache the map shows whole
@@ -363,7 +385,6 @@ def main(argv: list[str] | None = None) -> None:
         stages.bar.close()
         sys.exit(f"could not load {model}: {e}")
     stages.next()
-    choices = demo_choices() if args.model is None and not args.no_model_switch else {}
     shared = (resolve_api_key(args.api_key) is not None or args.share
               or args.host not in ("127.0.0.1", "localhost", "::1"))
     demo = build_app(llm, banner=banner, choices=choices, llm_kwargs=llm_kwargs,
@@ -371,6 +392,8 @@ def main(argv: list[str] | None = None) -> None:
                      public_traces=args.public_traces or not shared,
                      served_model_names=tuple(args.served_model_name or ()))
     stages.next()
+    from views.try_this import found_store
+    found_store(demo.hub)       # on a demo: its Try-this search starts now, off the request path
     from api.limits import Limits
     limits = Limits(max_request_bytes=args.max_request_bytes,
                     max_stop_strings=args.max_stop_strings, max_stop_chars=args.max_stop_chars,

@@ -1,6 +1,7 @@
 """OpenAI-compatible HTTP API over the Glassbox engine, a drop-in for vLLM's server: /v1/models,
-/v1/chat/completions, /v1/completions (streaming or not), /v1/glassbox/traces for watched
-requests, and the operations routes /health, /version, /metrics, /tokenize, /detokenize.
+/v1/chat/completions, /v1/completions, /v1/responses (streaming or not; api.responses_api),
+/v1/glassbox/traces for watched requests, and the operations routes /health, /version,
+/metrics, /tokenize, /detokenize.
 
 `build_router(engines, api_key)` gives a FastAPI APIRouter; the playground mounts its routes on
 Gradio's own server (app.py), `api.server.create_app` serves them alone. Nothing here imports

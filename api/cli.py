@@ -61,7 +61,6 @@ REFUSED = {
     "-dp": "one Glassbox serves one engine; start one per GPU group instead",
     "--enable-lora": "Glassbox serves no LoRA adapters; merge the adapter into the weights",
     "--lora-modules": "Glassbox serves no LoRA adapters; merge the adapter into the weights",
-    "--speculative-config": "Glassbox has no speculative decoding. Leave the flag out",
     "--kv-cache-dtype": "the KV cache is kept in the model's dtype. Leave the flag out",
     "--revision": "Glassbox loads a hub id's default revision; download the one you want and "
                   "pass its directory",
@@ -121,6 +120,10 @@ def build_parser(description: str = "Glassbox") -> argparse.ArgumentParser:
                    default=True, help="always on here")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     g.add_argument("--seed", type=int, default=0, help="the engine's random seed")
+    g.add_argument("--speculative-config", metavar="JSON",
+                   help='speculative decoding, e.g. \'{"method": "ngram", '
+                   '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\' (a request may '
+                   'turn it off with num_speculative_tokens 0)')
 
     g = p.add_argument_group("the OpenAI-compatible server (vLLM's meaning)")
     g.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0 to expose)")
@@ -293,7 +296,8 @@ def engine_kwargs(args) -> dict:
                 max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
-                enforce_eager=args.enforce_eager, seed=args.seed)
+                enforce_eager=args.enforce_eager, seed=args.seed,
+                speculative_config=args.speculative_config)
 
 
 def startup_notes(args) -> str | None:

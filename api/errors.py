@@ -162,7 +162,7 @@ def new_error_id() -> str:
 
 # ---- unknown routes and methods: OpenAI's shape under /v1 --------------------------------------
 _HTTP_MESSAGES = {404: "Not found: {method} {path} is not a route of this server (GET /v1/models, "
-                       "POST /v1/chat/completions, POST /v1/completions)",
+                       "POST /v1/chat/completions, POST /v1/completions, POST /v1/responses)",
                   405: "Method not allowed: {method} {path}"}
 
 

@@ -12,6 +12,8 @@ TokenEvent (`LLM.finish_listeners`), so the playground's chat counts as well as 
 | vllm:kv_cache_usage_perc, vllm:gpu_cache_usage_perc (v0 name) | used KV blocks / all (0..1) |
 | vllm:prefix_cache_queries_total / _hits_total | block manager, in tokens (full blocks x block size) |
 | vllm:num_preemptions_total | scheduler |
+| vllm:spec_decode_num_drafts_total, _num_draft_tokens_total, _num_accepted_tokens_total | verifies with drafts, draft tokens, accepted ones (engine/spec_decode) |
+| vllm:spec_decode_num_accepted_tokens_per_pos_total{position} | accepted drafts by their position in the draft |
 | vllm:prompt_tokens_total, vllm:generation_tokens_total | counted when a request ends |
 | vllm:request_success_total{finished_reason} | finish reasons (stop, length, abort) |
 | vllm:time_to_first_token_seconds | arrival -> first token |
@@ -178,3 +180,17 @@ class _EngineCollector:
                       s["prefix_hits"] * bs)
         yield counter("vllm:num_preemptions", "Requests preempted (recomputed later)",
                       s["num_preemptions"])
+        spec = s.get("spec_decode")
+        if spec is not None:
+            yield counter("vllm:spec_decode_num_drafts", "Verify passes with at least one draft",
+                          spec["num_drafts"])
+            yield counter("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed",
+                          spec["num_draft_tokens"])
+            yield counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted",
+                          spec["num_accepted_tokens"])
+            per = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                      "Draft tokens accepted, by position in the draft",
+                                      labels=["model_name", "position"])
+            for pos, n in enumerate(spec["accepted_per_pos"]):
+                per.add_metric([name[0], str(pos)], n)
+            yield per

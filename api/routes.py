@@ -31,7 +31,9 @@ from .metrics import EngineMetrics
 from .model_names import hub_names, listed_name, served_names as accepted_names
 from .ops import build_ops_routers
 from .protocol import ChatCompletionRequest, CompletionRequest
+from .response_store import ResponseStore
 from .responses import Meta
+from .responses_api import add_responses_routes
 from .sampling import (chat_echo_text, chat_messages, completion_prompts, logprobs_of,
                        probe_spec, refuse_unsupported, request_param, sampling_params)
 from .serving import (ChoiceSpec, ClientGone, collect, engine_error, reply_json, sse_events,
@@ -151,11 +153,12 @@ def build_router(engines, api_key: str | None = None, *, limits: Limits | None =
                                         echo_only=echo and body.max_tokens == 0))
         return specs
 
-    def prepare(raw: bytes, model_cls, chat: bool, path: str, salt_of):
-        """Parse the body and run the engine's processor on every choice: on the prepare pool,
-        never the event loop (a long prompt takes a while to tokenize; other streams' tokens
-        must not wait)."""
-        body = parse_body(raw, model_cls)
+    def prepare(raw: bytes, parse, chat: bool, path: str, salt_of, id_prefix: str | None):
+        """Parse the body (`parse(raw)`: a model class, or a function that builds the chat
+        request, the Responses API's) and run the engine's processor on every choice: on the
+        prepare pool, never the event loop (a long prompt takes a while to tokenize; other
+        streams' tokens must not wait)."""
+        body = parse_body(raw, parse) if isinstance(parse, type) else parse(raw)
         check_stop_limits(body.stop, body.stop_token_ids, limits)
         llm = current_engine(body.model)
         ignored = body.ignored_fields()
@@ -163,7 +166,7 @@ def build_router(engines, api_key: str | None = None, *, limits: Limits | None =
             log.warning("%s: ignoring unknown fields %s", path, ", ".join(ignored))
         refuse_unsupported(body)        # before the prompt is rendered: clearer errors first
         check_cost(body, chat, limits)
-        rid = llm.processor.new_request_id("chatcmpl" if chat else "cmpl")
+        rid = llm.processor.new_request_id(id_prefix or ("chatcmpl" if chat else "cmpl"))
         prompts = [chat_messages(body)] if chat else completion_prompts(body)
         param = "messages" if chat else "prompt"
         keep = body.truncate_prompt_tokens      # vLLM's: the prompt's last `keep` tokens
@@ -192,12 +195,14 @@ def build_router(engines, api_key: str | None = None, *, limits: Limits | None =
         check_logprob_cost(specs, top_n, want_lp, limits)
         return body, llm, rid, specs, watch, parsing, param
 
-    async def run(request: Request, model_cls, chat: bool) -> Response:
+    async def open_job(request: Request, parse, chat: bool, id_prefix: str | None = None):
+        """The request parsed, checked and started in the engine: (body, job, headers), once
+        every choice produced its first token. Raises ClientGone or the request's APIError."""
         given_id = client_request_id(request)
         raw = await request.body()        # bounded by api.guard before it was read
         body, llm, rid, specs, watch, parsing, param = await pools.run_prepare(
-            lambda: prepare(raw, model_cls, chat, request.url.path,
-                            lambda body: prefix_cache_salt(request, body)))
+            lambda: prepare(raw, parse, chat, request.url.path,
+                            lambda body: prefix_cache_salt(request, body), id_prefix))
         del raw
         want_lp, top_n = logprobs_of(body)
         meta = Meta(rid, int(time.time()), listed_name(llm, hub_names(engines)),
@@ -207,20 +212,24 @@ def build_router(engines, api_key: str | None = None, *, limits: Limits | None =
         continuous_usage = include_usage and body.stream_options.continuous_usage_stats
         # the server's id; a client's X-Request-Id is echoed, never the engine's key
         headers = {"X-Request-Id": given_id or rid}
+        job = await start(llm, specs, meta, request, pools=pools,
+                          chat=chat, want_logprobs=want_lp, top_n=top_n,
+                          include_usage=include_usage, prompt_param=param,
+                          continuous_usage=continuous_usage,
+                          want_prompt_logprobs=body.prompt_logprobs is not None,
+                          return_token_ids=bool(body.return_token_ids),
+                          chat_echo=chat_echo_text(body) if chat else "",
+                          tokens_as_ids=bool(getattr(body, "return_tokens_as_token_ids", False)),
+                          parsing=parsing if parsing is not None and parsing.active else None)
+        if watch is not None:       # only an accepted request's trace has an owner
+            owners[specs[0].request_id] = principal(request)
+            while len(owners) > MAX_TRACE_OWNERS:
+                owners.popitem(last=False)
+        return body, job, headers
+
+    async def run(request: Request, model_cls, chat: bool) -> Response:
         try:
-            job = await start(llm, specs, meta, request, pools=pools,
-                              chat=chat, want_logprobs=want_lp, top_n=top_n,
-                              include_usage=include_usage, prompt_param=param,
-                              continuous_usage=continuous_usage,
-                              want_prompt_logprobs=body.prompt_logprobs is not None,
-                              return_token_ids=bool(body.return_token_ids),
-                              chat_echo=chat_echo_text(body) if chat else "",
-                              tokens_as_ids=body.return_tokens_as_token_ids,
-                              parsing=parsing if parsing is not None and parsing.active else None)
-            if watch is not None:       # only an accepted request's trace has an owner
-                owners[specs[0].request_id] = principal(request)
-                while len(owners) > MAX_TRACE_OWNERS:
-                    owners.popitem(last=False)
+            body, job, headers = await open_job(request, model_cls, chat)
             if body.stream:
                 return StreamingResponse(sse_events(job), media_type="text/event-stream",
                                          headers={**SSE_HEADERS, **headers})
@@ -267,6 +276,8 @@ def build_router(engines, api_key: str | None = None, *, limits: Limits | None =
         data = await run_in_threadpool(trace_zip, current_engine(), request_id)
         return Response(data, media_type="application/zip", headers={
             "Content-Disposition": f'attachment; filename="{request_id}.zip"'})
+
+    add_responses_routes(router, open_job, ResponseStore())
 
     open_ops, keyed_ops = build_ops_routers(engines, current_engine, auth, metrics)
     # each route carries its own router's dependencies (the key or none): one list of routes

@@ -96,7 +96,8 @@ def _kernel_section(module: str) -> Callable[[], list[dict]]:
 
 def build_sections(a: argparse.Namespace, shared: SharedEngine) -> list[Section]:
     """In priority order: what matters most runs first, the 60 GB MoE last."""
-    from bench import cpu_latency, latency, moe, probes, throughput, watched
+    from bench import (cpu_latency, latency, long_context, moe, probes, shared_prefix,
+                       throughput, watched)
     dev, hf, tiny = a.device, not a.skip_hf, a.tiny
     sections = [
         Section("latency", 75, lambda: latency.main(
@@ -115,6 +116,13 @@ def build_sections(a: argparse.Namespace, shared: SharedEngine) -> list[Section]
             "qwen3-0.6b", dev, None, num_requests=4 if tiny else a.num_requests,
             tput_repeats=1 if tiny else 2, lat_repeats=1 if tiny else 3, tiny=tiny,
             floors=False, llm=shared.get()), True),
+        # where the cost grows with the work: long prompts and contexts, a shared prefix
+        Section("long_context", 100, lambda: long_context.main(
+            "qwen3-0.6b", dev, None, hf=hf, tiny=tiny, repeats=1 if tiny else 3,
+            report_floors=False)),
+        Section("shared_prefix", 150, lambda: shared_prefix.main(
+            "qwen3-0.6b", dev, None, hf=hf, tiny=tiny, repeats=1 if tiny else 2,
+            hf_num_requests=2 if tiny else 16)),
     ]
     if not a.skip_kernels:
         sections += [Section("kernels", 60, _kernel_section("kernels")),

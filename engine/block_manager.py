@@ -20,13 +20,14 @@ from .sequence import Sequence
 
 class Block:
     """The hash-chain record of one block (its ref count is `BlockManager.ref_count[id]`)."""
-    __slots__ = ("block_id", "prefix_hash", "parent_hash", "token_ids")
+    __slots__ = ("block_id", "prefix_hash", "parent_hash", "token_ids", "salt_tag")
 
     def __init__(self, block_id: int):
         self.block_id = block_id
         self.prefix_hash: int | None = None
         self.parent_hash: int | None = None     # the previous block's hash in the chain
         self.token_ids: tuple[int, ...] = ()    # the tokens a hashed block holds
+        self.salt_tag: int | None = None        # the salt digest of the request that hashed it
 
 
 def chain_hash(parent: int | None, token_ids: tuple[int, ...]) -> int:
@@ -98,6 +99,7 @@ class BlockManager:
             if self.hash_to_block.get(block.prefix_hash) == bid:
                 del self.hash_to_block[block.prefix_hash]
             block.prefix_hash, block.parent_hash, block.token_ids = None, None, ()
+            block.salt_tag = None
             self.hashed[bid] = False
             self.evictions += 1
         self.ref_count[bid] = 1
@@ -135,18 +137,26 @@ class BlockManager:
         for _ in range(self.blocks_for(num_tokens) - len(seq.block_table)):
             seq.block_table.append(self._take_free().block_id)
 
-    def free(self, seq: Sequence) -> None:
-        """Drop seq's references. Hashed blocks stay cached (evictable); the rest go to the
-        front of the queue so they are reused before any cached prefix is evicted."""
+    def truncate(self, seq: Sequence, num_tokens: int) -> None:
+        """Keep the blocks that hold seq's first num_tokens tokens and drop its references to
+        the rest (speculative decoding: blocks taken for drafts the target rejected; `free`:
+        all of them). A block no one holds any more stays cached if hashed (evictable), else
+        goes to the front of the queue, reused before any cached prefix is evicted. Draft
+        blocks never hold a hash (commit sees accepted tokens only)."""
+        keep = self.blocks_for(num_tokens)
         ref = self.ref_count
-        for bid in reversed(seq.block_table):
+        for bid in reversed(seq.block_table[keep:]):
             ref[bid] -= 1
             assert ref[bid] >= 0, f"block {bid} freed twice"
             if ref[bid] == 0:
                 self.free_queue[bid] = None
                 if self.blocks[bid].prefix_hash is None:
                     self.free_queue.move_to_end(bid, last=False)
-        seq.block_table = []
+        seq.block_table = seq.block_table[:keep]      # a new list: a snapshot may hold the old
+
+    def free(self, seq: Sequence) -> None:
+        """Drop all of seq's references (see truncate) and its hash chain."""
+        self.truncate(seq, 0)
         self.hashes.pop(seq.request_id, None)
 
     def fork(self, parent: Sequence, child: Sequence) -> tuple[int, int] | None:
@@ -186,6 +196,7 @@ class BlockManager:
             block = self.blocks[seq.block_table[i]]
             if block.prefix_hash is None and h not in self.hash_to_block:
                 block.prefix_hash, block.parent_hash, block.token_ids = h, parent, ids
+                block.salt_tag = seq.salt_tag
                 self.hash_to_block[h] = block.block_id
                 self.hashed[block.block_id] = True
 

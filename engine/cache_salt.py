@@ -26,6 +26,16 @@ def check_salt(salt) -> str | None:
     return salt
 
 
+def salt_tag(salt: str | None) -> int | None:
+    """Who may read a salted block's text (the KV tab): a digest of the salt alone, so the
+    session or key that sent it can be matched without keeping the salt (None: unsalted)."""
+    if salt is None:
+        return None
+    h = hashlib.blake2b(b"glassbox-salt-tag", digest_size=8)
+    h.update(salt.encode("utf-8", "surrogatepass"))
+    return int.from_bytes(h.digest(), "little") >> 1
+
+
 def chain_root(interventions_salt: int | None, salt: str | None) -> int | None:
     """The chain's root for a request (None: a plain request's). A stable 63-bit digest, so it
     never collides with the plain root by construction and is the same in every process."""

@@ -60,6 +60,9 @@ class EngineConfig:
     # kernel and fusion choices by name (engine/kernel_config.py: KernelConfig's fields); None
     # or a name left out: the GLASSBOX_* environment variable, else the default
     kernels: dict | None = None
+    # speculative decoding: vLLM's --speculative-config (a dict or its JSON string; see
+    # engine/spec_decode/config.py), None: off unless a request asks (num_speculative_tokens)
+    speculative_config: object = None
 
     def __post_init__(self):
         self.device = resolve_device(self.device)
@@ -88,6 +91,8 @@ class EngineConfig:
         if self.kernels is not None:
             KernelConfig.parse_overrides(self.kernels)      # unknown names, bad values: raise now
             self.kernels = dict(self.kernels)
+        from .spec_decode.config import SpeculativeConfig
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if self.load_format not in ("auto", "dummy"):
             raise InvalidArgumentError(f"load_format={self.load_format!r}; use 'auto' or 'dummy'",
                                        "load_format")

@@ -22,6 +22,7 @@ class ForwardContext:
     interventions: object | None = None  # InterventionBuffers of this step, or None (none)
     max_context_len: int | None = None  # decode graphs: a bound on every context_lens value, which
     #                                    sizes decode attention's splits (None: the table's width)
+    cascade: object | None = None       # kernels.cascade_attention.CascadeInputs: shared prefix
 
 
 # per thread: each engine runs its forward on its own loop thread, and two engines may live in

@@ -14,7 +14,9 @@ prepares step N+1 before step N's copies have run, so a reused staging buffer wo
 Pending input ids (sampled by the step before, still on the device) are written after the
 copy. Small buckets also get probe-free graphs bounded to a shorter context
 (decode_attention.context_caps): a graph's attention grid is fixed, and a short context
-replays one with fewer splits. Steps with interventions replay a variant per plan key
+replays one with fewer splits. Steps whose rows share prefix blocks replay a cascade graph
+per bucket (engine/cascade.py; captured at first use, its prefix inputs in a static buffer).
+Steps with interventions replay a variant per plan key
 (interventions/buffers.py), its tables refilled before the replay; steps without any replay the graphs they always did. With
 tensor parallelism every rank captures the same graphs in the same order, NCCL all-reduces
 inside, and replays them in lockstep. One decode step in TIMED_EVERY replays a
@@ -33,6 +35,7 @@ from .context import ForwardContext, set_context
 from .parallel_state import CollectiveTimer
 
 TIMED_EVERY = 64        # with TP: one decode step in this many measures its collectives
+CASCADE = "cascade"     # the context-bound slot of a graph that runs cascade attention
 # distinct intervention keys (which layers edit what) with captured graphs; past this, eager
 MAX_INTERVENTION_KEYS = 32
 
@@ -74,6 +77,8 @@ class DecodeGraphs:
         self.context_lens = self.i32[:n]
         self.block_tables = self.i32[n:].view(n, self.max_blocks)
         self.slot_mapping.fill_(-1)
+        # cascade attention's inputs (engine/cascade.py): each row's first key, the lead row
+        self.cascade_i32 = torch.zeros(n + 1, dtype=torch.int32, device=dev)
         # key: (bucket, variant, cap); variant None = probes off, else
         # probes.buffers.graph_variant(plan); cap None = any context, else every context <= cap
         from .kernels.decode_attention import context_caps
@@ -92,12 +97,20 @@ class DecodeGraphs:
         self._capture_all()
 
     # ---- capture -----------------------------------------------------------------------------
-    def _ctx(self, bs: int, probes, interventions=None, cap: int | None = None) -> ForwardContext:
+    def _ctx(self, bs: int, probes, interventions=None, cap=None) -> ForwardContext:
+        cascade = None
+        if cap == CASCADE:      # cascade graphs are unbounded: any context, any prefix
+            from .kernels.cascade_attention import CascadeInputs
+            n = self.max_bs
+            cascade = CascadeInputs(self.cascade_i32[:bs], self.cascade_i32[n:n + 1],
+                                    self.max_blocks * self.runner.block_size)
+            cap = None
         return ForwardContext(slot_mapping=self.slot_mapping[:bs],
                               context_lens=self.context_lens[:bs],
                               block_tables=self.block_tables[:bs], cu_seqlens_q=None,
                               max_seqlen_q=1, is_decode=True, probes=probes,
-                              interventions=interventions, max_context_len=cap)
+                              interventions=interventions, max_context_len=cap,
+                              cascade=cascade)
 
     def _run(self, bs: int, probes, interventions=None, cap: int | None = None) -> torch.Tensor:
         set_context(self._ctx(bs, probes, interventions, cap))
@@ -163,6 +176,7 @@ class DecodeGraphs:
         torch.cuda.synchronize()
         self.slot_mapping.fill_(-1)
         self.context_lens.fill_(1)
+        self.cascade_i32.zero_()            # no shared prefix: the prefix kernel writes nothing
         self._capture(bs, variant, cap)
         torch.cuda.synchronize()
 
@@ -206,7 +220,7 @@ class DecodeGraphs:
 
     def replay(self, inp, plan):
         """-> (logits [B, vocab], the variant's probe buffers or None, bucket, timer,
-        collectives replayed)."""
+        collectives replayed, whether it ran cascade attention)."""
         from .probes.buffers import graph_variant
         B = inp.num_seqs
         bs = self.bucket(B)
@@ -219,6 +233,11 @@ class DecodeGraphs:
         # only the probe-free graphs are bounded: a probe or intervention variant is captured
         # late, and a watched reply crossing 256 and 512 tokens would stall for a capture at each
         cap = self.cap(bs, inp.context_lens) if variant is None else None
+        # a step whose rows share prefix blocks replays a cascade graph (captured at its first
+        # use per bucket); a watched, intervened or timed step keeps its own graph, plain
+        cascade = inp.cascade is not None and variant is None
+        if cascade:
+            cap = CASCADE
         if (bs, variant, cap) not in self.graphs:
             try:
                 self._capture_late(bs, variant, cap)
@@ -229,6 +248,11 @@ class DecodeGraphs:
                 torch.cuda.synchronize()
         key = (bs, variant, cap)
         self._stage(inp)
+        if cascade:
+            h = torch.empty(self.max_bs + 1, dtype=torch.int32, pin_memory=True)
+            a = h.numpy()
+            a[:B], a[B:self.max_bs], a[self.max_bs] = inp.cascade.first, 0, inp.cascade.lead
+            self.cascade_i32.copy_(h, non_blocking=True)
         bufs = self.probe_bufs.get(key)
         if bufs is not None:
             bufs.load_plan(plan)
@@ -236,7 +260,7 @@ class DecodeGraphs:
             self.iv_bufs[inp.interventions.key].load_plan(inp.interventions)
         self.graphs[key].replay()
         return (self.logits[key][:B], bufs, bs, self.timers.get(key),
-                self.collectives.get(key, 0))
+                self.collectives.get(key, 0), cascade)
 
 
 def pack_graph_inputs(inp, n: int, max_blocks: int, a64: np.ndarray, a32: np.ndarray) -> None:

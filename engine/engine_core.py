@@ -32,6 +32,9 @@ from .penalty_slots import PenaltySlots
 from .records import StepEntries, StepTrace
 from .scheduler import ScheduledSeq, Scheduler
 from .sequence import Sequence, TokenEvent, TokenLogprobs
+from .spec_decode.config import SpeculativeConfig
+from .spec_decode.grammar import verify_grammars
+from .spec_decode.state import SpecState
 from .step_history import StepHistory
 from .step_inputs import SamplingBatch, StepInputs, build_step_inputs, prompt_logprob_rows
 from .step_output import StepOutput
@@ -85,7 +88,8 @@ def _needs_history(seq) -> bool:
 class EngineCore:
     def __init__(self, runner, scheduler: Scheduler, block_manager: BlockManager, tokenizer,
                  eos_token_ids, steps: StepHistory, *, probes=None, interventions=None,
-                 overlap: bool = False, lock=None, on_idle=None):
+                 overlap: bool = False, lock=None, on_idle=None,
+                 speculative_config: SpeculativeConfig | None = None):
         self.runner = runner                 # a Runner (engine/runner.py): local or a TP driver
         self.scheduler = scheduler
         self.bm = block_manager
@@ -103,6 +107,12 @@ class EngineCore:
         self.inflight: InFlight | None = None
         self.penalty_slots = PenaltySlots()  # penalised requests' device count rows
         self.masks = GrammarMasks()         # guided rows' bitmask buffers
+        self.speculative_config = speculative_config
+        self.speculating = False            # some request was added with speculation on
+        # seq -> a proposer (token_ids, k) -> drafts for that request, or None for n-gram: the
+        # benchmark's oracle proposer; the engine itself never sets it
+        self.proposer_for = None
+        self._t_propose: dict[int, float] = {}  # step id -> seconds its drafts took to propose
 
     # ---- requests ----------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -114,7 +124,23 @@ class EngineCore:
                 spaces_between_special_tokens=p.spaces_between_special_tokens)
         if self.interventions is not None:
             self.interventions.add(seq)
+        self._speculation(seq)
         self.scheduler.add(seq)
+
+    def _speculation(self, seq: Sequence) -> None:
+        """Give seq a SpecState when it speculates: the request's num_speculative_tokens, else
+        the engine's. Requests whose probes and interventions index decode rows decode
+        plainly."""
+        cfg, k = self.speculative_config, seq.params.num_speculative_tokens
+        if k is None:
+            k = cfg.num_speculative_tokens if cfg is not None else 0
+        # bad_words ban per plain row (_banned): a verify entry's rows would miss them
+        bad_words = seq.token_filter is not None and seq.token_filter.bad_words is not None
+        if not k or seq.watch is not None or seq.interventions or bad_words:
+            return
+        seq.spec = SpecState(cfg if cfg is not None else SpeculativeConfig(), k,
+                             self.proposer_for(seq) if self.proposer_for is not None else None)
+        self.speculating = True
 
     def has_work(self) -> bool:
         return self.inflight is not None or self.scheduler.has_work()
@@ -170,6 +196,10 @@ class EngineCore:
             # take the mask after the forward's launch (TP: the inputs cross processes first);
             # a multi-token bad word is banned by the newest tokens: no overlap this step
             res.extend(self.drain())
+        elif self.speculating and self.overlap and self.inflight is not None and any(
+                s.seq.spec is not None and s.seq.spec.active for s in self.inflight.scheduled):
+            # drafts continue the newest token, which must be on the host: no overlap
+            res.extend(self.drain())
         with self.lock:
             launch = self._prepare(t0)
         launched = None
@@ -201,6 +231,8 @@ class EngineCore:
         t1 = time.perf_counter()
         step_id = self.step_id
         self.step_id += 1
+        if self.speculating and self.scheduler.t_propose:
+            self._t_propose[step_id] = self.scheduler.t_propose
         prev = self.inflight.inp.step_id if self.inflight is not None else -1
         try:
             inp = self._inputs(step_id, scheduled, prev)
@@ -208,34 +240,70 @@ class EngineCore:
             raise
         except Exception as e:              # noqa: BLE001 — attribute it to a request
             self.penalty_slots.invalidate([s.seq for s in scheduled])
+            self._t_propose.pop(step_id, None)  # this step id is never recorded
             return PrepareFailed(scheduled, e)
         return scheduled, inp, t0, t1 - t0, time.perf_counter() - t1
 
     def _inputs(self, step_id: int, scheduled, prev_step_id: int) -> StepInputs:
         plan = self.probes.plan(scheduled) if self.probes is not None else None
         sampling = [s for s in scheduled if s.samples]
-        batch = SamplingBatch.build([s.seq.params for s in sampling],
-                                    [s.seq.seed for s in sampling],
-                                    [len(s.seq) for s in sampling],
-                                    self._banned(sampling)) if sampling else None
+        if sampling and sampling[-1].num_draft:     # verify entries (last): 1 + k rows each
+            batch, row_seqs = self._verify_batch(sampling)
+        else:
+            row_seqs = None
+            batch = SamplingBatch.build([s.seq.params for s in sampling],
+                                        [s.seq.seed for s in sampling],
+                                        [len(s.seq) for s in sampling],
+                                        self._banned(sampling)) if sampling else None
         if batch is not None:
             if any(s.seq.params.uses_penalties for s in sampling):
-                batch.penalties = self.penalty_slots.batch([s.seq for s in sampling],
-                                                           prev_step_id)
+                batch.penalties = self.penalty_slots.batch(
+                    row_seqs or [s.seq for s in sampling], prev_step_id)
             if any(s.seq.grammar is not None or _allowed(s.seq) is not None
                    for s in sampling):
                 self._grammar_mask(batch, sampling, prev_step_id)
         inp = build_step_inputs(step_id, scheduled, self.bm.block_size, batch, plan,
-                                prev_step_id)
+                                prev_step_id, self.runner.kernel_config.cascade_min_saved_tokens)
         if self.interventions is not None and self.interventions.active:
             inp.interventions = self.interventions.plan(scheduled)
         return inp
 
+    def _verify_batch(self, sampling) -> tuple[SamplingBatch, list[Sequence]]:
+        """The sampling rows of a step with verify entries: a verify entry's 1 + k rows sample
+        the tokens at indices start + 1 .. start + 1 + k with the request's own settings and
+        noise (seed, index), exactly as plain decoding would sample each of them; min_tokens
+        bans apply per row. Returns the batch and each row's sequence."""
+        params, seeds, positions, banned, rows = [], [], [], [], []
+        plain = [s for s in sampling if not s.num_draft]
+        for r, t in self._banned(plain):
+            banned.append((r, t))
+        for s in sampling:
+            seq = s.seq
+            idx = range(s.start + 1, s.start + 2 + s.num_draft) if s.num_draft else [len(seq)]
+            for i in idx:
+                if s.num_draft and i - seq.num_prompt_tokens < seq.params.min_tokens:
+                    if seq.banned_ids is None:
+                        seq.banned_ids = tuple(seq.stop_token_set | (
+                            set() if seq.params.ignore_eos else self.eos_token_ids))
+                    banned.extend((len(rows), t) for t in seq.banned_ids)
+                params.append(seq.params)
+                seeds.append(seq.seed)
+                positions.append(i)
+                rows.append(seq)
+        return SamplingBatch.build(params, seeds, positions, banned), rows
+
     def _grammar_mask(self, batch: SamplingBatch, sampling, prev_step_id: int) -> None:
         """The guided rows' bitmask now, or (a row's newest token still in flight) a LateMask
-        the runner fills once it has launched the forward."""
-        grammars = [s.seq.grammar for s in sampling]
-        allowed = [_allowed(s.seq) for s in sampling]     # allowed_token_ids: static rows
+        the runner fills once it has launched the forward. A verify entry's row j is masked
+        as the grammar stands after its drafts 0..j-1 (spec_decode/grammar.py); its
+        allowed_token_ids row is the same for each."""
+        grammars = [s.seq.grammar for s in sampling if not s.num_draft]
+        allowed = [_allowed(s.seq) for s in sampling if not s.num_draft]   # static rows
+        for s in sampling:
+            if s.num_draft:             # verify entries: after the plain rows
+                rows = verify_grammars(s.seq.grammar, s.seq.spec.drafts)
+                grammars += rows
+                allowed += [_allowed(s.seq)] * len(rows)
         advance = [(s.seq.grammar, pos - s.seq.num_prompt_tokens,
                     s.seq.pending_src(pos, prev_step_id))
                    for s in sampling if s.seq.grammar is not None for pos in s.seq.pending]
@@ -254,6 +322,7 @@ class EngineCore:
         except Exception as e:              # noqa: BLE001 — attribute it to a request
             # the failed launch may have updated some penalty count rows: rebuild them
             self.penalty_slots.invalidate([s.seq for s in scheduled])
+            self._t_propose.pop(inp.step_id, None)
             return self._isolate(scheduled, e, res)
         with self.lock:
             self.scheduler.on_launch(scheduled, inp.step_id)
@@ -330,11 +399,12 @@ class EngineCore:
         tokens = out.tokens
         sampling = [s for s in scheduled if s.samples]
         lps: list[TokenLogprobs | None] = [None] * len(sampling)
+        c = ti = tl = None
         if out.logprobs_host is not None:
             c, ti, tl = (x.tolist() for x in out.logprobs_host)
             for r, s in enumerate(sampling):
                 k = s.seq.params.logprobs
-                if k:
+                if k and not s.num_draft:   # plain rows come first: row r is entry r
                     lps[r] = TokenLogprobs(tokens[r], c[r], dict(zip(ti[r][:k], tl[r][:k])))
         if out.prompt_logprobs_host is not None:
             self._store_prompt_logprobs(scheduled, out.prompt_logprobs_host)
@@ -351,15 +421,39 @@ class EngineCore:
         if f.inp.interventions is not None:     # steering vectors: captured resid_post sums
             self.interventions.fold(f.inp.interventions, out.resid_captures, scheduled)
         row_of = {id(s.seq): r for r, s in enumerate(sampling)}
+        verify_row = self._verify_rows(sampling) if sampling and sampling[-1].num_draft else None
         now = time.perf_counter()
         for seq, tok in self.scheduler.on_result(scheduled, tokens, f.inp.step_id):
             r = row_of[id(seq)]
+            lp, verdict = lps[r], None
+            if verify_row is not None and id(seq) in verify_row:
+                # the j-th token a verify entry yields is its row first + j
+                first, j = verify_row[id(seq)]
+                verify_row[id(seq)] = (first, j + 1)
+                k = seq.params.logprobs
+                if k and c is not None:
+                    lp = TokenLogprobs(tok, c[first + j], dict(zip(ti[first + j][:k],
+                                                                   tl[first + j][:k])))
+                if j == 0:
+                    verdict = seq.spec.log[-1]
             try:
-                res.events.append(self._token_event(seq, tok, lps[r], now))
+                ev = self._token_event(seq, tok, lp, now)
+                ev.draft = verdict
+                res.events.append(ev)
             except Exception as e:          # noqa: BLE001 — this request's text work failed
                 self._fail(seq, RequestFailedError(
                     f"postprocessing this request failed: {e!r}"), res)
         return expert_load
+
+    @staticmethod
+    def _verify_rows(sampling) -> dict:
+        """id(sequence) -> (its first sampled row, tokens yielded so far) of verify entries."""
+        rows, at = {}, 0
+        for s in sampling:
+            if s.num_draft:
+                rows[id(s.seq)] = (at, 0)
+            at += 1 + s.num_draft
+        return rows
 
     @staticmethod
     def _store_prompt_logprobs(scheduled, host) -> None:
@@ -400,8 +494,30 @@ class EngineCore:
             ev.prompt_logprobs = list(seq.prompt_logprobs)
         return ev
 
+    def _cascade_record(self, inp: StepInputs, out: StepOutput) -> dict:
+        """The trace's account of a step that read a shared prefix once for its rows instead of
+        once per row (the prefix kernel re-reads it once per 64 packed query rows: the bytes
+        saved are an upper bound by that much)."""
+        c = inp.cascade
+        if c is None or not out.cascade:
+            return {}
+        per_token = self.runner.bytes_per_block // self.bm.block_size   # K and V, every layer
+        return {"cascade_rows": c.rows, "cascade_tokens": c.shared_tokens,
+                "kv_bytes_saved": c.saved_tokens * per_token}
+
+    @staticmethod
+    def _spec_record(scheduled) -> dict:
+        """The trace's account of a step that verified drafts: per verify entry, the request,
+        its drafts and how many the target accepted (after postprocessing: from its log)."""
+        verifies = tuple((s.seq.request_id, v.drafted, v.num_accepted)
+                         for s in scheduled if s.num_draft and s.seq.spec.log
+                         for v in s.seq.spec.log[-1:] if v.position == s.start + 1)
+        return {"num_draft_tokens": sum(len(d) for _, d, _ in verifies),
+                "num_accepted_tokens": sum(a for _, _, a in verifies), "verifies": verifies}
+
     def _record(self, f: InFlight, t_wait: float, t_post: float, expert_load) -> None:
         ids, kinds, ntok, starts, n_pre, n_dec = [], [], [], [], 0, 0
+        n_draft = 0
         for s in f.scheduled:
             n = s.num_tokens
             ids.append(s.seq.request_id)
@@ -410,6 +526,10 @@ class EngineCore:
             if n == 1 and s.start >= s.seq.num_prompt_tokens:
                 kinds.append("decode")
                 n_dec += 1
+            elif s.num_draft:               # a verify: the newest token and its drafts
+                kinds.append("decode")
+                n_dec += n
+                n_draft += s.num_draft
             else:
                 kinds.append("prefill")
                 n_pre += n
@@ -425,5 +545,8 @@ class EngineCore:
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             kv_usage=used / self.bm.num_blocks, expert_load=expert_load,
             collectives=out.collectives, t_launch=out.t_launch, t_wait=t_wait,
-            collective_time=out.collective_time, overlapped=self.overlap)
+            collective_time=out.collective_time, overlapped=self.overlap,
+            t_propose=self._t_propose.pop(f.inp.step_id, 0.0) if self.speculating else 0.0,
+            **(self._spec_record(f.scheduled) if n_draft else {}),
+            **self._cascade_record(f.inp, out))
         self.steps.append(trace)

@@ -96,18 +96,31 @@ class Inspector:
         with self.lock.reading():
             return self.steps.since(cursor)
 
-    def block_info(self, block_id: int) -> BlockInfo:
+    def block_info(self, block_id: int, viewer_salt: str | None = None) -> BlockInfo:
         """One physical block now, with the token ids it holds and its prefix hash: read on
-        demand for this block only (a hover card), under the lock in O(block_size)."""
+        demand for this block only (a hover card), under the lock in O(block_size).
+
+        A block written or held by a salted request (`cache_salt`: the client asked for its
+        prefix to be private) keeps its text for a viewer with the same salt: anyone else gets
+        its counts, no token ids and no hash (`hidden`)."""
+        from .cache_salt import salt_tag
         b = self._block_id(block_id)
+        viewer = salt_tag(viewer_salt) if viewer_salt is not None else None
         with self.lock.reading():
             self.loop.check_open()
             bm = self.bm
             seqs = self.scheduler.all_sequences() if bm.ref_count[b] > 0 else []
-            owners = [s.request_id for s in seqs if b in s.block_table]
-            ids = bm.block_token_ids(b, seqs)
-            ref, h = int(bm.ref_count[b]), bm.blocks[b].prefix_hash
-        return BlockInfo(b, ref, owners, len(ids), h, ref == 0 and h is not None, ids)
+            holders = [s for s in seqs if b in s.block_table]
+            ids = bm.block_token_ids(b, holders)
+            ref, block = int(bm.ref_count[b]), bm.blocks[b]
+            h = block.prefix_hash
+            tags = {s.salt_tag for s in holders} | ({block.salt_tag} if h is not None else set())
+        hidden = any(t is not None and t != viewer for t in tags)
+        if hidden:
+            return BlockInfo(b, ref, [s.request_id for s in holders], len(ids), None,
+                             ref == 0 and h is not None, [], hidden=True)
+        return BlockInfo(b, ref, [s.request_id for s in holders], len(ids), h,
+                         ref == 0 and h is not None, ids)
 
     def _block_id(self, block_id) -> int:
         n = self.facts["num_blocks"]
@@ -151,6 +164,7 @@ class Inspector:
                     "kv_usage": (bm.num_blocks - bm.num_free_blocks) / bm.num_blocks,
                     "prefix_hits": bm.prefix_hits, "prefix_queries": bm.prefix_queries,
                     "num_preemptions": sched.num_preemptions, "block_size": bm.block_size,
+                    "spec_decode": sched.spec_stats.as_dict(),
                     "alive": self.loop.alive}
 
     def release(self) -> None:

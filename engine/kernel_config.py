@@ -49,6 +49,14 @@ def _parse_caps(value) -> tuple[int, ...]:
     return tuple(sorted(set(caps)))     # context_caps keeps the largest bound per split count
 
 
+def _parse_count(value) -> int:
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value.strip())
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError("must be a whole number >= 0")
+    return value
+
+
 def _parse_dir(value) -> str | None:
     if value is None or value == "":
         return None
@@ -72,6 +80,11 @@ class KernelConfig:
         "GLASSBOX_ATTN_CONTEXT_CAPS", "context bounds small decode buckets also capture graphs at "
         "(fewer attention splits at short contexts); each bound is more graphs to capture and "
         "hold, () none", _parse_caps))
+    cascade_min_saved_tokens: int = field(default=8192, metadata=_choice(
+        "GLASSBOX_CASCADE_MIN_SAVED_TOKENS", "cascade attention (engine/cascade.py) runs a decode "
+        "step whose rows share prefix blocks when it saves this many token reads per KV head "
+        "and layer: ~8k tokens' K/V is the cost of its extra launch; 0 turns it off",
+        _parse_count))
     moe_config_dir: str | None = field(default=None, metadata=_choice(
         "GLASSBOX_MOE_CONFIG_DIR", "where the tuned MoE launch tables are read (None: "
         "engine/kernels/configs/); a table from bench/tune_moe.py can be tried without copying "

@@ -103,7 +103,8 @@ class LLM:
                                self.eos_token_ids, steps, probes=self.probes,
                                interventions=InterventionPlanner(self.intervention_facts),
                                overlap=self.async_scheduling, lock=lock,
-                               on_idle=lambda: handoff.serve_while_waiting(lock, copy))
+                               on_idle=lambda: handoff.serve_while_waiting(lock, copy),
+                               speculative_config=cfg.speculative_config)
         self.loop = EngineLoop(self.core, self.probes, lock, f"glassbox-engine-{self.engine_id}",
                                between_steps=lambda: handoff.serve_if_wanted(copy))
         self.inspector = Inspector(self.loop, self._facts(num_blocks), self.block_manager,
@@ -291,8 +292,8 @@ class LLM:
     def steps_since(self, cursor: int = 0) -> tuple[tuple, int]:
         return self.inspector.steps_since(cursor)
 
-    def block_info(self, block_id: int):
-        return self.inspector.block_info(block_id)
+    def block_info(self, block_id: int, viewer_salt: str | None = None):
+        return self.inspector.block_info(block_id, viewer_salt)
 
     def read_kv_block(self, block_id: int, layer: int, head: int, which: str = "k"):
         return self.inspector.read_kv_block(block_id, layer, head, which)
@@ -342,11 +343,13 @@ def _next(q: queue.Queue) -> TokenEvent:
 
 def _collect(req: EngineRequest, q: queue.Queue, bar=None) -> RequestOutput:
     """One request's RequestOutput from its events (the engine's Sequence is never read)."""
-    ids, lps, prompt_lps = [], [], None
+    ids, lps, prompt_lps, drafts = [], [], None, []
     while True:
         ev = _next(q)
         if ev.token_id is not None:
             ids.append(ev.token_id)
+        if ev.draft is not None:
+            drafts.append(ev.draft)
         if ev.logprobs is not None:
             lps.append(ev.logprobs)
         if ev.prompt_logprobs is not None:
@@ -358,4 +361,5 @@ def _collect(req: EngineRequest, q: queue.Queue, bar=None) -> RequestOutput:
     if prompt_lps is None and req.params.prompt_logprobs is not None:
         prompt_lps = [None] * len(req.prompt)
     return RequestOutput(req.request_id, req.prompt.text, list(req.prompt.token_ids), ids,
-                         ev.output_text, ev.finish_reason, lps, ev.metrics or {}, prompt_lps)
+                         ev.output_text, ev.finish_reason, lps, ev.metrics or {}, prompt_lps,
+                         drafts)

@@ -193,7 +193,7 @@ class ModelRunner:
                              block_tables=d(inp.block_tables),
                              cu_seqlens_q=d(inp.cu_seqlens_q), max_seqlen_q=inp.max_seqlen_q,
                              is_decode=inp.is_decode, probes=probes,
-                             interventions=interventions)
+                             interventions=interventions, cascade=self.cascade_inputs(inp))
         input_ids = d(inp.input_ids)
         if len(inp.pending_rows):
             if self.device.type == "cpu":
@@ -215,6 +215,15 @@ class ModelRunner:
             finally:
                 set_context(None)
         return logits
+
+    def cascade_inputs(self, inp: StepInputs):
+        """The step's cascade (engine/cascade.py) as the kernels read it, or None."""
+        c = inp.cascade
+        if c is None or not inp.is_decode:
+            return None
+        from .kernels.cascade_attention import CascadeInputs
+        return CascadeInputs(self.stage(c.first), self.stage(np.array([c.lead], np.int32)),
+                             inp.block_tables.shape[1] * self.block_size)
 
     def capture_graphs(self, max_num_seqs: int) -> None:
         if self.device.type != "cuda" or self.config.enforce_eager:
@@ -247,7 +256,8 @@ class ModelRunner:
         with torch.inference_mode():
             if self.graphs is not None and inp.is_decode and inp.prompt_lp_rows is None and \
                     self.graphs.can_run(inp, plan):
-                logits, bufs, out.graph_bucket, timer, replayed = self.graphs.replay(inp, plan)
+                logits, bufs, out.graph_bucket, timer, replayed, out.cascade = \
+                    self.graphs.replay(inp, plan)
             elif self.prefill_graphs is not None and self.prefill_graphs.can_run(inp, plan):
                 # a short prefill (a chat turn, watched or not): one replay instead of ~270
                 # eager launches
@@ -262,6 +272,7 @@ class ModelRunner:
                     from .interventions.buffers import InterventionBuffers
                     ivs = InterventionBuffers.for_step(self, inp.interventions)
                 logits = self.execute(inp, bufs, ivs, out)
+                out.cascade = inp.cascade is not None and inp.is_decode
             if inp.sampling is not None and len(inp.sampling):
                 if inp.sampling.grammar_mask_fn is not None:    # the forward is queued: fill
                     inp.sampling.grammar_mask = inp.sampling.grammar_mask_fn()   # in its shadow

@@ -51,9 +51,17 @@ class PenaltyBatch:
     bias_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, _I64))  # [K] logit_bias
     bias_tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, _I64))
     bias_values: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
+    # speculative decoding: verify row j of a request counts its drafts 0..j-1 as output too.
+    # Such a row reads a scratch row: a copy of the request's row taken after this step's
+    # additions (copy_src -> copy_dst), plus those drafts (draft_slots, draft_tokens)
+    copy_src: np.ndarray = field(default_factory=lambda: np.zeros(0, _I64))
+    copy_dst: np.ndarray = field(default_factory=lambda: np.zeros(0, _I64))
+    draft_slots: np.ndarray = field(default_factory=lambda: np.zeros(0, _I64))
+    draft_tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, _I64))
 
     _INTS = ("rows", "slots", "reset_slots", "seen_slots", "seen_tokens", "add_slots",
-             "add_tokens", "pending_slots", "pending_src", "bias_rows", "bias_tokens")
+             "add_tokens", "pending_slots", "pending_src", "bias_rows", "bias_tokens",
+             "copy_src", "copy_dst", "draft_slots", "draft_tokens")
     _FLOATS = ("presence", "frequency", "repetition", "bias_values")
 
 
@@ -131,6 +139,13 @@ class PenaltyState:
             if len(slots):
                 self.counts.index_put_((slots, toks), torch.ones(
                     (), dtype=torch.int32, device=self.device), accumulate=True)
+            if len(b.copy_dst):         # verify rows: scratch copies, then their drafts
+                src, dst = i["copy_src"], i["copy_dst"]
+                self.counts.index_copy_(0, dst, self.counts.index_select(0, src))
+                self.prompt_seen.index_copy_(0, dst, self.prompt_seen.index_select(0, src))
+                if len(b.draft_slots):
+                    self.counts.index_put_((i["draft_slots"], i["draft_tokens"]), torch.ones(
+                        (), dtype=torch.int32, device=self.device), accumulate=True)
         empty = torch.zeros(0, 0, dtype=torch.int32, device=self.device)
         return PenaltyTensors(
             i["rows"], i["slots"], f["presence"], f["frequency"], f["repetition"],

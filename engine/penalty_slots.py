@@ -25,6 +25,7 @@ class PenaltySlots:
         self._counted: dict = {}        # Sequence -> output tokens in that row (absent: clear it)
         self._free: list[int] = []
         self._size = 0                  # rows handed out so far (the device holds at least these)
+        self._scratch: list[int] = []   # rows for speculative verify rows (rebuilt every step)
 
     def _take(self, seq) -> int:
         if not self._free:              # reclaim the rows of finished requests before growing
@@ -47,11 +48,20 @@ class PenaltySlots:
     def slot_of(self, seq) -> int | None:
         return self._slot.get(seq)
 
+    def _scratch_slot(self, i: int) -> int:
+        while len(self._scratch) <= i:
+            self._scratch.append(self._size)
+            self._size += 1
+        return self._scratch[i]
+
     def batch(self, seqs, prev_step_id: int) -> PenaltyBatch:
-        """seqs: the step's sampled rows' Sequences, in row order."""
+        """seqs: the step's sampled rows' Sequences, in row order (a speculating request's
+        1 + k verify rows: it, 1 + k times in a row)."""
         rows, slots, pres, freq, rep = [], [], [], [], []
         reset, seen_s, seen_t, add_s, add_t, pend_s, pend_src = [], [], [], [], [], [], []
         b_r, b_t, b_v = [], [], []
+        copy_s, copy_d, draft_s, draft_t = [], [], [], []
+        first_row: dict = {}            # a verify's first row, by request
         for row, seq in enumerate(seqs):
             p = seq.params
             for tok, bias in p.logit_bias:
@@ -60,6 +70,22 @@ class PenaltySlots:
                 b_v.append(bias)
             if not needs_counts(p):
                 continue
+            spec = getattr(seq, "spec", None)      # (test doubles of Sequence may lack it)
+            drafts = spec.drafts if spec is not None else ()
+            if drafts and seq in first_row:     # verify row j > 0: its row + drafts[:j]
+                j = row - first_row[seq]
+                scratch = self._scratch_slot(len(copy_d))
+                copy_s.append(self._slot[seq])
+                copy_d.append(scratch)
+                draft_s += [scratch] * j
+                draft_t += drafts[:j]
+                rows.append(row)
+                slots.append(scratch)
+                pres.append(p.presence_penalty)
+                freq.append(p.frequency_penalty)
+                rep.append(p.repetition_penalty)
+                continue
+            first_row[seq] = row
             slot = self._slot.get(seq)
             if slot is None:
                 slot = self._take(seq)
@@ -72,7 +98,9 @@ class PenaltySlots:
                     seen_s.append(np.full(len(prompt), slot, dtype=_I64))
                     seen_t.append(prompt)
             start = seq.num_prompt_tokens + counted
-            for pos in range(start, len(seq.token_ids)):
+            # the drafts in token_ids are not output (yet): verify rows count them on scratch
+            end = spec.position if drafts else len(seq.token_ids)
+            for pos in range(start, end):
                 tok = seq.token_ids[pos]
                 if tok == PENDING:      # sampled by the step in flight: read on the device
                     pend_s.append(slot)
@@ -80,7 +108,7 @@ class PenaltySlots:
                 else:
                     add_s.append(slot)
                     add_t.append(tok)
-            self._counted[seq] = len(seq.token_ids) - seq.num_prompt_tokens
+            self._counted[seq] = end - seq.num_prompt_tokens
             rows.append(row)
             slots.append(slot)
             pres.append(p.presence_penalty)
@@ -94,4 +122,6 @@ class PenaltySlots:
             repetition=f32(rep), num_slots=self._size if rows else 0, reset_slots=i64(reset),
             seen_slots=cat(seen_s), seen_tokens=cat(seen_t), add_slots=i64(add_s),
             add_tokens=i64(add_t), pending_slots=i64(pend_s), pending_src=i64(pend_src),
-            bias_rows=i64(b_r), bias_tokens=i64(b_t), bias_values=f32(b_v))
+            bias_rows=i64(b_r), bias_tokens=i64(b_t), bias_values=f32(b_v),
+            copy_src=i64(copy_s), copy_dst=i64(copy_d), draft_slots=i64(draft_s),
+            draft_tokens=i64(draft_t))

@@ -31,6 +31,9 @@ from .context import ForwardContext, set_context
 from .cuda_graphs import smallest_bucket
 
 MAX_SEQS = 4                # sequences per graphed prefill step (chat turns arrive one by one)
+# sampled rows per graphed step: a speculative verify samples 1 + k rows of one sequence
+# (engine/spec_decode); the LM head reads its weights once whatever the row count
+MAX_SAMPLE_ROWS = 32
 TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 768, 1024, 1536, 2048)
 
 
@@ -39,19 +42,21 @@ def token_buckets(max_tokens: int) -> list[int]:
 
 
 class PrefillGraphs:
-    def __init__(self, runner, max_num_batched_tokens: int, max_seqs: int = MAX_SEQS):
+    def __init__(self, runner, max_num_batched_tokens: int, max_seqs: int = MAX_SEQS,
+                 max_sample_rows: int = MAX_SAMPLE_ROWS):
         self.runner = runner
         dev = runner.device
         self.buckets = token_buckets(max_num_batched_tokens)
         self.max_tokens = self.buckets[-1]
         self.max_seqs = S = max_seqs
+        self.max_sample_rows = R = max(max_sample_rows, S)
         bs = runner.block_size
         self.max_blocks = (runner.max_model_len + bs - 1) // bs + 1
         T = self.max_tokens
-        # int64: ids | positions | slots (T each) | sample rows (S) | pending rows, sources (S each)
-        self.i64 = torch.zeros(3 * T + 3 * S, dtype=torch.int64, device=dev)
+        # int64: ids | positions | slots (T each) | sample rows (R) | pending rows, sources (S each)
+        self.i64 = torch.zeros(3 * T + R + 2 * S, dtype=torch.int64, device=dev)
         self.input_ids, self.positions, self.slot_mapping = self.i64[:3 * T].view(3, T)
-        self.sample_rows = self.i64[3 * T:3 * T + S]
+        self.sample_rows = self.i64[3 * T:3 * T + R]
         # int32: cu_seqlens (S + 1) | context lens (S) | block tables (S x max_blocks)
         self.i32 = torch.zeros(2 * S + 1 + S * self.max_blocks, dtype=torch.int32, device=dev)
         self.cu_seqlens = self.i32[:S + 1]
@@ -128,7 +133,7 @@ class PrefillGraphs:
 
     def can_run(self, inp, plan) -> bool:
         if (inp.is_decode or inp.interventions is not None or inp.prompt_lp_rows is not None
-                or inp.num_seqs > self.max_seqs or len(inp.sample_rows) > self.max_seqs
+                or inp.num_seqs > self.max_seqs or len(inp.sample_rows) > self.max_sample_rows
                 or inp.block_tables.shape[1] > self.max_blocks):
             return False
         T = self.bucket(inp.num_tokens)
@@ -145,17 +150,17 @@ class PrefillGraphs:
         key = (T, graph_variant(plan))
         if key not in self.graphs:
             self._capture_late(*key)
-        S, P = self.max_seqs, len(inp.pending_rows)
-        h64 = torch.empty(3 * self.max_tokens + S + 2 * P, dtype=torch.int64, pin_memory=True)
+        S, R, P = self.max_seqs, self.max_sample_rows, len(inp.pending_rows)
+        h64 = torch.empty(3 * self.max_tokens + R + 2 * P, dtype=torch.int64, pin_memory=True)
         h32 = torch.empty(2 * S + 1 + inp.num_seqs * self.max_blocks, dtype=torch.int32,
                           pin_memory=True)
         pack_prefill_inputs(inp, self.max_tokens, T, S, self.max_blocks, h64.numpy(),
-                            h32.numpy())
+                            h32.numpy(), R)
         self.i64[:h64.shape[0]].copy_(h64, non_blocking=True)
         self.i32[:h32.shape[0]].copy_(h32, non_blocking=True)
         if P:
             prev = self.runner.prev_sampled(inp)
-            base = 3 * self.max_tokens + S
+            base = 3 * self.max_tokens + R
             self.input_ids.index_copy_(0, self.i64[base:base + P],
                                        prev.index_select(0, self.i64[base + P:base + 2 * P]))
         bufs = self.probe_bufs.get(key)
@@ -166,10 +171,10 @@ class PrefillGraphs:
 
 
 def pack_prefill_inputs(inp, max_tokens: int, T: int, S: int, max_blocks: int,
-                        a64: np.ndarray, a32: np.ndarray) -> None:
+                        a64: np.ndarray, a32: np.ndarray, R: int | None = None) -> None:
     """Lay one prefill step out like the static buffers. a64: ids | positions | slots, each
-    max_tokens long (padded tokens up to the bucket T: 0, 0, -1), then the S sample rows (padded
-    with row 0), then the pending rows and their sources. a32: cu_seqlens (padded sequences
+    max_tokens long (padded tokens up to the bucket T: 0, 0, -1), then the R sample rows (R:
+    S unless given; padded with row 0), then the pending rows and their sources. a32: cu_seqlens (padded sequences
     repeat the total: q_len 0), context lens (padded 0), the batch's block-table rows."""
     N, B, P = inp.num_tokens, inp.num_seqs, len(inp.pending_rows)
     rows = a64[:3 * max_tokens].reshape(3, max_tokens)
@@ -177,11 +182,12 @@ def pack_prefill_inputs(inp, max_tokens: int, T: int, S: int, max_blocks: int,
     rows[:2, N:T] = 0
     rows[2, N:T] = -1
     base = 3 * max_tokens
+    R = S if R is None else R
     n_s = len(inp.sample_rows)
     a64[base:base + n_s] = inp.sample_rows
-    a64[base + n_s:base + S] = 0
-    a64[base + S:base + S + P] = inp.pending_rows
-    a64[base + S + P:base + S + 2 * P] = inp.pending_src
+    a64[base + n_s:base + R] = 0
+    a64[base + R:base + R + P] = inp.pending_rows
+    a64[base + R + P:base + R + 2 * P] = inp.pending_src
     a32[:B + 1] = inp.cu_seqlens_q
     a32[B + 1:S + 1] = inp.cu_seqlens_q[-1]
     a32[S + 1:S + 1 + B] = inp.context_lens

@@ -50,6 +50,7 @@ class EngineRequest:
     group: str | None = None            # the API request whose choice this is (n x prompts > 1)
     priority: int = 0                   # vLLM's: lower is scheduled first
     token_filter: object | None = None  # token_filters.TokenFilter: allowed ids, bad words
+    salt_tag: int | None = None         # its cache salt's digest: who may read its blocks' text
 
 
 
@@ -190,7 +191,7 @@ class Processor:
                 chat_options: dict | None = None, group: str | None = None,
                 priority: int = 0) -> EngineRequest:
         """The EngineRequest for one prompt (a Prompt from `tokenize`, or anything it takes)."""
-        from .cache_salt import chain_root, check_salt
+        from .cache_salt import chain_root, check_salt, salt_tag
         from .interventions.spec import cache_salt as interventions_salt, resolve_interventions
         params = SamplingParams() if sampling is None else sampling
         if not isinstance(params, SamplingParams):
@@ -221,7 +222,7 @@ class Processor:
         filt = token_filter(params, self.tokenizer, lim.vocab_size)
         return EngineRequest(request_id or self.new_request_id(), p, params, self._seed(params),
                              watch, ivs, chain_root(interventions_salt(ivs), salt), grammar,
-                             group, int(priority), filt)
+                             group, int(priority), filt, salt_tag(salt))
 
     def _seed(self, params: SamplingParams) -> int:
         return params.seed if params.seed is not None else self._rng.getrandbits(62)

@@ -28,6 +28,7 @@ class BlockInfo:
     prefix_hash: int | None     # hash-chain key of a cached block (block_info only, else None)
     evictable: bool             # cached but free: reusable by a prefix hit until evicted
     token_ids: list[int] = field(default_factory=list)   # held tokens (block_info only)
+    hidden: bool = False        # a salted request's block seen by another viewer: counts only
 
 
 class StepEntry(NamedTuple):
@@ -107,6 +108,17 @@ class StepTrace:
     t_wait: float = 0.0         # host seconds blocked waiting for the device (overlap: ~0)
     collective_time: float | None = None    # measured seconds in collectives (TP), if timed
     overlapped: bool = False    # scheduled while the previous step ran (overlap scheduling)
+    # cascade attention (engine/cascade.py): rows that read a shared prefix once, its tokens,
+    # and the KV bytes (every layer, this rank) the step did not read because of it
+    cascade_rows: int = 0
+    cascade_tokens: int = 0
+    kv_bytes_saved: int = 0
+    # speculative decoding (engine/spec_decode): draft tokens verified this step, how many the
+    # target accepted, and per verify entry (request id, drafted token ids, number accepted)
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    verifies: tuple = ()
+    t_propose: float = 0.0      # host seconds proposing drafts (part of t_schedule)
 
     def __post_init__(self):
         self.entries = StepEntries.of(self.entries)

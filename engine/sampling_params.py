@@ -78,6 +78,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False    # the stop string (or stop token) ends the text
     skip_special_tokens: bool = True            # special tokens left out of the text
     spaces_between_special_tokens: bool = True  # a slow tokenizer's spacing (fast ones: none)
+    # speculative decoding (engine/spec_decode): None = the engine's setting, 0 = off for this
+    # request, k = up to k drafts per step (with the engine's method, n-gram by default)
+    num_speculative_tokens: int | None = None
 
     def __post_init__(self):
         put = functools.partial(object.__setattr__, self)     # the dataclass is frozen
@@ -163,6 +166,9 @@ class SamplingParams:
                                        f"most {MAX_BAD_WORD_CHARS} characters each",
                                        "bad_words")
         put("bad_words", tuple(words))
+        if self.num_speculative_tokens is not None:
+            _int("num_speculative_tokens", self.num_speculative_tokens, 0, 17,
+                 "None (the engine's setting), 0 (off) or an integer in 1..16")
         if not isinstance(self.ignore_eos, bool):
             raise InvalidArgumentError(f"ignore_eos must be True or False, got {self.ignore_eos!r}",
                                        "ignore_eos")

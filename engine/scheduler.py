@@ -9,6 +9,13 @@ None for a request of one choice, which is never held back) may hold at most `ma
 group's waiting choices are not admitted and its running ones are preempted first, so one
 caller's n=64 cannot fill the cache and preempt everyone else. Alone, a group may use it all.
 
+Speculative decoding (engine/spec_decode): a decoding request whose SpecState proposes drafts
+feeds its newest token and the drafts as one chunk; its blocks for the drafts are taken only
+when free (drafts never preempt anyone), and such entries go last in the batch, so every plain
+row keeps the index it would have without them. on_result keeps the accepted drafts and the
+target's token after them, one token at a time (the stop rules apply after each, as in plain
+decoding), then frees the blocks that only rejected drafts used.
+
 With overlap scheduling the batch of step N+1 is chosen while step N runs: a token sampled by
 step N is already in the sequence as PENDING (appended by `on_launch`), so lengths, block
 allocation, min_tokens and max_tokens are exact; `on_result` fills it in one step later and
@@ -17,12 +24,14 @@ wasted decode row in flight, whose blocks are freed with the rest of its blocks.
 from __future__ import annotations
 
 import time
-
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from .block_manager import BlockManager
 from .sequence import Sequence, SequenceStatus
+from .spec_decode.rejection import num_accepted
+from .spec_decode.state import DraftVerdict, SpecStats
 from .step_inputs import PENDING
 
 
@@ -31,6 +40,9 @@ class ScheduledSeq:
     seq: Sequence
     num_tokens: int             # tokens computed this step (a prefill chunk, or 1 to decode)
     start: int                  # position of the first of them
+    # speculative decoding: draft tokens fed after the newest token (num_tokens = 1 + num_draft);
+    # every one of the 1 + num_draft rows is sampled, to verify the drafts (spec_decode/)
+    num_draft: int = 0
     # this chunk reaches the end of the sequence, so its last logits are sampled (fixed when
     # scheduled: the sampled token is appended later in the step)
     samples: bool = field(init=False)
@@ -52,6 +64,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.spec_stats = SpecStats()        # speculative decoding's counters (vLLM's metrics)
+        self.t_propose = 0.0                 # seconds proposing drafts in the last schedule()
 
     def add(self, seq: Sequence) -> None:
         if self.waiting and seq.priority < self.waiting[-1].priority:
@@ -70,6 +84,9 @@ class Scheduler:
     # ---- scheduling ------------------------------------------------------------------------
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        if seq.spec is not None and seq.spec.drafts:   # scheduled with drafts this very step
+            del seq.token_ids[seq.spec.position:]
+            seq.spec.drafts = []
         self.bm.free(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = 0
@@ -102,6 +119,8 @@ class Scheduler:
     def schedule(self) -> list[ScheduledSeq]:
         budget = self.max_num_batched_tokens
         out: list[ScheduledSeq] = []
+        drafted = False
+        self.t_propose = 0.0
         # 1. running requests, oldest first; make room by preempting (see _victim)
         i, bs = 0, self.bm.block_size
         while i < len(self.running) and budget > 0:
@@ -110,6 +129,15 @@ class Scheduler:
             if seq.pending and self._reached_limit(seq):
                 i += 1                               # its last token is in flight: it is done
                 continue
+            if seq.spec is not None and seq.spec.active and not seq.pending and \
+                    seq.num_computed_tokens == length - 1:
+                k = self._draft(seq, length, budget)
+                if k:
+                    out.append(ScheduledSeq(seq, 1 + k, length - 1, k))
+                    budget -= 1 + k
+                    drafted = True
+                    i += 1
+                    continue
             if (length + bs - 1) // bs > len(seq.block_table):   # needs a new block (1 step in bs)
                 while not self.bm.can_append(seq, length):
                     victim = self._victim()
@@ -155,7 +183,27 @@ class Scheduler:
             n = min(len(seq) - seq.num_computed_tokens, budget)
             out.append(ScheduledSeq(seq, n, seq.num_computed_tokens))
             budget -= n
+        if drafted:     # verify entries last: the plain rows keep their indices
+            out = [o for o in out if not o.num_draft] + [o for o in out if o.num_draft]
         return out
+
+    def _draft(self, seq: Sequence, length: int, budget: int) -> int:
+        """Propose, append the drafts to seq and take their blocks: how many (0: none fit, or
+        nothing to propose). At most what max_tokens, max_model_len and the budget leave room
+        for after the target's own token."""
+        limit = min(seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - length,
+                    budget) - 1
+        if limit < 1:
+            return 0
+        t0 = time.perf_counter()
+        drafts = seq.spec.propose(seq.token_ids, limit)
+        self.t_propose += time.perf_counter() - t0
+        if not drafts or not self.bm.can_append(seq, length + len(drafts)):
+            return 0
+        self.bm.append_slots(seq, length + len(drafts))
+        seq.token_ids.extend(drafts)
+        seq.spec.drafts, seq.spec.position = drafts, length
+        return len(drafts)
 
     def _reached_limit(self, seq: Sequence) -> bool:
         return seq.num_output_tokens >= seq.params.max_tokens or len(seq) >= self.max_model_len
@@ -167,11 +215,12 @@ class Scheduler:
         k = 0
         for s in scheduled:
             seq = s.seq
-            seq.num_computed_tokens = s.start + s.num_tokens
+            # drafts are not computed tokens until they are accepted
+            seq.num_computed_tokens = s.start + s.num_tokens - s.num_draft
             if s.samples:
                 seq.pending[len(seq.token_ids)] = (step_id, k)
                 seq.token_ids.append(PENDING)
-                k += 1
+                k += 1 + s.num_draft
 
     def finish(self, seq: Sequence, reason: str) -> None:
         if seq.is_finished:
@@ -189,10 +238,12 @@ class Scheduler:
         self.bm.free(seq)
 
     def on_result(self, scheduled: list[ScheduledSeq], tokens: list[int], step_id: int
-                  ) -> list[tuple[Sequence, int]]:
-        """Resolve the step's sampled tokens (one per sampling entry, in order) and apply the
-        stop rules. Returns (sequence, token) for each live sequence that received one."""
-        got, k = [], 0
+                  ) -> Iterator[tuple[Sequence, int]]:
+        """Resolve the step's sampled tokens (one per sampling row, in order) and apply the
+        stop rules. Yields (sequence, token) for each token a live sequence received; a
+        verify entry yields its tokens one by one, and stops early once the caller (a stop
+        string found in the text) or a stop rule has finished the sequence."""
+        k = 0
         for s in scheduled:
             seq = s.seq
             if not s.samples:
@@ -200,8 +251,11 @@ class Scheduler:
                     self.bm.commit(seq)
                 continue
             tok = tokens[k]
-            k += 1
+            k += 1 + s.num_draft
             if seq.is_finished:                  # aborted or stopped while in flight
+                continue
+            if s.num_draft:
+                yield from self._verify(seq, tokens[k - 1 - s.num_draft:k])
                 continue
             pos = next((p for p, src in seq.pending.items() if src == (step_id, k - 1)), None)
             if pos is None:
@@ -209,17 +263,45 @@ class Scheduler:
             del seq.pending[pos]
             seq.token_ids[pos] = tok
             self.bm.commit(seq)
-            got.append((seq, tok))
-            p = seq.params
-            n_out = pos + 1 - seq.num_prompt_tokens
-            if (not p.ignore_eos and tok in self.eos_token_ids and n_out >= p.min_tokens) or \
-                    (tok in seq.stop_token_set and n_out >= p.min_tokens):
-                del seq.token_ids[pos + 1:]      # a later token may already be in flight
-                self.finish(seq, "stop")
-            elif n_out >= p.max_tokens or pos + 1 >= self.max_model_len:
-                del seq.token_ids[pos + 1:]
-                self.finish(seq, "length")
-        return got
+            self._stop_rules(seq, pos, tok)
+            yield seq, tok
+
+    def _stop_rules(self, seq: Sequence, pos: int, tok: int) -> None:
+        p = seq.params
+        n_out = pos + 1 - seq.num_prompt_tokens
+        if (not p.ignore_eos and tok in self.eos_token_ids and n_out >= p.min_tokens) or \
+                (tok in seq.stop_token_set and n_out >= p.min_tokens):
+            del seq.token_ids[pos + 1:]      # a later token may already be in flight
+            self.finish(seq, "stop")
+        elif n_out >= p.max_tokens or pos + 1 >= self.max_model_len:
+            del seq.token_ids[pos + 1:]
+            self.finish(seq, "length")
+
+    def _verify(self, seq: Sequence, sampled: list[int]) -> Iterator[tuple[Sequence, int]]:
+        """A verify entry's result: the target's tokens at the 1 + k positions (sampled with
+        the request's own settings and noise). Drafts are kept while they equal them, then the
+        target's token; rollback: the drafts leave token_ids, and blocks that only rejected
+        drafts needed are freed (never hashed: commit sees accepted tokens only)."""
+        spec = seq.spec
+        drafts, start = spec.drafts, spec.position
+        a = num_accepted(sampled, drafts)
+        emitted = sampled[:a + 1]
+        spec.drafts = []
+        del seq.pending[start + len(drafts)]
+        del seq.token_ids[start:]
+        self.bm.truncate(seq, start + a)     # the blocks the kept K/V (positions < start + a) use
+        verdict = DraftVerdict(start, tuple(drafts), a, emitted[-1])
+        spec.record(verdict)
+        self.spec_stats.add(verdict)
+        for tok in emitted:
+            pos = len(seq.token_ids)
+            seq.token_ids.append(tok)
+            seq.num_computed_tokens = pos      # every token before the newest has its K/V
+            self.bm.commit(seq)
+            self._stop_rules(seq, pos, tok)
+            yield seq, tok
+            if seq.is_finished:
+                return
 
     def postprocess(self, scheduled: list[ScheduledSeq], tokens: list[int]) -> list[Sequence]:
         """Serial form (tests, tools): on_launch and on_result of one step at once."""

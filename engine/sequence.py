@@ -49,12 +49,14 @@ class Sequence:
         self.cache_salt: int | None = None
         self.group = None           # the request this choice belongs to (scheduler fairness)
         self.priority = 0           # vLLM's: lower is served first
+        self.salt_tag = None        # its cache salt's digest (engine/cache_salt.salt_tag)
         self.status = SequenceStatus.WAITING
         # position -> (step id, sampled row) of output tokens still on the device: with overlap
         # scheduling a token is appended as PENDING when its step is launched, and resolved
         # when that step is postprocessed. Always the tail of token_ids (at most two).
         self.pending: dict[int, tuple[int, int]] = {}
         self.block_table: list[int] = []
+        self.spec = None            # spec_decode.SpecState when this request speculates
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0          # prompt tokens served by the prefix cache (last admit)
         self.prefix_cached_blocks = 0       # total blocks reused from the prefix cache
@@ -84,7 +86,7 @@ class Sequence:
         seq = cls(req.request_id, list(req.prompt.token_ids), req.params, req.seed, req.watch)
         seq.interventions, seq.cache_salt, seq.grammar = (req.interventions, req.cache_root,
                                                           req.grammar)
-        seq.group, seq.priority = req.group, req.priority
+        seq.group, seq.priority, seq.salt_tag = req.group, req.priority, req.salt_tag
         seq.token_filter = req.token_filter
         return seq
 
@@ -117,8 +119,12 @@ class Sequence:
         return row
 
     def drop_pending(self) -> None:
-        """Forget unresolved tokens (the request finished before they came back)."""
-        if self.pending:
+        """Forget unresolved tokens and drafts (the request finished before they came back)."""
+        if self.spec is not None and self.spec.drafts:    # a verify scheduled or in flight
+            del self.token_ids[self.spec.position:]
+            self.spec.drafts = []
+            self.pending.clear()
+        elif self.pending:
             del self.token_ids[min(self.pending):]
             self.pending.clear()
 
@@ -150,7 +156,8 @@ class Sequence:
                 "queue_s": sched - self.arrival_time if sched is not None else None,
                 "prefill_s": (self.first_token_time - sched
                               if sched is not None and self.first_token_time else None),
-                "inter_token_s": self.token_gaps}
+                "inter_token_s": self.token_gaps,
+                **({"spec_decode": self.spec.summary()} if self.spec is not None else {})}
 
 
 @dataclass
@@ -165,6 +172,8 @@ class RequestOutput:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     metrics: dict = field(default_factory=dict)
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    # speculative decoding: every verify of this request (spec_decode.DraftVerdict), in order
+    drafts: list = field(default_factory=list)
 
 
 @dataclass
@@ -182,3 +191,6 @@ class TokenEvent:
     # on the final event of a request that captured its prompt's resid_post (steering vectors):
     # the sum over its prompt tokens, fp64 [hidden]
     resid_capture: object = None
+    # speculative decoding: on the first token of a verify, its spec_decode.DraftVerdict (what
+    # was drafted from this token's position on, how many were accepted, the target's token)
+    draft: object = None

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .cascade import plan_cascade
+
 PENDING = -1        # a token id in Sequence.token_ids that the device has not returned yet
 
 
@@ -68,6 +70,7 @@ class StepInputs:
     prompt_lp_rows: np.ndarray | None = None      # [R] int64
     prompt_lp_targets: np.ndarray | None = None   # [R] int64
     prompt_lp_k: int = 0
+    cascade: object | None = None   # cascade.CascadePlan: decode rows sharing prefix blocks
 
     @property
     def num_tokens(self) -> int:
@@ -91,7 +94,8 @@ def prompt_logprob_rows(scheduled):
 
 
 def build_step_inputs(step_id: int, scheduled, block_size: int, sampling: SamplingBatch | None,
-                      probe_plan=None, prev_step_id: int = -1) -> StepInputs:
+                      probe_plan=None, prev_step_id: int = -1,
+                      cascade_min_saved: int = 0) -> StepInputs:
     """Flatten a scheduled batch. Plain Python lists and one numpy block table: this runs on
     every step, serial with the host side of the step, so per-row tensor work is avoided."""
     ids, pos, slots, ctx_lens, cu, rows = [], [], [], [], [0], []
@@ -123,7 +127,11 @@ def build_step_inputs(step_id: int, scheduled, block_size: int, sampling: Sampli
         if n > max_q:
             max_q = n
         if s.samples:
-            rows.append(total - 1)
+            if s.num_draft:                          # a verify: every row of the chunk samples
+                rows.extend(range(total - 1 - s.num_draft, total))
+            else:
+                rows.append(total - 1)
+    ctx = np.array(ctx_lens, dtype=np.int32)
     lp_rows = lp_targets = None
     lp_k = 0
     if any(s.seq.params.prompt_logprobs is not None for s in scheduled):
@@ -136,9 +144,10 @@ def build_step_inputs(step_id: int, scheduled, block_size: int, sampling: Sampli
         prompt_lp_rows=lp_rows, prompt_lp_targets=lp_targets, prompt_lp_k=lp_k,
         step_id=step_id, input_ids=np.array(ids, dtype=np.int64),
         positions=np.array(pos, dtype=np.int64), slot_mapping=np.array(slots, dtype=np.int64),
-        context_lens=np.array(ctx_lens, dtype=np.int32), block_tables=table,
+        context_lens=ctx, block_tables=table,
         cu_seqlens_q=np.array(cu, dtype=np.int32), max_seqlen_q=max_q,
         sample_rows=np.array(rows, dtype=np.int64), is_decode=max_q == 1, sampling=sampling,
         pending_rows=np.array(pend_rows, dtype=np.int64),
         pending_src=np.array(pend_src, dtype=np.int64), prev_step_id=prev_step_id,
-        probe_plan=probe_plan)
+        probe_plan=probe_plan,
+        cascade=plan_cascade(table, ctx, block_size, cascade_min_saved) if max_q == 1 else None)

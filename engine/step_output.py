@@ -25,6 +25,7 @@ class StepOutput:
     prompt_logprobs_host: tuple | None = None
     probes: object | None = None            # probes.result.ProbeResult, or None
     graph_bucket: int | None = None         # decode batch size or prefill token bucket replayed; None: eager
+    cascade: bool = False                   # the forward ran cascade attention (engine/cascade.py)
     collectives: int = 0                    # collectives issued by the forward (TP)
     collective_timer: object | None = None  # parallel_state.CollectiveTimer of this step
     t_launch: float = 0.0                   # host seconds to stage inputs and launch

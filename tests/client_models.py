@@ -29,10 +29,12 @@ def build_response_models() -> list[type]:
     try:
         from openai.types import Completion, CreateEmbeddingResponse, Model
         from openai.types.chat import ChatCompletion, ChatCompletionChunk
+        from openai.types.responses import Response
     except ImportError:
         return []
     seen: list[type] = []
-    stack = [ChatCompletion, ChatCompletionChunk, Completion, CreateEmbeddingResponse, Model]
+    stack = [ChatCompletion, ChatCompletionChunk, Completion, CreateEmbeddingResponse, Model,
+             Response]
     while stack:
         cls = stack.pop()
         if cls in seen:

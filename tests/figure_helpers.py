@@ -2,6 +2,7 @@
 way views/kv_map.js draws it, and checks that a figure or canvas chart spec is well formed."""
 from __future__ import annotations
 
+import base64
 import json
 import os
 import re
@@ -231,4 +232,14 @@ def check_chart_spec(spec: dict) -> None:
     if spec.get("colorbar"):
         for v, label in spec["colorbar"]["ticks"]:
             assert spec["zmin"] - 1e-9 <= v <= spec["zmax"] + 1e-9 and label
+
+
+def kv_map_lists(payload: dict) -> dict:
+    """The KV map's payload with its arrays as plain lists (what the page ends up with)."""
+    return {k: (v.tolist() if isinstance(v, np.ndarray) else v) for k, v in payload.items()}
+
+
+def unpack_ints(m: dict) -> np.ndarray:
+    """views/figures_kv.pack_ints' inverse: what views/kv_map.js does in the page."""
+    return np.frombuffer(base64.b64decode(m["b64"]), "<" + m.get("dtype", "i4"))[:m["n"]]
 

@@ -174,4 +174,4 @@ def test_the_model_line_reads_during_a_switch():
     line = hub.model_line()
     llm.shutdown()                          # what switch() does before loading the next one
     hub.switching = "the next model"
-    assert hub.model_line().endswith(line) and "loading" in hub.model_line()
+    assert hub.model_line().endswith(line) and "Loading" in hub.model_line()

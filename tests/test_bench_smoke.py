@@ -123,6 +123,54 @@ def test_latency_runs_tiny_on_cpu():
     _assert_positive(_by_metric(rows, "ratio"), ["decode_tok_s", "ttft_ms_32"])
 
 
+def test_spec_decode_runs_tiny_on_cpu_and_speculation_is_exact():
+    from bench import spec_decode
+    rows = spec_decode.main("qwen3-0.6b", "cpu", repeats=1, tiny=True, floors=False)
+    _assert_no_errors(rows)
+    _assert_positive(_by_metric(rows, "plain"), ["decode_tok_s"])
+    for system in ("ngram-random", "oracle-100", "oracle-80", "oracle-50", "oracle-0"):
+        got = _by_metric(rows, system)
+        _assert_positive(got, ["decode_tok_s", "tokens_per_step", "speedup"])
+        assert got["exact"] == 1.0, system          # greedy output unchanged by speculation
+    assert _by_metric(rows, "oracle-100")["acceptance"] == 1.0
+    assert _by_metric(rows, "oracle-0")["acceptance"] == 0.0
+    assert _by_metric(rows, "oracle-100")["tokens_per_step"] > 2
+    _assert_positive(_by_metric(rows, "workload-plain"), ["output_tok_s"])
+    many = _by_metric(rows, "workload-ngram")
+    _assert_positive(many, ["output_tok_s", "speedup"])
+    assert many["exact_share"] == 1.0           # seeded sampling: plain decoding's tokens
+
+
+def test_spec_decode_oracle_alpha_gives_the_target_acceptance_rate():
+    from bench.spec_decode import alpha_for
+    assert alpha_for(1.0) > 0.999 and alpha_for(0.0) < 1e-6
+    for rate in (0.8, 0.5):
+        a = alpha_for(rate)
+        assert abs(sum(a ** i for i in range(1, 5)) / 4 - rate) < 1e-9
+
+
+def test_long_context_runs_tiny_on_cpu_with_its_floors():
+    from bench import long_context
+    rows = long_context.main("qwen3-0.6b", "cpu", tiny=True, repeats=1)
+    _assert_no_errors(rows)
+    mine = _by_metric(rows, "glassbox")
+    _assert_positive(mine, ["ttft_ms_64", "ttft_ms_128", "decode_ms_per_token_96"])
+    assert all("floor" in r["note"] for r in rows if r["system"] == "glassbox")
+    _assert_positive(_by_metric(rows, "ratio"), ["ttft_ms_64"])
+
+
+def test_shared_prefix_runs_tiny_on_cpu_through_the_cascade():
+    from bench import shared_prefix
+    rows = shared_prefix.main("qwen3-0.6b", "cpu", tiny=True, repeats=1, hf_num_requests=2)
+    _assert_no_errors(rows)
+    shared = next(r for r in rows if r["metric"] == "shared_tok_s_cascade"
+                  and r["system"] == "glassbox")
+    assert shared["value"] > 0 and " 0 cascade steps" not in shared["note"]
+    off = next(r for r in rows if r["metric"] == "shared_tok_s_no_cascade")
+    assert "; 0 cascade steps" in off["note"]
+    _assert_positive(_by_metric(rows, "ratio"), ["shared_tok_s_cascade"])
+
+
 def test_probes_runs_tiny_on_cpu():
     from bench import probes
     rows = probes.main("qwen3-0.6b", "cpu", num_requests=3, tput_repeats=1, lat_repeats=1,
@@ -369,10 +417,11 @@ def test_skinny_gemm_smoke_checks_its_configs_against_f_linear(capsys, triton_in
 
 
 def test_the_suite_stays_small_and_every_diagnostic_is_listed_in_the_readme():
-    """bench/ holds the suite (what run_all runs and the few scripts run standalone, at most 15
-    files); bench/diagnostics/ the rest, each with its line in bench/README.md."""
+    """bench/ holds the suite (what run_all runs and the few scripts run standalone, at most 18
+    files: the 15 of the split, then long contexts, shared prefixes, speculative decoding);
+    bench/diagnostics/ the rest, each with its line in bench/README.md."""
     bench = ROOT / "bench"
-    assert len(list(bench.glob("*.py"))) <= 15
+    assert len(list(bench.glob("*.py"))) <= 18
     readme = (bench / "README.md").read_text()
     for p in sorted((bench / "diagnostics").glob("*.py")) + sorted(bench.glob("*.py")):
         assert f"`{p.name}`" in readme, p.name

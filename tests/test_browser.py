@@ -66,8 +66,16 @@ def headless_chromium():
         b.close()
 
 
+def quiet_context(browser, w: int = 1400, h: int = 1000):
+    """A browser context that has already seen the guided tour (views/tour.js): the tests of
+    other things click through a page without its card."""
+    ctx = browser.new_context(viewport={"width": w, "height": h})
+    ctx.add_init_script("localStorage.setItem('gb-tour-done', '1')")
+    return ctx
+
+
 def new_page(browser):
-    page = browser.new_context(viewport={"width": 1400, "height": 1000}).new_page()
+    page = quiet_context(browser).new_page()
     page.set_default_timeout(60_000)
     return page
 

@@ -171,12 +171,22 @@ def what_if_tp(page, tp: int):
             tp + 1, f"{tp} rank rows")
 
 
+def no_text_over_text(page):
+    """Issue 52.5: the weights bar's callouts and their arrows cross no label or legend."""
+    from test_browser_fit import FIT_JS
+    page.wait_for_timeout(500)
+    found = [p for p in page.evaluate(FIT_JS, ["anatomy"])
+             if "overlaps" in p or "strikes through" in p or "drawn over" in p]
+    assert not found, found
+
+
 def test_anatomy_on_the_dense_demo_then_the_moe_demo(browser):
     running = AnatomyApp()
     try:
         page, errors = open_page(browser, running.url)
         show_tab(page, "anatomy")
         check_anatomy_renders(page, running.hub, moe=False, tp=1)
+        no_text_over_text(page)
         type_text_and_ids(page, running.llm)
         what_if_tp(page, 4)
         assert "KV heads replicated" in page.inner_text("#anatomy-tp-table")   # 2 KV heads
@@ -201,6 +211,7 @@ def test_anatomy_on_the_dense_demo_then_the_moe_demo(browser):
         wait_js(page, "() => document.querySelector('#anatomy-layer').textContent"
                       ".includes('MoE block')", what="the MoE block after the switch")
         check_anatomy_renders(page, running.hub, moe=True, tp=1)
+        no_text_over_text(page)
         check_live_and_block(page, running.hub, abort=False)
         assert "read per token" in page.text_content("#anatomy-weights")
         screenshot_between(page, "anatomy", "#anatomy-live-status", "#anatomy-block-info")

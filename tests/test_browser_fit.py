@@ -1,13 +1,13 @@
 """Nothing clipped (issue 28): every tab at 1440×900 and at 1024×768, while a reply streams,
 in headless Chromium. The page never scrolls sideways; no box's content is wider than the box
 (cut off, or hidden behind a sideways scrollbar) and no text is wider than its box; nothing
-sticks out of the window; no plotly label runs past its figure or covers another; no canvas
-chart shortened a label to fit. Screenshots of every tab at both sizes go to the screenshot
+sticks out of the window; no plotly label runs past its figure or covers another, and no callout's
+arrow strikes through a label; no canvas chart shortened a label to fit or drew one over another. Screenshots of every tab at both sizes go to the screenshot
 folder (tests/test_browser.py SHOTS) to look at."""
 import pytest
 
-from test_browser import (ReplyDriver, browser, running, screenshot, send,  # noqa: F401
-                          show_tab)
+from test_browser import (ReplyDriver, browser, quiet_context, running, screenshot,  # noqa: F401
+                          send, show_tab)
 from ui_helpers import wait_until
 
 pytestmark = pytest.mark.slow
@@ -51,6 +51,9 @@ FIT_JS = """([tab]) => {
       out.push(`${name(e)}: text "${e.textContent.trim().slice(0, 40)}" ${e.scrollWidth} px wide in a ${e.clientWidth} px box`);
     if (e.matches('[data-cut]') && +e.dataset.cut > 0)
       out.push(`${name(e)}: ${e.dataset.cut} label(s) shortened to fit`);
+    // a canvas chart's own record of the labels it drew (views/text_boxes.js)
+    if (e.matches('[data-overlaps]') && +e.dataset.overlaps > 0)
+      out.push(`${name(e)}: ${e.dataset.overlaps} label(s) drawn over others: ${e.dataset.overlapText}`);
     if (e.tagName === 'CANVAS' && e.parentElement &&
         e.getBoundingClientRect().right > e.parentElement.getBoundingClientRect().right + 1)
       out.push(`${name(e)}: canvas wider than its box`);
@@ -75,6 +78,17 @@ FIT_JS = """([tab]) => {
       if (w > 2 && h > 2)
         out.push(`${name(plot)}: "${a.textContent.slice(0, 30)}" overlaps "${b.textContent.slice(0, 30)}"`);
     }
+    // a callout's arrow never strikes through another text (its own label excepted)
+    for (const arrow of plot.querySelectorAll('.annotation-arrow-g path')) {
+      const ra = arrow.getBoundingClientRect(), own = arrow.closest('.annotation');
+      for (const [t, rt] of texts) {
+        if (t.closest('.annotation') === own) continue;
+        const w = Math.min(ra.right, rt.right) - Math.max(ra.left, rt.left);
+        const h = Math.min(ra.bottom, rt.bottom) - Math.max(ra.top, rt.top);
+        if (w >= 0 && h > 2)
+          out.push(`${name(plot)}: an arrow strikes through "${t.textContent.slice(0, 30)}"`);
+      }
+    }
   }
   return [...new Set(out)];
 }"""
@@ -83,7 +97,7 @@ FIT_JS = """([tab]) => {
 @pytest.mark.parametrize("size", SIZES, ids=[f"{w}x{h}" for w, h in SIZES])
 def test_every_tab_fits_its_window_while_a_reply_streams(running, browser, size):
     w, h = size
-    page = browser.new_context(viewport={"width": w, "height": h}).new_page()
+    page = quiet_context(browser, w, h).new_page()
     page.set_default_timeout(60_000)
     page.goto(running.url)
     page.wait_for_selector("#chat-input textarea")

@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from test_browser import (bot_text, browser, open_app, running, send,  # noqa: F401
-                          set_number, show_tab, wait_js)
+from test_browser import (bot_text, browser, open_app, quiet_context, running,  # noqa: F401
+                          send, set_number, show_tab, wait_js)
 from ui_helpers import wait_until
 
 pytestmark = pytest.mark.slow
@@ -106,7 +106,7 @@ def test_layers_follow_this_pages_own_reply_and_server_wide_is_one_click(running
 
 
 def test_kv_click_and_hover_card_stay_in_view_at_1024x768(running, browser):
-    page = browser.new_context(viewport={"width": 1024, "height": 768}).new_page()
+    page = quiet_context(browser, 1024, 768).new_page()
     page.set_default_timeout(60_000)
     page.goto(running.url)
     page.wait_for_selector("#chat-input textarea")

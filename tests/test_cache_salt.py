@@ -84,3 +84,36 @@ def test_a_salted_intervened_request_edits_as_an_unsalted_one_and_shares_with_ne
     both = llm.generate([ids, ids], params, interventions=[iv, iv], cache_salt="t")
     assert [o.token_ids for o in both] == [edited.token_ids] * 2      # same edits, one batch
     assert plain.metrics["prefix_cached_blocks"] == 0
+
+
+def _cached_blocks(llm) -> list[int]:
+    """Blocks free but holding a cached prefix (an ended request's)."""
+    return [b.block_id for b in llm.inspect().blocks if b.evictable]
+
+
+def test_a_salted_requests_blocks_show_their_text_only_to_its_own_salt(llm):
+    """#48.9: the KV tab's hover and drilldown read BlockInfo; a block written by a salted
+    request (ended: free but cached) shows counts to anyone else, never its tokens or hash."""
+    from views.figures_kv import block_detail
+    secret = _prompt(random.randrange(1 << 30))
+    before = set(_cached_blocks(llm))
+    _run(llm, secret, "tenant-secret")
+    mine = [b for b in _cached_blocks(llm) if b not in before]
+    assert len(mine) >= 5
+    for b in mine:
+        other = llm.block_info(b)
+        assert other.hidden and other.token_ids == [] and other.prefix_hash is None
+        assert other.num_filled == BS and other.evictable          # counts still show
+        assert llm.block_info(b, viewer_salt="tenant-other").hidden
+        own = llm.block_info(b, viewer_salt="tenant-secret")
+        # its own text (the last block also holds reply tokens)
+        assert not own.hidden and len(own.token_ids) == BS and set(own.token_ids) & set(secret)
+        card = block_detail(other, BS, lambda ids: "".join(f"<{t}>" for t in ids))
+        assert "private request" in card and "“" not in card and "hash" not in card
+    # an unsalted request's blocks keep their text for everyone
+    plain = _prompt(random.randrange(1 << 30))
+    before = set(_cached_blocks(llm))
+    _run(llm, plain)
+    for b in [b for b in _cached_blocks(llm) if b not in before]:
+        info = llm.block_info(b)
+        assert not info.hidden and len(info.token_ids) == BS and set(info.token_ids) & set(plain)

@@ -49,7 +49,18 @@ def test_a_vllm_serve_command_line_parses_with_vllms_meaning():
     assert engine_kwargs(args) == dict(
         device=None, dtype="float32", tensor_parallel_size=2, block_size=32, num_kv_blocks=None,
         gpu_memory_utilization=0.5, max_num_seqs=8, max_num_batched_tokens=2048,
-        max_model_len=1024, enable_prefix_caching=True, enforce_eager=True, seed=7)
+        max_model_len=1024, enable_prefix_caching=True, enforce_eager=True, seed=7,
+        speculative_config=None)
+
+
+def test_speculative_config_is_passed_to_the_engine_as_given():
+    from api.cli import engine_kwargs
+    from engine.spec_decode import SpeculativeConfig
+    js = '{"method":"ngram","num_speculative_tokens":3,"prompt_lookup_max":5}'
+    kw = engine_kwargs(parse(f"serve m --speculative-config {js}"))
+    assert kw["speculative_config"] == js
+    c = SpeculativeConfig.parse(kw["speculative_config"])
+    assert (c.num_speculative_tokens, c.prompt_lookup_max) == (3, 5)
 
 
 def test_the_readmes_vllm_serve_line_parses_unchanged():

@@ -13,7 +13,7 @@ import pytest
 from ui_helpers import make_snapshot, make_trace  # noqa: I001  (puts the repo on sys.path)
 from figure_helpers import (check_chart_spec, check_plotly_figure, decode, drawn_ids, live_ids,
                             map_cells, random_cache, seeded_rng, strict_json,
-                            unpack_map)
+                            unpack_map, kv_map_lists)
 
 from engine.records import StepEntries, StepEntry
 from engine.probes.trace import RequestTrace
@@ -22,7 +22,6 @@ from views.canvas_chart import chart_value, empty_chart
 from views.figures_common import EVICTABLE_COLOUR, FREE_COLOUR, PALETTE, PHASE_COLOURS
 from views.figures_kv import MAP_MIN_CELLS, MAP_ROW, MAX_MAP_CELLS
 from views.figures_layers import MAX_LENS_STEPS
-from views.figures_kv import kv_map_lists
 from views.kv_cache import map_value
 from views.live_plot import plot_value
 
@@ -626,7 +625,8 @@ def test_cuda_graph_figure_splits_graph_and_eager_steps(rng):
     check_step_chart(spec)
     (panel,) = spec["panels"]
     graph, prefill_graph, eager_t = panel["series"]
-    (batch,) = panel["lines"]
+    batch, cascade = panel["lines"]
+    assert cascade["y"] == [0] * len(snap.steps) and "shared prefix" not in spec["title"]
     # 0: an eager step, or the other kind of graph (a prefill graph's bucket is its tokens)
     assert graph["y"] == [0 if s.num_prefill_tokens else s.graph_bucket or 0 for s in snap.steps]
     assert prefill_graph["y"] == [s.graph_bucket or 0 if s.num_prefill_tokens else 0
@@ -636,6 +636,22 @@ def test_cuda_graph_figure_splits_graph_and_eager_steps(rng):
     assert batch["y"] == [len(s.entries) for s in snap.steps]
     share = (len(snap.steps) - len(eager)) / len(snap.steps)
     assert f"{share:.0%} of recent steps replayed a graph" in spec["title"]
+
+
+def test_the_engine_charts_say_which_steps_read_a_shared_prefix_once(rng):
+    snap = make_snapshot(rng, num_steps=int(rng.integers(10, 60)))
+    used = set(rng.choice(len(snap.steps), int(rng.integers(1, 6)), replace=False).tolist())
+    for i, s in enumerate(snap.steps):
+        if i in used:
+            s.cascade_rows, s.cascade_tokens = int(rng.integers(2, 64)), 2048
+            s.kv_bytes_saved = int(rng.integers(1, 1 << 30))
+    saved = sum(s.kv_bytes_saved for s in snap.steps) / 2 ** 20
+    from views.figures_engine import cpu_batch_figure
+    for spec in (F.cuda_graph_figure(snap.steps), cpu_batch_figure(snap.steps)):
+        check_step_chart(spec)
+        line = spec["panels"][0]["lines"][-1]
+        assert line["y"] == [s.cascade_rows for s in snap.steps]
+        assert f"{len(used)} steps read a shared prefix once ({saved:,.1f} MiB" in spec["title"]
 
 
 def test_history_figure_spans_each_bucket_and_reaches_back_to_the_first(rng):
@@ -657,14 +673,14 @@ def test_history_figure_spans_each_bucket_and_reaches_back_to_the_first(rng):
 
 def test_latency_table_has_p50_p90_p99_in_ms():
     from views.figures_engine import latency_table
-    lat = {"requests": 3, "tokens": 9, "ttft": [0.012, 0.02, 0.5], "itl": None,
+    lat = {"requests": 3, "ttft": [0.012, 0.02, 0.5], "tpot": None,
            "e2e": [1.0, 2.0, 3.0]}
     spec = latency_table(lat, 300)
     assert spec["head"] == ["", "p50", "p90", "p99"]
     assert spec["rows"] == [["time to first token (ms)", "12", "20", "500"],
-                            ["inter-token (ms)", "—", "—", "—"],
+                            ["time per output token (ms)", "—", "—", "—"],
                             ["end to end (ms)", "1000", "2000", "3000"]]
-    assert "rows" not in latency_table({"requests": 0, "tokens": 0}, 300)
+    assert "rows" not in latency_table({"requests": 0}, 300)
 
 
 def test_tp_map_places_each_head_on_its_rank(rng):
@@ -797,7 +813,8 @@ def test_block_table_cells_are_never_another_requests_under_the_same_id():
 
 
 def test_packed_map_arrays_take_the_narrowest_type_and_round_trip():
-    from views.figures_kv import pack_ints, unpack_ints
+    from figure_helpers import unpack_ints
+    from views.figures_kv import pack_ints
     rng = np.random.default_rng()
     for lo, hi, tag in ((0, 255, "u1"), (-1, 100, "i1"), (0, 65_535, "u2"), (-1, 30_000, "i2"),
                         (-1, 65_536, "i4"), (0, 2**31 - 1, "i4")):

@@ -266,3 +266,13 @@ def test_shapes_table_has_the_published_rows_and_the_loaded_one():
     assert out.count("<tr>") == len(rows) + 1
     assert "(card 30.5B, 3.3B active)" in out and "(loaded, live)" in out
     assert "128 × 768, top-8" in out and "source line" in out
+
+
+def test_byte_axes_tick_in_binary_units_not_plotlys_si_billions():
+    """Issue 52.8: the axes read KiB / MiB / GiB like the figures beside them, never "10B"."""
+    a = make_anatomy("qwen3")
+    for fig, axis in ((FA.tp_bytes_figure([a.tp_plan(t) for t in (1, 2)], 1), "yaxis"),
+                      (FA.weights_figure(a.weights), "xaxis")):
+        ticks = fig["layout"][axis]["ticktext"]
+        assert ticks and all(t.endswith(("B", "KiB", "MiB", "GiB", "TiB")) for t in ticks), ticks
+        assert not any(t[-2:-1].isdigit() and t.endswith("B") and " " not in t for t in ticks)

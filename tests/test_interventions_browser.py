@@ -65,6 +65,9 @@ def test_clicking_an_expert_in_the_routing_chart_reruns_without_it(moe_app, brow
             what="the routing chart")
     page.locator("#layers-routing canvas").scroll_into_view_if_needed()
     time.sleep(0.5)
+    from test_browser_fit import FIT_JS          # the MoE charts draw no label over another
+    drawn_over = [p for p in page.evaluate(FIT_JS, ["layers"]) if "drawn over" in p]
+    assert not drawn_over, drawn_over
     xy = page.evaluate("() => document.querySelector('#layers-routing .gb-chart')"
                        ".cellCenter(3, 1)")                  # MoE layer 3, expert 1
     page.mouse.click(xy["x"], xy["y"])

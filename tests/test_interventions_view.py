@@ -52,7 +52,8 @@ def test_form_values_become_interventions(qwen3_dir):
 
 def test_overlay_figure_shows_both_runs_norms_and_lens_at_the_parting_token(qwen3_dir):
     from engine import Intervention, ProbeSpec
-    from views.interventions import overlay_figure, parting
+    from views.figures_interventions import overlay_figure
+    from views.interventions import parting
     with LLM(qwen3_dir, device="cpu", num_kv_blocks=32, block_size=4) as llm:
         watch = ProbeSpec(attention=False, routing=False)
         a, b = llm.generate([[1, 2, 3]] * 2, SamplingParams(temperature=0, max_tokens=5),
@@ -77,3 +78,38 @@ def test_a_click_on_the_routing_chart_picks_layer_and_expert():
     assert expert_pick({"x": 2.0, "y": "L0"}) == (0, 2)
     assert expert_pick({"x": 2, "y": "moe0"}) is None
     assert expert_pick({}) is None and expert_pick({"x": "a", "y": "L1"}) is None
+
+
+def test_the_form_offers_expert_masking_only_on_moe_and_names_experts_and_top_k():
+    from types import SimpleNamespace
+
+    from views.interventions import form_help, kinds_for
+    assert "mask experts" not in kinds_for(False) and "mask experts" in kinds_for(True)
+    cfg = SimpleNamespace(num_hidden_layers=4, num_attention_heads=4, num_experts=8,
+                          num_experts_per_tok=2)
+    moe = SimpleNamespace(hf_config=cfg, runner=SimpleNamespace(moe_layers=[1, 3]))
+    text = form_help(moe)
+    assert "8 experts" in text and "top-2" in text and "layers [1, 3]" in text
+    dense = SimpleNamespace(hf_config=cfg, runner=SimpleNamespace(moe_layers=[]))
+    assert "expert" not in form_help(dense)
+
+
+def test_the_overlay_has_the_charts_look_and_keeps_equal_runs_apart():
+    """Issue 52.9: built like every other chart (fonts, white ground, no plotly legend box) and
+    two runs that agree still show as two lines (different width and dash)."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from views.figures_interventions import overlay_figure
+    lens = SimpleNamespace(top_ids=np.zeros((2, 5), int), sampled_token=1,
+                           sampled_prob=np.array([0.99, 1.0]))
+    tr = SimpleNamespace(prompt_token_ids=[1, 2], num_layers=2, lens=[lens],
+                         norms=lambda: np.ones((3, 3)))
+    fig = overlay_figure(tr, tr, 0, lambda ids: "x")
+    lay = fig["layout"]
+    assert lay["plot_bgcolor"] == "white" and lay["showlegend"] is False
+    assert "untouched" in lay["title"]["text"] and "intervened" in lay["title"]["text"]
+    a, b = [t for t in fig["data"] if t["yaxis"] == "y2"]
+    assert a["y"] == b["y"] and a["line"]["width"] > b["line"]["width"]
+    assert b["line"].get("dash") == "dash"

@@ -588,6 +588,29 @@ def test_prefill_kernel_matches_ref(block_size, hq, hkv, d, dtype, num_splits):
     torch.testing.assert_close(out, ref, **TOL[dtype])
 
 
+# long enough for tiles wholly below the causal diagonal (the unmasked loop) and a diagonal
+# that starts mid-tile; both launches, and a split KV range
+LONG_PREFILL_SEQS = [(70, 150), (9, 200), (130, 130), (1, 97)]
+
+
+@pytest.mark.parametrize("launch", [prefill.SHORT_LAUNCH, prefill.LONG_LAUNCH,
+                                    dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=1)])
+@pytest.mark.parametrize("dtype,num_splits", [(torch.float32, 1), (torch.float16, 1),
+                                              (torch.float32, 3)])
+def test_prefill_kernel_past_the_diagonal_matches_ref(launch, dtype, num_splits):
+    bs, hq, hkv, d = 16, 4, 2, 32
+    qlens, ctxs = [s[0] for s in LONG_PREFILL_SEQS], [s[1] for s in LONG_PREFILL_SEQS]
+    k_cache, v_cache, tables, _, _ = paged_kv(ctxs, bs, hkv, d, dtype)
+    q = torch.randn(sum(qlens), hq, d).to(dtype)
+    cu = torch.tensor([0] + torch.tensor(qlens).cumsum(0).tolist(), dtype=torch.int32)
+    ctx = torch.tensor(ctxs, dtype=torch.int32)
+    out = prefill.paged_prefill_attention(q, k_cache, v_cache, cu, ctx, tables, 0.2, max(qlens),
+                                          num_splits=num_splits, launch=launch)
+    ref = prefill.paged_prefill_attention_ref(q, k_cache, v_cache, cu, ctx, tables, 0.2,
+                                              max(qlens))
+    torch.testing.assert_close(out, ref, **TOL[dtype])
+
+
 @pytest.mark.parametrize("block_size,hq,hkv,d", PREFILL_CASES)
 def test_prefill_ref_matches_dense_causal_attention(block_size, hq, hkv, d):
     q, k_cache, v_cache, cu, ctx, tables, max_q, keys, values = _prefill_inputs(block_size, hq, hkv, d, torch.float32)

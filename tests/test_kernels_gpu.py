@@ -374,3 +374,32 @@ def test_decode_attention_replays_from_a_cuda_graph_with_new_lengths_and_tables(
         live = ctx > 0
         assert (out[~live] == 0).all()
         assert_rows_close(out[live], ref[live], ATTN_REL_TOL)
+
+
+@pytest.mark.parametrize("num_q_heads, num_kv_heads", HEADS)
+@pytest.mark.parametrize("batch, prefix_blocks, own", [(8, 128, 40), (64, 128, 64), (256, 128, 64),
+                                                       (16, 1024, 300)])
+def test_cascade_decode_attention_matches_plain_kernel(num_q_heads, num_kv_heads, batch,
+                                                       prefix_blocks, own):
+    """Rows sharing a prefix of physical blocks (prefix caching) read it once: the same
+    attention as the plain kernel in bf16, at serving batches and a 16k-token prefix."""
+    from engine.kernels.cascade_attention import CascadeInputs, cascade_decode_attention
+    from test_cascade_attention import shared_batch
+    bs = 16
+    g = torch.Generator().manual_seed(batch)
+    ctxs = [prefix_blocks * bs + int(torch.randint(1, own, (1,), generator=g))
+            for _ in range(batch)]
+    grouped = set(range(batch)) - {batch // 2}            # one row outside the group
+    with torch.device("cpu"):
+        k, v, tables = shared_batch(ctxs, grouped, prefix_blocks, bs, num_kv_heads, HEAD_DIM,
+                                    BF16, seed=batch)
+    k, v, tables = k.cuda(), v.cuda(), tables.cuda()
+    ctx = torch.tensor(ctxs, dtype=torch.int32)
+    q = torch.randn(batch, num_q_heads, HEAD_DIM, dtype=BF16)
+    first = torch.tensor([prefix_blocks * bs if i in grouped else 0 for i in range(batch)],
+                         dtype=torch.int32)
+    lead = torch.tensor([min(grouped)], dtype=torch.int32)
+    out = cascade_decode_attention(q, k, v, tables, ctx, HEAD_DIM ** -0.5,
+                                   CascadeInputs(first, lead, tables.shape[1] * bs))
+    ref = paged_decode_attention(q, k, v, tables, ctx, HEAD_DIM ** -0.5)
+    assert_rows_close(out.float(), ref.float(), ATTN_REL_TOL)

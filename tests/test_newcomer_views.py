@@ -30,14 +30,13 @@ def snap_of(steps, running=()):
 
 def random_run(rng: random.Random, t0: float):
     """Requests arriving over time, each: one prefill step then decode steps; the steps of the
-    whole run, and each request's (first step time, first decode time, last end, gaps)."""
-    steps, truth, t, i = [], {}, t0, 0
+    whole run and the requests still running at its end."""
+    steps, t, i, n = [], t0, 0, 0
     live = {}
     for _ in range(rng.randint(20, 200)):
         if rng.random() < 0.2 or not live:
-            rid = f"r-{len(truth)}"
-            live[rid] = "prefill"
-            truth[rid] = {"first": None, "first_dec": None, "decs": [], "end": None}
+            live[f"r-{n}"] = "prefill"
+            n += 1
         entries = []
         for rid, kind in list(live.items()):
             entries.append(StepEntry(rid, kind, 9 if kind == "prefill" else 1, 0))
@@ -45,24 +44,18 @@ def random_run(rng: random.Random, t0: float):
         st = step(i, t, entries, own)
         steps.append(st)
         for e in entries:
-            tr = truth[e.request_id]
-            tr["first"] = t if tr["first"] is None else tr["first"]
-            if e.kind == "decode":
-                tr["first_dec"] = t if tr["first_dec"] is None else tr["first_dec"]
-                tr["decs"].append(t)
-            tr["end"] = t + own
             live[e.request_id] = "decode"
             if e.kind == "decode" and rng.random() < 0.1:
                 del live[e.request_id]
         t += own + rng.choice([0.0, 0.0, 0.3, 2.0])
         i += 1
-    return steps, truth, list(live)
+    return steps, list(live)
 
 
 @pytest.mark.parametrize("seed", [random.randrange(1 << 30) for _ in range(3)])
-def test_history_counts_each_step_once_and_latencies_match_the_steps(seed):
+def test_history_counts_each_step_once(seed):
     rng = random.Random(seed)
-    steps, truth, still = random_run(rng, 1_000_000.0)
+    steps, still = random_run(rng, 1_000_000.0)
     h = StepHistory()
     # read as a live tab does: overlapping windows of the ring, some read twice
     k = 0
@@ -80,16 +73,6 @@ def test_history_counts_each_step_once_and_latencies_match_the_steps(seed):
     now = steps[-1].wall_time
     for b in got:       # fine buckets only for the last FINE_S seconds
         assert b.width == (1.0 if b.t >= now - FINE_S - 1 else COARSE) or b.width == COARSE
-    # latencies, recomputed from the steps independently (finished requests only)
-    done = [r for r in truth if r not in still]
-    want_ttft = sorted((v["first_dec"] if v["first_dec"] is not None else v["end"]) - v["first"]
-                       for r, v in truth.items() if r in done)
-    lat = h.latency(now, window_s=1e9)
-    assert lat["requests"] == len(done)
-    if done:
-        assert np.allclose(lat["ttft"], np.percentile(want_ttft, [50, 90, 99]))
-    gaps = [b - a for v in truth.values() for a, b in zip(v["decs"], v["decs"][1:])]
-    assert lat["tokens"] == len(gaps)
 
 
 def test_a_burst_prefill_still_counts_after_it_left_the_ring():
@@ -176,7 +159,7 @@ def test_layers_follow_this_pages_reply_and_server_wide_is_one_choice():
         assert t - 1 <= slider_max(t, False) <= t + 7
 
 
-def test_norm_weights_get_a_callout_in_the_weights_bar():
+def test_norm_weights_are_named_in_the_weights_bars_note():
     from test_figures_anatomy import make_anatomy
     from views import figures_anatomy as FA
     a = make_anatomy("qwen3")
@@ -185,10 +168,11 @@ def test_norm_weights_get_a_callout_in_the_weights_bar():
     thin = [p for p in a.weights.parts if p.params and p.params * a.weights.elem_bytes
             < FA.MIN_VISIBLE * total]
     assert thin, "the tiny model has norms far under the visible share"
-    notes = fig["layout"]["annotations"]
-    assert len(notes) == len(thin)
-    for p, n in zip(thin, notes):
-        assert p.label in n["text"] and fmt_bytes(p.params * a.weights.elem_bytes) in n["text"]
+    (note,) = fig["layout"]["annotations"]        # one note under the bar, no arrows
+    assert not note["showarrow"]
+    for p in thin:
+        assert p.label in note["text"]
+        assert fmt_bytes(p.params * a.weights.elem_bytes) in note["text"]
     assert sum(t["x"][0] for t in fig["data"]) == a.weights.total_bytes    # widths exact
 
 

@@ -42,6 +42,22 @@ def test_pack_prefill_inputs_lays_out_real_rows_and_harmless_padding():
     assert (tables[:, :5] == inp.block_tables).all()
 
 
+def test_pack_prefill_inputs_holds_a_verify_steps_sample_rows():
+    """A speculative verify samples 1 + k rows of one sequence: more sample rows (R) than
+    sequences (S); the pending rows follow the R sample rows."""
+    rng = np.random.default_rng(1)
+    q_lens, T, S, R, maxb, maxt = [5, 1], 16, 4, 12, 9, 32
+    inp = make_inputs(rng, q_lens, [30, 8], 4)
+    inp.sample_rows = np.array([0, 1, 2, 3, 4, 5])
+    a64 = np.full(3 * maxt + R + 2, 777, np.int64)
+    a32 = np.full(2 * S + 1 + 2 * maxb, 777, np.int32)
+    pack_prefill_inputs(inp, maxt, T, S, maxb, a64, a32, R)
+    base = 3 * maxt
+    assert a64[base:base + R].tolist() == [0, 1, 2, 3, 4, 5] + [0] * 6
+    assert a64[base + R:].tolist() == [5, 0]
+    assert a32[:S + 1].tolist() == [0, 5, 6, 6, 6]
+
+
 def test_token_buckets_stop_at_the_step_budget():
     assert token_buckets(8192)[-1] == 2048
     assert token_buckets(512)[-1] == 512 and 1024 not in token_buckets(512)

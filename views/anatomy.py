@@ -59,7 +59,7 @@ def _trace(hub: EngineHub, rid: str | None):
         return None
 
 
-SWITCHING = "⏳ The model is being switched: this tab redraws when the new one is up."
+SWITCHING = "The model is being switched: this tab redraws when the new one is up."
 
 
 def _during_switch(on_switch):
@@ -91,7 +91,7 @@ def _block_info(hub: EngineHub, a: ModelAnatomy, block_id) -> str:
     except (ValueError, RuntimeError):      # out of range, or the engine is switching
         block = None
     first, offset = None, 0
-    if 0 <= b < a.kv.num_blocks:
+    if 0 <= b < a.kv.num_blocks and not (block is not None and block.hidden):
         offset = a.kv.regions(b)[0].offset
         n = min(8, a.kv.shape[5]) * a.kv.elem_bytes
         first = numbers_of(read_kv_cache_bytes(hub.llm, offset, n), a.kv.dtype)

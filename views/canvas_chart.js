@@ -39,8 +39,10 @@ function niceStep(span, target) {
   return [1, 2, 5, 10].map(m => m * mag).find(s => s >= raw) || raw;
 }
 
-function text(ctx, s, x, y, align = 'left', base = 'middle', colour = '#2a3f5f') {
+let boxes = [];             // this drawing's labels (views/text_boxes.js)
+function text(ctx, s, x, y, align = 'left', base = 'middle', colour = '#2a3f5f', keep = true) {
   ctx.fillStyle = colour; ctx.textAlign = align; ctx.textBaseline = base; ctx.fillText(s, x, y);
+  if (keep) boxes.push(textBox(ctx, s, x, y, align, base));
 }
 
 // labels shortened to fit in the last drawing (root.dataset.cut; tests/test_browser_fit.py)
@@ -73,16 +75,27 @@ function drawTitle(ctx, s, width) {
   ctx.font = FONT;
 }
 
+// the height under the plot that x labels turned 60° take: 6 px to the label, 0.87 of the
+// longest label's width down, half a line more for its thickness (none: one row of ticks)
+function turnedLabelsHeight(lw, labelled) {
+  return labelled ? Math.ceil(6 + 0.87 * lw + 8) : 18;
+}
+
 function drawHeatmap(ctx, s, width, height) {
   const rows = s.z.length, cols = rows ? s.z[0].length : 0;
   const xl = s.x_labels, labelled = xl && xl.length && cols <= 48;
   ctx.font = FONT;
   const yw = Math.max(24, ...s.y_labels.map(l => ctx.measureText(l).width)) + 10;
-  const bottom = (labelled ? Math.min(80, 8 + 0.87 * Math.max(...xl.map(l => ctx.measureText(l).width))) : 18)
-                 + (s.x_title ? 18 : 4);
-  const right = s.colorbar ? 62 : 12;
+  const lw = labelled ? Math.max(...xl.map(l => ctx.measureText(l).width)) : 0;
+  const bottom = turnedLabelsHeight(lw, labelled) + (s.x_title ? 20 : 4);
+  // the colour bar's ticks and title are as wide as they are, not a fixed 62 px
+  const cb = s.colorbar;
+  // (bar 14 px off the plot, 12 wide, ticks 4 px past it; the title starts at the bar)
+  const right = cb ? 34 + Math.max(20, ...(cb.ticks || []).map(([, l]) => ctx.measureText(l).width),
+                                   cb.title ? ctx.measureText(cb.title).width - 16 : 0) : 12;
   const span = Math.max(cols, s.x_end || cols);       // the x range may run past the data
-  const px = yw, py = (s.vlines || []).some(m => m.label) ? 40 : 28, pw = Math.max(40, width - yw - right), ph = Math.max(20, height - py - bottom);
+  // the first turned label reaches half its width left of its tick
+  const px = Math.max(yw, labelled ? 0.5 * lw + 4 : 0), py = (s.vlines || []).some(m => m.label) ? 40 : 28, pw = Math.max(40, width - px - right), ph = Math.max(20, height - py - bottom);
   const cw = pw / span, rh = ph / Math.max(rows, 1);
   geom = {px, py, pw, ph, cw, rh, rows, cols};
   // cells: one pixel each in an offscreen image, scaled up without smoothing
@@ -115,7 +128,7 @@ function drawHeatmap(ctx, s, width, height) {
         const dark = v !== null && (v - zmin) / zr > (s.dark_above ?? 0.55);
         ctx.save(); ctx.beginPath(); ctx.rect(px + c * cw, py + r * rh, cw, rh); ctx.clip();
         text(ctx, t, px + (c + 0.5) * cw, py + (r + 0.5) * rh, 'center', 'middle',
-             dark ? '#fff' : '#212529');
+             dark ? '#fff' : '#212529', false);      // clipped to its cell: never over a label
         ctx.restore();
       }
     }
@@ -174,8 +187,8 @@ function drawHeatmap(ctx, s, width, height) {
     }
   }
   if (s.x_title) axisTitle(ctx, s.x_title, px, px + pw, height - 9, width);
-  if (s.colorbar) {             // below its title, so the top tick never meets it
-    const cb = s.colorbar, bx = px + pw + 14, bw = 12, by = py + (cb.title ? 16 : 0);
+  if (cb) {                     // below its title, so the top tick never meets it
+    const bx = px + pw + 14, bw = 12, by = py + (cb.title ? 16 : 0);
     const bh = Math.max(10, py + ph - by);
     for (let i = 0; i < bh; i++) {
       const k = 3 * Math.round(255 * (1 - i / Math.max(1, bh - 1)));
@@ -202,7 +215,8 @@ function drawBars(ctx, s, width, height) {
   s.panels.forEach((p, k) => {
     const w = usable * p.width, n = p.values.length;
     const labelled = p.labels && n <= 48;
-    const left = 52, bottom = (labelled ? 70 : 18) + (p.x_title ? 18 : 4);
+    const lw = labelled ? Math.max(...p.labels.map(l => ctx.measureText(l).width)) : 0;
+    const left = 52, bottom = turnedLabelsHeight(lw, labelled) + (p.x_title ? 20 : 4);
     const px = x0 + left, py = 28, pw = Math.max(20, w - left - 6), ph = Math.max(20, height - py - bottom);
     const bw = pw / Math.max(n, 1), top = p.ymax || 1;
     ctx.fillStyle = p.colour;
@@ -266,6 +280,7 @@ function draw() {
   ctx.setTransform(dpr, 0, 0, dpr, 0, 0);
   ctx.fillStyle = '#fff'; ctx.fillRect(0, 0, width, height);
   cut = 0;
+  boxes = [];
   drawTitle(ctx, s.title, width);
   if (s.message) {
     text(ctx, s.message, width / 2, height / 2, 'center', 'middle', '#6c757d');
@@ -276,6 +291,7 @@ function draw() {
   root.dataset.renders = renders;
   root.dataset.title = s.title || '';
   root.dataset.cut = cut;
+  writeTextProblems(root, boxes, width, height);
   root.dataset.labelEvery = (geom && geom.labelEvery) || '';
 }
 

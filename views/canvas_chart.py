@@ -17,7 +17,9 @@ import plotly.colors as pc
 from views.live_plot import plot_value
 
 TEMPLATE = '<div class="gb-chart"><canvas></canvas><div class="gb-chart-tip"></div></div>'
-JS = Path(__file__).with_name("canvas_chart.js").read_text()
+# the label-box bookkeeping first: its functions are the chart's too (views/text_boxes.js)
+JS = (Path(__file__).with_name("text_boxes.js").read_text()
+      + Path(__file__).with_name("canvas_chart.js").read_text())
 
 
 def _stops(colours: list[str], reverse: bool = False) -> list[list]:

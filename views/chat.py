@@ -89,7 +89,7 @@ def display(history: list[dict]) -> list[dict]:
     for m in history:
         text = html.escape(_text_of(m["content"]), quote=False)
         if m.get("cut"):
-            text += f"\n\n⏹ reply cut: {html.escape(m['cut'], quote=False)}"
+            text += f"\n\n(reply cut: {html.escape(m['cut'], quote=False)})"
         out.append({"role": m["role"], "content": text})
     return out
 
@@ -137,7 +137,7 @@ def finish_note(ev, max_model_len: int, reason: str | None = None) -> str:
     """Why the reply ended, in words."""
     m = ev.metrics or {}
     if ev.finish_reason == "abort":
-        return f"⏹ cut: {reason or 'aborted'}"
+        return f"cut: {reason or 'aborted'}"
     if ev.finish_reason == "length":
         used = (m.get("num_prompt_tokens") or 0) + (m.get("num_output_tokens") or 0)
         if used >= max_model_len:
@@ -156,6 +156,10 @@ def format_stats(ev, note: str) -> str:
     n = m.get("prefix_cached_blocks", 0)
     parts.append(f"**{n}** prefix-cache block{'' if n == 1 else 's'} reused")
     parts.append(f"{m.get('num_output_tokens', 0)} tokens")
+    sd = m.get("spec_decode")
+    if sd and sd["num_draft_tokens"]:     # speculative decoding: how much of its drafting paid
+        parts.append(f"**{sd['num_accepted_tokens']}** of {sd['num_draft_tokens']} drafted "
+                     f"tokens accepted ({sd['num_drafts']} verifies)")
     parts.append(note)
     return f"`{ev.request_id}` · " + " · ".join(parts)
 
@@ -195,7 +199,10 @@ def build(hub: EngineHub) -> ChatParts:
             gr.Markdown("Each reply is one engine request, streamed token by token; the other "
                         "tabs show its internals live (Layers follows your latest reply).",
                         elem_classes=["gb-help"], elem_id="chat-help")
-            chatbot = gr.Chatbot(elem_id="chat-log", height=440, show_label=False,
+            # the log grows with the window but leaves the first screen (900 px) room for the
+            # message box, its buttons, the reply's stats, the notes and the "What if" header
+            chatbot = gr.Chatbot(elem_id="chat-log", height="max(260px, calc(100vh - 600px))",
+                                 show_label=False,
                                  render_markdown=False, latex_delimiters=[], buttons=[],
                                  feedback_options=None,
                                  placeholder="Say something: the reply streams from the engine, "
@@ -285,14 +292,14 @@ def build(hub: EngineHub) -> ChatParts:
                    gr.skip(), gr.skip(), gr.skip())
         except ValueError as e:      # bad input: say so, keep the conversation as it was
             gr.Warning(str(e))
-            yield (display(before), before, gr.skip(), f"⚠️ {e}", idle_send(), gr.skip(),
-                   gr.skip(), gr.skip())
+            yield (display(before), before, gr.skip(), f"**Not sent:** {e}", idle_send(),
+                   gr.skip(), gr.skip(), gr.skip())
         except RuntimeError as e:    # the engine failed or was shut down under this reply
             gr.Warning(str(e))
             if history and history[-1]["role"] == "assistant":
                 history[-1]["cut"] = str(e)
-            yield (display(history), history, gr.skip(), f"⚠️ {e}", idle_send(), gr.skip(),
-                   gr.skip(), gr.skip())
+            yield (display(history), history, gr.skip(), f"**Reply failed:** {e}", idle_send(),
+                   gr.skip(), gr.skip(), gr.skip())
 
     def respond_alone(message, history, system, temperature, top_p, top_k, max_tokens,
                       ignore_eos, keep, noted_before, request: gr.Request):
@@ -334,9 +341,11 @@ def build(hub: EngineHub) -> ChatParts:
     # no `cancels`: the aborted reply's own handler ends with an empty chat (CLEARED), so its
     # last word is always the empty one; cancelling it could leave a streamed update that
     # arrived after Clear's on the page
-    clear.click(on_clear, None, [chatbot, conversation, stats, send],
-                api_visibility="private", queue=False, show_progress="hidden",
-                show_progress_on=[conversation])
+    # the chat log's own clear (bin) icon empties only the log on the page: the conversation
+    # (what the next message sends) must go with it, so it is the Clear button's twin
+    gr.on([clear.click, chatbot.clear], on_clear, None, [chatbot, conversation, stats, send],
+          api_visibility="private", queue=False, show_progress="hidden",
+          show_progress_on=[conversation])
 
     def chat(message: str, system_prompt: str | None = None, temperature: float | None = None,
              max_tokens: int = 128, ignore_eos: bool = False,

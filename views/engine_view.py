@@ -48,7 +48,22 @@ def stats_line(snap, now: float | None = None, history: StepHistory | None = Non
              else f" · {len(snap.running)} running, {len(snap.waiting)} waiting")
     return (f"step **{steps[-1].step_id}** · median **{st.median_ms:.1f} ms**/step over the "
             f"last {st.num_steps} steps{rates}{state} · {snap.preemptions} preemptions · "
-            f"{steps[-1].collectives} collectives/step")
+            f"{steps[-1].collectives} collectives/step{speculation_note(steps)}")
+
+
+def speculation_note(steps) -> str:
+    """Speculative decoding over the recorded steps: the share of draft tokens accepted, the
+    tokens a verify yields (accepted drafts + the target's own) and the host time proposing
+    takes per verify; '' when nothing drafted."""
+    verifies = sum(len(t.verifies) for t in steps)
+    if not verifies:
+        return ""
+    drafted = sum(t.num_draft_tokens for t in steps)
+    accepted = sum(t.num_accepted_tokens for t in steps)
+    propose_ms = 1e3 * sum(t.t_propose for t in steps) / verifies
+    return (f" · speculative decoding: **{accepted / drafted:.0%}** of {drafted} draft tokens "
+            f"accepted, **{(accepted + verifies) / verifies:.2f}** tokens per verify, "
+            f"{propose_ms:.2f} ms proposing per verify")
 
 
 # the board's layout: (slot id, flex weight, chart or table) per row

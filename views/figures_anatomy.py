@@ -11,6 +11,7 @@ import numpy as np
 import plotly.graph_objects as go
 
 from engine.anatomy import KVDataPlane, ShapeRow, TPPlan, WeightBreakdown
+from views.byte_ticks import linear_byte_axis, log_byte_axis
 from views.figures_common import Figure, empty_figure, fmt_bytes, make_figure  # noqa: F401
 
 GROUP_COLOURS = {
@@ -19,6 +20,7 @@ GROUP_COLOURS = {
     "shared gate": "#b07aa1", "final norm": "#9c755f", "lm head": "#ff9da7",
 }
 MIN_VISIBLE = 0.006        # the narrowest share of the weights bar drawn (see weights_figure)
+THIN_PER_LINE = 3          # too-thin parts named per line of the weights bar's note
 K_COLOUR, V_COLOUR = "#4e79a7", "#f28e2b"
 TOP_LEGEND = dict(orientation="h", y=1.02, x=1, xanchor="right", yanchor="bottom")
 
@@ -51,13 +53,11 @@ def _figure(traces: list, title: str, **kw) -> Figure:
 def weights_figure(w: WeightBreakdown) -> Figure:
     """Bytes per part as one stacked bar (and, for MoE, the bytes one token reads)."""
     rows = ["all weights"] + (["read per token"] if w.active_params != w.total_params else [])
-    traces, shown, callouts, offset = [], set(), [], 0
+    traces, shown, thin = [], set(), []
     sum_bytes = w.total_params * w.elem_bytes
-    # callouts rise from the first bar's middle past the legend row above the plot (each 16 px
-    # above the one before); the first bar's middle is half a row below the plot's top
-    thin = sum(p.params and p.params * w.elem_bytes < MIN_VISIBLE * sum_bytes for p in w.parts)
-    height, top = 166 + 40 * len(rows) + 16 * thin, 96 + 16 * thin
-    rise = (height - top - 40) / (2 * len(rows)) + 34
+    # parts under MIN_VISIBLE of the bar (the norms: KiB beside MiB of matrices) are too thin
+    # to see: they are named in a note under the axis, in their colours (arrows pointing at
+    # them from above struck through each other's labels and the legend)
     for p in w.parts:
         if p.params == 0:
             continue
@@ -65,15 +65,9 @@ def weights_figure(w: WeightBreakdown) -> Figure:
         shape = " + ".join("×".join(map(str, s)) for s in p.shapes)
         where = f"× {p.instances} layers" if p.layers else "once"
         values = [p.params * w.elem_bytes, p.active_params * w.elem_bytes][:len(rows)]
-        # a part under MIN_VISIBLE of the bar (the norms: KiB beside MiB of matrices) is too
-        # thin to see: a callout points at it with its size
         if values[0] < MIN_VISIBLE * sum_bytes:
-            callouts.append(dict(x=offset + values[0] / 2, y=rows[0], xref="x", yref="y",
-                                 text=f"{p.label}: {fmt_bytes(values[0])} "
-                                      f"({100 * values[0] / max(1, sum_bytes):.2g} %)",
-                                 showarrow=True, arrowhead=2, ax=0, ay=-rise - 16 * len(callouts),
-                                 font=dict(size=11, color=colour)))
-        offset += values[0]
+            thin.append(f'<span style="color:{colour}">{p.label}: {fmt_bytes(values[0])} '
+                        f'({100 * values[0] / max(1, sum_bytes):.2g} %)</span>')
         traces.append(go.Bar(
             y=rows, x=values, orientation="h", name=p.group, legendgroup=p.group,
             showlegend=p.group not in shown, marker=dict(color=colour, line=dict(color="white",
@@ -88,10 +82,17 @@ def weights_figure(w: WeightBreakdown) -> Figure:
              f"as {w.dtype}" + (", embedding tied to the LM head" if w.tied else ""))
     if len(rows) > 1:
         title += f" · {fmt_count(w.active_params)} read per token"
+    lines = [" · ".join(thin[i:i + THIN_PER_LINE]) for i in range(0, len(thin), THIN_PER_LINE)]
+    note = ([dict(xref="paper", yref="paper", x=0, y=0, yshift=-26, xanchor="left",
+                  yanchor="top", align="left", showarrow=False, font=dict(size=11),
+                  text="Too thin to see: " + "<br>".join(lines))] if lines else [])
     return _figure(traces, title, uirevision="anatomy-weights",
-                   height=height, annotations=callouts, barmode="stack", legend=TOP_LEGEND,
-                   margin=dict(l=110, r=20, t=top, b=40),
-                   xaxis=dict(title="bytes", rangemode="tozero"), yaxis=dict(autorange="reversed"))
+                   height=130 + 40 * len(rows) + 16 * len(lines), annotations=note,
+                   barmode="stack", legend=TOP_LEGEND,
+                   margin=dict(l=110, r=20, t=72, b=34 + 16 * len(lines)),
+                   # no axis title: every tick says its unit
+                   xaxis=dict(rangemode="tozero", **linear_byte_axis(sum_bytes)),
+                   yaxis=dict(autorange="reversed"))
 
 
 # ---- KV cache data plane ---------------------------------------------------------------------
@@ -174,8 +175,8 @@ def tp_bytes_figure(plans: Sequence[TPPlan], running_tp: int) -> Figure:
         traces, f"What one rank holds at each degree (budget {fmt_bytes(plans[0].gpu_bytes)} "
                 f"× {plans[0].utilisation:g} per GPU)",
         uirevision="anatomy-tp-bytes", height=330, barmode="stack", legend=TOP_LEGEND,
-        annotations=notes, yaxis=dict(type="log", title="bytes",
-                                      range=[math.log10(low), math.log10(top * 3)]))
+        annotations=notes, yaxis=dict(title="bytes", range=[math.log10(low), math.log10(top * 3)],
+                                      **log_byte_axis(low, top * 3)))
 
 
 # ---- depth vs width --------------------------------------------------------------------------

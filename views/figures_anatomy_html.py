@@ -157,7 +157,11 @@ def block_info_html(block, block_size: int, decode: Callable[[Sequence[int]], st
            f"{block.num_filled}/{block_size} slots filled"
            + (f" · prefix hash {block.prefix_hash & 0xffffffff:08x}"
               if block.prefix_hash is not None else "") + "</div>")
-    out += f"<div>{toks}</div>" if toks else f'<div style="{MUTED}">no tokens held</div>'
+    if block.hidden:
+        out += (f'<div style="{MUTED}">a private request\'s block (sent with a cache_salt): '
+                f'its text and numbers are not shown</div>')
+    else:
+        out += f"<div>{toks}</div>" if toks else f'<div style="{MUTED}">no tokens held</div>'
     if first_values is not None:
         vals = ", ".join(f"{x:.4g}" for x in first_values)
         out += (f"<div style='font-size:12px;margin-top:4px'>raw bytes at offset "

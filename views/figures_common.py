@@ -11,7 +11,6 @@ import functools
 import re
 import zlib
 
-import numpy as np
 
 # 32 request colours, each >= 27 CIELAB ΔE76 from every other and from the free, evictable and
 # shared-outline greys (chosen greedily, max-min distance, from an RGB grid with lightness 30-78
@@ -99,24 +98,6 @@ def legend_title(title: str, series: dict[str, str]) -> str:
     return f"{title}<br><span style=\"font-size:11px\">{keys}</span>"
 
 
-def vspan(x0: float, x1: float, colour: str, fill: bool = False, xref: str = "x") -> dict:
-    """A full-height band (filled) or outline between x0 and x1, as a layout shape."""
-    style = (dict(fillcolor=colour, opacity=0.45, line=dict(width=0)) if fill
-             else dict(line=dict(color=colour, width=2)))
-    return dict(type="rect", xref=xref, yref="paper", x0=x0, x1=x1, y0=0, y1=1, **style)
-
-
-def hspan(y0: float, y1: float, colour: str) -> dict:
-    """A full-width outline between y0 and y1 (a heatmap row), as a layout shape."""
-    return dict(type="rect", xref="paper", yref="y", x0=0, x1=1, y0=y0, y1=y1,
-                line=dict(color=colour, width=2))
-
-
-def vline(x: float, colour: str, dash: str = "dash") -> dict:
-    return dict(type="line", xref="x", yref="paper", x0=x, x1=x, y0=0, y1=1,
-                line=dict(color=colour, dash=dash, width=1))
-
-
 def empty_figure(message: str, title: str = "", height: int = 260) -> Figure:
     """A blank figure that says why it is blank (no request yet, not an MoE model, ...)."""
     return make_figure(
@@ -124,12 +105,6 @@ def empty_figure(message: str, title: str = "", height: int = 260) -> Figure:
         annotations=[dict(text=message, showarrow=False, x=0.5, y=0.5, xref="paper",
                           yref="paper", font=dict(size=14, color="#6c757d"))],
         xaxis=dict(visible=False), yaxis=dict(visible=False))
-
-
-def sqrt_prob_colorbar(title: str = "prob") -> dict:
-    """Colour bar for sqrt-scaled probabilities, labelled in probability units."""
-    return dict(title=title, tickvals=[float(np.sqrt(p)) for p in PROB_TICKS],
-                ticktext=[f"{p:g}" for p in PROB_TICKS], len=0.9)
 
 
 def plotly_text(text: str) -> str:

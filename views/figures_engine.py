@@ -23,6 +23,8 @@ IDLE_GAP_S = 0.05         # a pause between two steps longer than this (past the
                           # time) is idle time: the engine had nothing to run
 GRAPH_COLOUR, EAGER_COLOUR, BATCH_COLOUR = "#59a14f", "#e15759", "#333333"
 PREFILL_GRAPH_COLOUR = "#8cd17d"        # a lighter green: a graph too, by prompt tokens
+CASCADE_COLOUR = "#b07aa1"              # rows that read a shared prefix once (cascade)
+CASCADE_ROWS = "rows reading a shared prefix once"
 ROW_PX = 18               # one timeline row per request
 
 
@@ -184,13 +186,30 @@ def cuda_graph_figure(steps: Sequence[StepTrace], window: int = STEP_WINDOW) -> 
         series("eager (tokens)", EAGER_COLOUR,
                [0 if s.graph_bucket is not None else s.num_prefill_tokens + s.num_decode_tokens
                 for s in steps])],
-        "lines": [series("requests in batch", BATCH_COLOUR, [len(s.entries) for s in steps])]}
-    return chart(f"CUDA graphs: {graph / len(steps):.0%} of recent steps replayed a graph",
+        "lines": [series("requests in batch", BATCH_COLOUR, [len(s.entries) for s in steps]),
+                  _cascade_series(steps)]}
+    return chart(f"CUDA graphs: {graph / len(steps):.0%} of recent steps replayed a graph"
+                 + cascade_note(steps),
                  [["decode graph (batch)", GRAPH_COLOUR, "fill"],
                   ["prefill graph (tokens)", PREFILL_GRAPH_COLOUR, "fill"],
                   ["eager (tokens)", EAGER_COLOUR, "fill"],
-                  ["requests in batch", BATCH_COLOUR, "line"]],
+                  ["requests in batch", BATCH_COLOUR, "line"], [CASCADE_ROWS, CASCADE_COLOUR, "dash"]],
                  step_axis(steps, window), [panel], height=290)
+
+
+def _cascade_series(steps: Sequence[StepTrace]) -> dict:
+    return series(CASCADE_ROWS, CASCADE_COLOUR, [s.cascade_rows for s in steps], dash=True)
+
+
+def cascade_note(steps: Sequence[StepTrace]) -> str:
+    """The title's account of cascade attention (engine/cascade.py) over the window: how many
+    steps read a shared prefix once for all their rows, and the KV bytes they did not read."""
+    used = [s for s in steps if s.cascade_rows]
+    if not used:
+        return ""
+    saved = sum(s.kv_bytes_saved for s in used)
+    return (f" · {len(used)} steps read a shared prefix once ({saved / 2**20:,.1f} MiB of KV "
+            f"not re-read)")
 
 
 def cpu_batch_figure(steps: Sequence[StepTrace], window: int = STEP_WINDOW) -> dict:
@@ -202,10 +221,12 @@ def cpu_batch_figure(steps: Sequence[StepTrace], window: int = STEP_WINDOW) -> d
     panel = {"kind": "stack", "y_title": "requests", "int": True, "lines": [
         series("requests in batch", BATCH_COLOUR, [len(s.entries) for s in steps]),
         series("running", DECODE_COLOUR, [s.num_running for s in steps], dash=True),
-        series("waiting", PREFILL_COLOUR, [s.num_waiting for s in steps], dash=True)]}
-    return chart("Batch per step (CPU: no CUDA graphs, every step runs eagerly)",
+        series("waiting", PREFILL_COLOUR, [s.num_waiting for s in steps], dash=True),
+        _cascade_series(steps)]}
+    return chart("Batch per step (CPU: no CUDA graphs, every step runs eagerly)"
+                 + cascade_note(steps),
                  [["requests in batch", BATCH_COLOUR, "line"], ["running", DECODE_COLOUR, "dash"],
-                  ["waiting", PREFILL_COLOUR, "dash"]],
+                  ["waiting", PREFILL_COLOUR, "dash"], [CASCADE_ROWS, CASCADE_COLOUR, "dash"]],
                  step_axis(steps, window), [panel], height=290)
 
 
@@ -237,15 +258,16 @@ def _ms(v: float) -> str:
 
 
 def latency_table(lat: dict, window_s: float) -> dict:
-    """The latency panel: TTFT, inter-token and end-to-end p50 / p90 / p99, in ms."""
+    """The latency panel: TTFT, time per output token and end-to-end p50 / p90 / p99, in ms."""
     title = f"Latency, last {window_s / 60:.0f} min"
-    note = (f"{lat['requests']} requests finished, {lat['tokens']} token gaps; measured in "
-            "engine steps from each request's first scheduled step, queueing before it not "
-            "included")
-    if not lat["requests"] and not lat["tokens"]:
+    note = (f"{lat['requests']} requests finished (every request the engine finished, the "
+            "API's too, whether or not this tab was open); timed by the engine from each "
+            "request's arrival, queueing included")
+    if not lat["requests"]:
         return {"kind": "table", "title": title + ": none yet", "note": note}
     rows = [[name] + ([_ms(v) for v in lat[key]] if lat[key] else ["—"] * 3)
-            for name, key in (("time to first token (ms)", "ttft"), ("inter-token (ms)", "itl"),
+            for name, key in (("time to first token (ms)", "ttft"),
+                              ("time per output token (ms)", "tpot"),
                               ("end to end (ms)", "e2e"))]
     return {"kind": "table", "title": title, "head": ["", "p50", "p90", "p99"], "rows": rows,
             "note": note}

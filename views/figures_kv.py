@@ -107,11 +107,6 @@ def kv_map_data(snap: EngineSnapshot, version: int = 0) -> dict:
             "colour_free": FREE_COLOUR, "colour_evictable": EVICTABLE_COLOUR}
 
 
-def kv_map_lists(payload: dict) -> dict:
-    """The payload with its arrays as plain lists (what the page ends up with)."""
-    return {k: (v.tolist() if isinstance(v, np.ndarray) else v) for k, v in payload.items()}
-
-
 PACKED_KEYS = ("ids", "state", "fill", "ref", "owner")
 # the narrowest little-endian type that holds an array's values (views/kv_map.js reads the tag)
 _PACK_TYPES = (("u1", 0, 0xFF), ("i1", -0x80, 0x7F), ("u2", 0, 0xFFFF), ("i2", -0x8000, 0x7FFF),
@@ -126,11 +121,6 @@ def pack_ints(values) -> dict:
     tag = next(t for t, low, high in _PACK_TYPES if low <= lo and hi <= high)
     b = np.ascontiguousarray(a, dtype="<" + tag)
     return {"b64": base64.b64encode(b.tobytes()).decode("ascii"), "n": int(a.size), "dtype": tag}
-
-
-def unpack_ints(m: dict) -> np.ndarray:
-    """pack_ints' inverse (tests, and what views/kv_map.js does in the page)."""
-    return np.frombuffer(base64.b64decode(m["b64"]), "<" + m.get("dtype", "i4"))[:m["n"]]
 
 
 def kv_map_json(payload: dict) -> str:
@@ -156,7 +146,9 @@ def block_detail(info, block_size: int, decode: Decode) -> str:
     return (f"block {b.block_id} · {block_state(b)} · ref {b.ref_count}\n"
             f"owners: {owners}\nfilled {b.num_filled}/{block_size}"
             + (f" · hash {b.prefix_hash & 0xffffffff:08x}" if b.prefix_hash is not None else "")
-            + (f"\n“{text}”" if text else ""))
+            + (f"\n“{text}”" if text else "")
+            + ("\ntext hidden: a private request's block (sent with a cache_salt)"
+               if b.hidden else ""))
 
 
 def request_meta_html(rec) -> str:
@@ -221,7 +213,10 @@ def block_tables_html(snap: EngineSnapshot) -> str:
             f'{req}</div>')
     extra = len(snap.block_tables) - MAX_TABLE_ROWS
     tail = f'<div class="kv-note">+{extra} more requests</div>' if extra > 0 else ""
-    return f'<div class="kv-tables">{"".join(rows)}{tail}</div>'
+    head = ('<div class="kv-thead">Block tables: each request\'s blocks in order, as '
+            '<b>physical block ids</b> (the cells of the map above; a shared id is the same '
+            'block in two tables)</div>')
+    return f'<div class="kv-tables">{head}{"".join(rows)}{tail}</div>'
 
 
 def kv_usage_figure(snap: EngineSnapshot, hit_history: Sequence[tuple[float, float]],

@@ -14,9 +14,11 @@ import html
 from typing import Callable, NamedTuple
 
 import gradio as gr
-import numpy as np
 
 from engine import Intervention, ProbeSpec, SamplingParams
+from views import try_this
+from views.figures_interventions import overlay_figure
+from views.live_plot import live_plot, plot_value
 
 KINDS = {"ablate heads": "ablate_heads", "mask experts": "mask_experts", "steer": "steer"}
 
@@ -68,7 +70,9 @@ def compare(orig, edited, decode, what: str) -> str:
              "| untouched | intervened |", "| --- | --- |",
              f"| {_cell(orig.text) or '∅'} | {_cell(edited.text) or '∅'} |", ""]
     if part is None:
-        lines.append("Same tokens from start to end.")
+        # an edit that changes nothing says where edits that do are to be found
+        lines.append("Same tokens from start to end. This edit changes nothing in this reply: "
+                     "try another layer or head, or (on a demo) one from the *Try this* list.")
     else:
         lines.append(f"**They part at token {part}**: untouched "
                      + (_tok(decode, a[part]) if part < len(a) else "(ended)")
@@ -98,6 +102,7 @@ class WhatIf(NamedTuple):
     compare: Callable
     inputs: list
     outputs: list
+    help: gr.Markdown
 
 
 def parting(orig, edited) -> int | None:
@@ -107,36 +112,24 @@ def parting(orig, edited) -> int | None:
                 None if len(a) == len(b) else min(len(a), len(b)))
 
 
-def overlay_figure(ta, tb, step: int, decode) -> dict:
-    """Plotly JSON, two panels at reply token `step` (both runs share every token before it, so
-    any difference is the intervention's): left, ||resid|| after each layer of the query that
-    predicts it; right, the logit lens — per layer, the probability of each run's own token,
-    hovering the layer's top token."""
-    names = (("untouched", "#4e79a7"), ("intervened", "#e15759"))
-    data = []
-    row = len(ta.prompt_token_ids) - 1 + step          # the query position of reply token `step`
-    for (name, colour), tr in zip(names, (ta, tb)):
-        n = tr.norms()
-        if row < len(n):
-            data.append(dict(type="scatter", x=["embed"] + [str(i) for i in range(tr.num_layers)],
-                             y=n[row].tolist(), name=f"{name} ‖resid‖", mode="lines+markers",
-                             line=dict(color=colour), xaxis="x", yaxis="y"))
-        if step < len(tr.lens):
-            st = tr.lens[step]
-            tops = [decode([int(t)]) for t in np.asarray(st.top_ids)[:, 0]]
-            data.append(dict(type="scatter", x=list(range(tr.num_layers)),
-                             y=np.asarray(st.sampled_prob).tolist(),
-                             name=f"{name}: p({decode([st.sampled_token])!r})",
-                             mode="lines+markers", line=dict(color=colour, dash="dot"),
-                             text=[f"top: {t!r}" for t in tops], xaxis="x2", yaxis="y2"))
-    layout = dict(
-        height=300, margin=dict(l=50, r=10, t=40, b=40), legend=dict(orientation="h", y=-0.25),
-        title=dict(text=f"reply token {step}: residual norms and logit lens, both runs",
-                   font=dict(size=13)),
-        xaxis=dict(domain=[0, 0.45], title="after layer"), yaxis=dict(title="‖resid‖"),
-        xaxis2=dict(domain=[0.55, 1], title="layer", anchor="y2", dtick=1),
-        yaxis2=dict(anchor="x2", range=[0, 1], title="p(own token)"))
-    return {"data": data, "layout": layout}
+def kinds_for(moe: bool) -> list[str]:
+    """The form's choices: masking experts only where the model has experts."""
+    return [k for k in KINDS if moe or KINDS[k] != "mask_experts"]
+
+
+def form_help(llm) -> str:
+    """What the form can touch on this model: its layers and heads, and on MoE its experts."""
+    cfg = llm.hf_config
+    moe = list(getattr(llm.runner, "moe_layers", []))
+    experts = ""
+    if moe:
+        top_k = getattr(cfg, "num_experts_per_tok", None)
+        experts = (f", {cfg.num_experts} experts (0–{cfg.num_experts - 1}) at layers {moe}"
+                   + (f", top-{top_k} routed per token" if top_k else ""))
+    return ("Ablate attention heads, " + ("mask MoE experts, " if moe else "")
+            + "or steer the residual stream after a layer, then compare with the untouched "
+              f"reply (both run in one batch). This model: {cfg.num_hidden_layers} layers, "
+              f"{cfg.num_attention_heads} heads{experts}.")
 
 
 def build(hub, conversation, box, system, max_tokens) -> WhatIf:
@@ -145,29 +138,34 @@ def build(hub, conversation, box, system, max_tokens) -> WhatIf:
     intervention's."""
     llm = hub.llm
     cfg = llm.hf_config
-    moe = list(getattr(llm.runner, "moe_layers", []))
+    moe = bool(getattr(llm.runner, "moe_layers", []))
     with gr.Accordion("What if: re-run with an intervention", open=False,
                       elem_id="iv-accordion") as accordion:
-        gr.Markdown("Ablate attention heads, mask MoE experts, or steer the residual stream "
-                    "after a layer, then compare with the untouched reply (both run in one "
-                    f"batch). This model: {cfg.num_hidden_layers} layers, "
-                    f"{cfg.num_attention_heads} heads"
-                    + (f", experts 0–{cfg.num_experts - 1} at layers {moe}" if moe else "")
-                    + ".", elem_id="iv-help")
         with gr.Row():
-            kind = gr.Radio(list(KINDS), value="ablate heads", label="what", elem_id="iv-kind")
-            layer = gr.Number(value=cfg.num_hidden_layers - 1, precision=0, label="layer",
-                              elem_id="iv-layer")
-            ids = gr.Textbox("0", label="heads / experts (e.g. 0, 3)", elem_id="iv-ids")
-        with gr.Row():
-            prompt_a = gr.Textbox("", label="steer: towards prompt A", elem_id="iv-prompt-a")
-            prompt_b = gr.Textbox("", label="steer: away from prompt B", elem_id="iv-prompt-b")
-            scale = gr.Number(value=2.0, label="scale", elem_id="iv-scale")
-            positions = gr.Radio(["all", "prompt", "generated"], value="all",
-                                 label="positions", elem_id="iv-positions")
-        run = gr.Button("Compare", variant="secondary", elem_id="iv-compare")
+            with gr.Column(scale=3):
+                help_md = gr.Markdown(form_help(llm), elem_id="iv-help")
+                with gr.Row():
+                    kind = gr.Radio(kinds_for(moe), value="ablate heads", label="what",
+                                    elem_id="iv-kind")
+                    layer = gr.Number(value=cfg.num_hidden_layers - 1, precision=0,
+                                      label="layer", elem_id="iv-layer")
+                    ids = gr.Textbox("0", label="heads / experts (e.g. 0, 3)",
+                                     elem_id="iv-ids")
+                # the steering fields mean nothing to an ablation: shown only for "steer"
+                with gr.Row(visible=False, elem_id="iv-steer-row") as steer_row:
+                    prompt_a = gr.Textbox("", label="steer: towards prompt A",
+                                          elem_id="iv-prompt-a")
+                    prompt_b = gr.Textbox("", label="steer: away from prompt B",
+                                          elem_id="iv-prompt-b")
+                    scale = gr.Number(value=2.0, label="scale", elem_id="iv-scale")
+                    positions = gr.Radio(["all", "prompt", "generated"], value="all",
+                                         label="positions", elem_id="iv-positions")
+                run = gr.Button("Compare", variant="secondary", elem_id="iv-compare")
+            tries = try_this.build(hub)         # effects found on this demo, one click each
         out = gr.Markdown("", elem_id="iv-result")
-        plot = gr.Plot(elem_id="iv-plot", show_label=False)
+        plot = live_plot("iv-plot")
+    kind.change(lambda k: gr.Row(visible=k == "steer"), kind, steer_row,
+                api_visibility="private", queue=False, show_progress="hidden")
 
     def on_compare(conv, typed, system_prompt, n, kind_v, layer_v, ids_v, a, b, s, pos):
         try:
@@ -190,19 +188,20 @@ def build(hub, conversation, box, system, max_tokens) -> WhatIf:
             step = parting(orig, edited)
             step = max(0, len(orig.token_ids) - 1) if step is None else step
             try:
-                import plotly.graph_objects as go
-                fig = go.Figure(overlay_figure(llm.trace(orig.request_id),
-                                               llm.trace(edited.request_id), step, decode))
+                fig = overlay_figure(llm.trace(orig.request_id), llm.trace(edited.request_id),
+                                     step, decode)
             except KeyError:        # a trace evicted meanwhile: the table still says it all
                 fig = None
-            return md, fig
+            return md, plot_value(fig)
         except (ValueError, RuntimeError) as e:
-            return f"⚠️ {html.escape(str(e))}", None
+            return f"**Cannot compare:** {html.escape(str(e))}", None
 
     inputs = [conversation, box, system, max_tokens, kind, layer, ids, prompt_a, prompt_b,
               scale, positions]
     run.click(on_compare, inputs, [out, plot], api_name="compare_intervention")
-    return WhatIf(accordion, kind, layer, ids, on_compare, inputs, [out, plot])
+    try_this.wire(tries, hub, [kind, layer, ids, prompt_a, prompt_b, scale, positions, box,
+                               system, accordion], (on_compare, inputs, [out, plot]))
+    return WhatIf(accordion, kind, layer, ids, on_compare, inputs, [out, plot], help_md)
 
 
 def rerun_button() -> gr.Button:

@@ -2,7 +2,6 @@
 layout, a data-plane drilldown (K or V of one block), and a shared-prefix burst to watch."""
 from __future__ import annotations
 
-import json
 import threading
 import time
 from pathlib import Path
@@ -104,12 +103,18 @@ MAP_TEMPLATE = ('<div class="kv-map"><div class="kv-legend"></div>'
                 '<canvas class="kv-canvas"></canvas><div class="kv-note"></div>'
                 '<div class="kv-tip"></div></div>')
 MAP_JS = (Path(__file__).with_name("kv_map.js")).read_text()
-HELP = ("**What this shows:** the paged KV cache. Each cell is one physical block of "
-        "`block size` token slots; a block holds the keys and values of those tokens for every "
-        "layer (L × 2 regions: see Anatomy §3). Colour = the request that owns it, height of the "
-        "fill = slots written, a dot = shared by several requests (a cached prefix), hatching = "
-        "free but still holding a reusable prefix. Hover a block for its text; click it for its "
-        "numbers.")
+def kv_help(block_size: int) -> str:
+    """The tab's "What this shows" line, with this engine's block size in it; it names the
+    marks the map's legend (views/kv_map.js) draws, in the same words."""
+    return (f"**What this shows:** the paged KV cache. Each cell is one physical block of "
+            f"{block_size} token slots; a block holds the keys and values of those tokens for "
+            "every layer (L × 2 regions: see Anatomy §3). Colour = the request that owns it, "
+            "height of the fill = slots written, a dark border with a white dot = shared by "
+            "several requests (a cached prefix), hatching = free but still holding a reusable "
+            "prefix (hidden until you tick *show* in the legend). Hover a block for its text; "
+            "click it for its numbers.")
+
+
 DRILL_HINT = ("Click a block in the map (or type its id) to see its K or V numbers: one row per "
               "token slot, one column per head dimension.")
 
@@ -124,7 +129,7 @@ def build(hub: EngineHub) -> LiveTab:
     """The KV tab's components and events; returns its timer and refresh."""
     timer = gr.Timer(TICK_IDLE_S, active=False)
     last = gr.State({})
-    gr.Markdown(HELP, elem_classes=["gb-help"], elem_id="kv-help")
+    gr.Markdown(kv_help(hub.llm.block_size), elem_classes=["gb-help"], elem_id="kv-help")
     stats = gr.Markdown("", elem_id="kv-stats")
     with gr.Row(visible=getattr(hub, "burst_enabled", True)):      # --no-burst hides it
         burst_n = gr.Slider(2, MAX_BURST, 6, step=1, label="requests in burst", scale=1,
@@ -202,12 +207,12 @@ def build(hub: EngineHub) -> LiveTab:
             ids = fire_burst(hub, int(n), int(max_tokens))
         except ValueError as e:
             gr.Warning(str(e))
-            return f"⚠️ {e}"
+            return f"**Burst not fired:** {e}"
         return f"fired {len(ids)} requests sharing a {len(BURST_SYSTEM.split())}-word system prompt"
 
     burst.click(on_burst, [burst_n, burst_tokens], burst_status, api_visibility="private")
 
-    def on_show(block_id, layer_id, head_id, kv):
+    def on_show(block_id, layer_id, head_id, kv, request: gr.Request = None):
         llm = hub.llm
         cfg = llm.hf_config
         n_kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
@@ -224,22 +229,28 @@ def build(hub: EngineHub) -> LiveTab:
                 return gr.skip(), plot_value(F.empty_figure(msg, "K or V of one block"))
         b, l, h = int(block_id), int(layer_id), int(head_id)
         try:
+            # the viewer's own salted blocks show; another client's never (#48: not its text,
+            # nor the K/V numbers that encode it)
+            info = llm.block_info(b, hub.session_salt(getattr(request, "session_hash", None)))
+        except (ValueError, RuntimeError):   # switched or shut down meanwhile
+            info = None
+        if info is not None and info.hidden:
+            msg = (f"Block {b} belongs to a private request (sent with a cache_salt): its "
+                   f"numbers and text are not shown to other viewers.")
+            return b, plot_value(F.empty_figure(msg, "K or V of one block"))
+        try:
             data = llm.read_kv_block(b, l, h, which=kv)      # [block_size, head_dim]
         except (ValueError, IndexError, RuntimeError) as e:
             gr.Warning(f"Cannot show that block: {e}")
             return gr.skip(), gr.skip()
-        try:
-            info = llm.block_info(b)
-        except (ValueError, RuntimeError):   # switched or shut down meanwhile
-            info = None
         texts = [hub.decode([t]) for t in info.token_ids] if info else []
         return b, plot_value(F.kv_block_figure(data, b, l, h, kv, texts))
 
     drill_inputs = [block, layer, head, which]
     show.click(on_show, drill_inputs, [block, drill], api_visibility="private")
 
-    def on_map_click(layer_id, head_id, kv, evt: gr.EventData):
-        return on_show(evt._data.get("block"), layer_id, head_id, kv)
+    def on_map_click(layer_id, head_id, kv, evt: gr.EventData, request: gr.Request = None):
+        return on_show(evt._data.get("block"), layer_id, head_id, kv, request)
 
     grid.click(on_map_click, [layer, head, which], [block, drill], api_visibility="private")
     return LiveTab(timer, tick, [last], [stats] + [o for o in outputs if o is not stats])

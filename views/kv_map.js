@@ -13,6 +13,9 @@ const PAD = 6;
 let layout = null;          // {cols, cell, gap, order: [block id per drawn cell]}
 let byId = new Map();       // block id -> index into the data arrays
 let draws = 0;
+// cached-free blocks (old chats' prefixes) crowd the live ones: drawn as free until the
+// legend's "show" box is ticked; the choice is kept per browser
+let showCached = localStorage.getItem('gb-kv-show-cached') === '1';
 
 function pickLayout(n, width) {
   for (const cell of SIZES) {
@@ -80,6 +83,7 @@ function draw() {
     if (i === undefined) continue;                   // free
     const st = v.state[i];
     if (st === 1) {                                  // cached but free (evictable)
+      if (!showCached) continue;
       ctx.fillStyle = v.colour_evictable; ctx.fillRect(x, y, s, s);
       if (s >= 8) hatch(ctx, x, y, s);
       continue;
@@ -109,8 +113,10 @@ function draw() {
     : '#495057';
   legend.innerHTML = [
     sw('kv-owned', stripes, `owned ${c.owned} (colour = request)`),
-    sw('kv-shared', stripes, `shared (ref&gt;1) ${c.shared}`),
-    sw('kv-evictable', v.colour_evictable, `cached, free (evictable) ${c.evictable}`),
+    sw('kv-shared', stripes, `shared (ref&gt;1: dark border, white dot) ${c.shared}`),
+    sw('kv-evictable', v.colour_evictable, `cached, free (evictable) ${c.evictable} ` +
+       `<label><input type="checkbox" class="kv-show-cached"${showCached ? ' checked' : ''}>` +
+       `show</label>`),
     sw('kv-free', v.colour_free, `free ${c.free}`),
     `<span class="kv-legend-fill">fill = slots written / ${bs} · hover a block for its text, ` +
     `click it for its K/V numbers</span>`].join('');
@@ -120,6 +126,7 @@ function draw() {
                           `blocks ${n}–${v.num_blocks - 1} are free` : '');
   draws += 1;
   root.dataset.draws = draws;
+  root.dataset.showCached = showCached ? '1' : '0';
   root.dataset.cells = n;
   root.dataset.owners = v.owners.join(',');
   root.dataset.shared = c.shared;
@@ -181,6 +188,12 @@ canvas.addEventListener('mousemove', (ev) => {
       if (hovered === id) tip.textContent = text;
     } catch (e) { /* the card keeps its short form */ }
   }, 80);
+});
+legend.addEventListener('change', (ev) => {
+  if (!ev.target.classList.contains('kv-show-cached')) return;
+  showCached = ev.target.checked;
+  localStorage.setItem('gb-kv-show-cached', showCached ? '1' : '0');
+  draw();
 });
 canvas.addEventListener('mouseleave', () => { tip.style.display = 'none'; hovered = null; });
 canvas.addEventListener('click', (ev) => {

@@ -11,6 +11,7 @@ import numpy as np
 from views import figures as F
 from views.live import LIVE_SNAPSHOT_AGE_S, TICK_IDLE_S, EngineHub, LiveTab, pace
 from views.canvas_chart import canvas_chart, chart_value, empty_chart
+from views.scrub_slider import ScrubSlider
 from views.step_history import fold
 
 LOAD_STEPS = 32      # expert load is summed over this many recent steps: one step is too noisy
@@ -83,8 +84,8 @@ def build(hub: EngineHub) -> LiveTab:
         req = gr.Dropdown([(AUTO_LABEL, AUTO), (SERVER_LABEL, SERVER)], value=AUTO,
                           label="traced request (yours by default; server-wide: everyone's)",
                           elem_id="layers-request", scale=2)
-        token = gr.Slider(0, 1, 0, step=1, label="token (position in prompt + reply)",
-                          elem_id="layers-token", scale=4)
+        token = ScrubSlider(0, 1, 0, step=1, label="token (position in prompt + reply)",
+                            elem_id="layers-token", scale=4)
         follow = gr.Checkbox(True, label="follow newest token", elem_id="layers-follow",
                              scale=1)
     norms = canvas_chart("layers-norms")

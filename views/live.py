@@ -8,6 +8,7 @@ own watched reply), the model line, and the live tabs' pacing.
 from __future__ import annotations
 
 import time
+import weakref
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,6 +18,7 @@ import gradio as gr
 
 from engine.records import EngineSnapshot
 from engine.serving import SNAPSHOT_MAX_AGE_S, ServingHub  # noqa: F401  (re-exported)
+from views.step_history import history_for
 # live tabs poll fast while the engine works and slowly when it idles. Gradio's timer fires on
 # a setInterval and drops a tick while the previous one is in flight, so an update every
 # `interval * ceil(update time / interval)`: a short interval keeps that close to the update time
@@ -86,6 +88,32 @@ class EngineHub(ServingHub):
         super().__init__(llm, llm_kwargs, choices)
         self.sessions: dict[str, Session] = {}
         self.on_switch(self._forget_watched)
+        self._counted: weakref.WeakSet = weakref.WeakSet()
+        self._count_finishes()
+
+    def _count_finishes(self) -> None:
+        """Every request the engine finishes goes into the Engine tab's latencies and its steps
+        into its history (API ones included), whether or not a tab is open to read the engine:
+        a finish listener, once per engine."""
+        llm = self.llm
+        if llm is None or llm in self._counted:
+            return
+        cursor = 0
+
+        def on_finish(ev) -> None:      # the engine thread, holding its (reentrant) lock
+            nonlocal cursor
+            h = history_for(self)
+            steps, cursor = llm.steps_since(cursor)
+            h.fold_steps(steps)
+            h.finish(ev)
+        llm.finish_listeners.append(on_finish)
+        self._counted.add(llm)
+
+    def switch(self, choice: str) -> None:
+        try:
+            super().switch(choice)
+        finally:        # the new engine, or the old one reloaded after a failed load
+            self._count_finishes()
 
     def _forget_watched(self) -> None:
         for s in list(self.sessions.values()):
@@ -117,7 +145,7 @@ class EngineHub(ServingHub):
                 f"{llm.num_kv_blocks} KV blocks × {llm.block_size} tokens · "
                 f"max {llm.max_model_len} tokens")
         if self.switching:
-            line = f"⏳ loading **{self.switching}** (replies wait) · was: " + line
+            line = f"Loading **{self.switching}** (replies wait) · was: " + line
         return line
 
     def is_demo(self) -> bool:

@@ -26,8 +26,10 @@ function fmt(v, digits) {
   if (v === null || v === undefined) return '—';
   return digits === undefined ? String(Math.round(v * 100) / 100) : Number(v).toFixed(digits);
 }
+let boxes = [];             // this drawing's labels (views/text_boxes.js)
 function text(ctx, s, x, y, align = 'left', base = 'middle', colour = INK) {
   ctx.fillStyle = colour; ctx.textAlign = align; ctx.textBaseline = base; ctx.fillText(s, x, y);
+  boxes.push(textBox(ctx, s, x, y, align, base));
 }
 // the longest tail of `s` that fits `w` px, marked with a leading ellipsis (request ids
 // differ at their end)
@@ -136,7 +138,7 @@ function drawCells(ctx, s, p, g, out) {
   const every = Math.max(1, Math.ceil(12 / rh));
   rows.forEach((l, r) => {
     if (r % every) return;
-    const [shown, cut] = fitLeft(ctx, l, g.px - 10);
+    const [shown, cut] = fitLeft(ctx, l, g.px - 10 - g.titled);
     if (cut) out.cut += 1;
     text(ctx, shown, g.px - 6, g.py + (r + 0.5) * rh, 'right', 'middle', MUTED);
   });
@@ -158,6 +160,7 @@ function drawChart(root, s) {
   ctx.setTransform(dpr, 0, 0, dpr, 0, 0);
   ctx.fillStyle = '#fff'; ctx.fillRect(0, 0, width, height);
   const out = {cut: 0};
+  boxes = [];
   const headH = drawHeader(ctx, s, width, out);
   root.geom = null;
   if (s.message || !s.panels) {
@@ -167,9 +170,11 @@ function drawChart(root, s) {
     const x = s.x, lo = x.lo, hi = x.hi;
     // the left margin fits the longest row label (request ids are never cut where they fit in
     // 45 % of the chart), else the y ticks
+    // a panel's turned y title takes the first 18 px: row labels start past it
+    const titled = s.panels.some(p => p.y_title) ? 18 : 0;
     let left = 56;
     for (const p of s.panels) {
-      if (p.kind === 'cells') for (const l of p.rows) left = Math.max(left, ctx.measureText(l).width + 14);
+      if (p.kind === 'cells') for (const l of p.rows) left = Math.max(left, ctx.measureText(l).width + 14 + titled);
     }
     left = Math.min(left, Math.round(0.45 * width));
     const right = s.panels.some(p => (p.lines || []).some(l => l.right)) ? 44 : 14;
@@ -182,7 +187,7 @@ function drawChart(root, s) {
     const geoms = [];
     for (const p of s.panels) {
       const ph = Math.max(16, avail * (p.weight || 1) / wsum);
-      const g = {px, py, pw, ph, X, lo, hi};
+      const g = {px, py, pw, ph, X, lo, hi, titled};
       ctx.save(); ctx.beginPath(); ctx.rect(0, py - 8, width, ph + 16); ctx.clip();
       if (p.kind === 'cells') drawCells(ctx, s, p, g, out); else drawStack(ctx, s, p, g);
       ctx.restore();
@@ -208,6 +213,7 @@ function drawChart(root, s) {
   root.dataset.renders = (+root.dataset.renders || 0) + 1;
   root.dataset.title = s.title || '';
   root.dataset.cut = out.cut;          // labels shortened to fit (the fit test reads it)
+  writeTextProblems(root, boxes, width, height);
 }
 
 function drawTable(root, s) {          // text content only: nothing from the server is markup

@@ -20,7 +20,9 @@ from pathlib import Path
 
 from views.live_plot import plot_value
 
-JS = Path(__file__).with_name("step_chart.js").read_text()
+# the label-box bookkeeping first: its functions are the chart's too (views/text_boxes.js)
+JS = (Path(__file__).with_name("text_boxes.js").read_text()
+      + Path(__file__).with_name("step_chart.js").read_text())
 
 
 def board_template(rows: list[list[tuple[str, float, str]]]) -> str:

@@ -3,27 +3,29 @@
 The engine keeps only its newest steps (`snap.steps`, a bounded ring); a burst's prefill is
 gone from it within seconds. Each live tab folds every snapshot it reads into one
 StepHistory per hub, keyed by step_id so each step is counted once: the last two minutes in
-one-second buckets, older time in ten-second buckets, up to HISTORY_S. From the same steps it
-derives each request's latencies (API requests included, since every request runs in steps):
-time to first token, the gaps between its tokens, and end to end, measured from the start of
-its first scheduled step (time spent queued before that is not seen in steps).
+one-second buckets, older time in ten-second buckets, up to HISTORY_S.
+
+Nor does it depend on a tab being open: the hub's engine finish listener (views/live.py) folds
+the steps run since its last call (the engine keeps 256) and hands every finished request's
+final event to `finish`, with the engine's own timings (time to first token and end to end
+from its arrival, queueing included; time per output token over its decode).
 """
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
 
-from engine.records import EngineSnapshot, StepEntries, StepTrace
+from engine.records import EngineSnapshot, StepTrace
 
 HISTORY_S = 15 * 60          # the history reaches this far back
 FINE_S = 120                 # the newest FINE_S seconds stay in 1-second buckets
 COARSE = 10                  # older ones merge into COARSE-second buckets
 LATENCY_WINDOW_S = 5 * 60    # percentiles over the requests finished this recently
-MAX_GAPS = 50_000            # inter-token gaps kept (newest)
 
 
 @dataclass
@@ -56,47 +58,45 @@ class Bucket:
 
 
 @dataclass
-class _Live:
-    """A request seen in steps and not finished yet."""
-    first: float
-    first_token: float | None = None
-    last_step: float = 0.0
-    last_end: float = 0.0
-    last_decode: float | None = None
-
-
-@dataclass
 class Finished:
     request_id: str
     end: float
-    ttft_s: float
+    ttft_s: float | None      # None: it ended before its first token (an abort, a refusal)
     e2e_s: float
+    tpot_s: float | None      # None: fewer than two output tokens
 
 
 @dataclass
 class StepHistory:
     buckets: deque = field(default_factory=deque)        # oldest first
     last_step_id: int = -1
-    live: dict = field(default_factory=dict)             # request id -> _Live
     finished: deque = field(default_factory=lambda: deque(maxlen=20_000))
-    gaps: deque = field(default_factory=lambda: deque(maxlen=MAX_GAPS))   # (time, seconds)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def fold(self, snap: EngineSnapshot) -> None:
-        """Add the snapshot's steps not folded yet (each step once), then finish requests that
-        are neither running nor waiting any more."""
+        """Add the snapshot's steps not folded yet (each step once)."""
+        self.fold_steps(snap.steps)
+
+    def fold_steps(self, steps: Sequence[StepTrace]) -> None:
+        """Add the steps not folded yet (each step once, by step id), oldest first."""
         with self.lock:
-            new = [s for s in snap.steps if s.step_id > self.last_step_id]
-            if snap.steps and snap.steps[-1].step_id < self.last_step_id:   # engine restarted
-                new = list(snap.steps)
+            new = [s for s in steps if s.step_id > self.last_step_id]
+            if steps and steps[-1].step_id < self.last_step_id:   # engine restarted
+                new = list(steps)
             for s in new:
                 self._add_step(s)
             if new:
                 self.last_step_id = new[-1].step_id
                 self._age(new[-1].wall_time)
-            active = set(snap.running) | set(snap.waiting)
-            for rid in [r for r in self.live if r not in active]:
-                self._finish(rid)
+
+    def finish(self, ev, now: float | None = None) -> None:
+        """One request's final TokenEvent (on the engine thread: an append, nothing more)."""
+        m = ev.metrics or {}
+        n, decode_s = int(m.get("num_output_tokens") or 0), m.get("decode_s") or 0.0
+        f = Finished(ev.request_id, time.time() if now is None else now, m.get("ttft_s"),
+                     float(m.get("e2e_s") or 0.0), decode_s / (n - 1) if n > 1 else None)
+        with self.lock:
+            self.finished.append(f)
 
     def _add_step(self, s: StepTrace) -> None:
         t = float(s.wall_time)
@@ -104,24 +104,6 @@ class StepHistory:
         if not self.buckets or self.buckets[-1].t + self.buckets[-1].width <= t:
             self.buckets.append(Bucket(sec, 1.0))
         self.buckets[-1].add(s)
-        end = t + s.t_schedule + s.t_prepare + s.t_forward + s.t_sample
-        c = StepEntries.of(s.entries)   # the columns: no tuple per entry
-        for rid, kind in zip(c.request_ids, c.kinds):
-            r = self.live.get(rid)
-            if r is None:
-                r = self.live[rid] = _Live(first=t)
-            if kind == "decode":
-                if r.first_token is None:     # its first token was sampled by the step before
-                    r.first_token = t
-                if r.last_decode is not None:
-                    self.gaps.append((t, t - r.last_decode))
-                r.last_decode = t
-            r.last_step, r.last_end = t, end
-
-    def _finish(self, rid: str) -> None:
-        r = self.live.pop(rid)
-        ttft = (r.first_token if r.first_token is not None else r.last_end) - r.first
-        self.finished.append(Finished(rid, r.last_end, ttft, r.last_end - r.first))
 
     def _age(self, now: float) -> None:
         """Merge buckets older than FINE_S into COARSE-second ones; drop past HISTORY_S."""
@@ -158,14 +140,14 @@ class StepHistory:
                 sum(b.decode_tokens for b in bs) / busy, busy)
 
     def latency(self, now: float, window_s: float = LATENCY_WINDOW_S) -> dict:
-        """p50/p90/p99 (seconds) of TTFT, end to end (requests finished within `window_s`)
-        and inter-token gaps (within `window_s`), with the counts."""
+        """p50/p90/p99 (seconds) of TTFT, time per output token and end to end over the
+        requests finished within `window_s`, with their count."""
         with self.lock:
             fin = [f for f in self.finished if f.end >= now - window_s]
-            gaps = [g for t, g in self.gaps if t >= now - window_s]
-        return {"requests": len(fin), "tokens": len(gaps),
-                "ttft": percentiles([f.ttft_s for f in fin]),
-                "itl": percentiles(gaps), "e2e": percentiles([f.e2e_s for f in fin])}
+        return {"requests": len(fin),
+                "ttft": percentiles([f.ttft_s for f in fin if f.ttft_s is not None]),
+                "tpot": percentiles([f.tpot_s for f in fin if f.tpot_s is not None]),
+                "e2e": percentiles([f.e2e_s for f in fin])}
 
 
 def percentiles(values: Sequence[float], qs: Sequence[float] = (50, 90, 99)

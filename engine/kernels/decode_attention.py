@@ -68,17 +68,25 @@ def dot_precision(dtype: torch.dtype) -> str:
 @triton.jit
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
-    out_ptr, part_out_ptr, part_lse_ptr, counters_ptr,
+    out_ptr, part_out_ptr, part_lse_ptr, counters_ptr, start_ptr,
     scale_log2, num_splits,
     stride_qb, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt, stride_ob, stride_oh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr,
     BLOCK_S: tl.constexpr, DOT_PREC: tl.constexpr, USE_PDL: tl.constexpr,
-    MERGE_G: tl.constexpr = 2, CHUNK_S: tl.constexpr = 1,
+    MERGE_G: tl.constexpr = 2, CHUNK_S: tl.constexpr = 1, EXTRA: tl.constexpr = 0,
 ):
+    # EXTRA > 0 (cascade attention, cascade_attention.py): each row's keys start at
+    # start_ptr[b] (the shared prefix before it was attended by the cascade's prefix kernel),
+    # and the merge folds in EXTRA more partials per row that the prefix kernel wrote into the
+    # workspace's first EXTRA split slots (lse -inf for a row outside the shared group).
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
+    if EXTRA > 0:
+        first = tl.load(start_ptr + b)
+    else:
+        first = 0
     # Before the PDL wait (pdl.py) this program reads only what was final before the kernel it
     # waits on started (every earlier kernel has finished by then): the context length and block
     # table (the step's inputs) and the K/V of its first tile, except the newest token's, which
@@ -86,9 +94,9 @@ def _decode_split_kernel(
     # this moved batch-1 decode by nothing beyond noise: 1,216 / 1,240 -> 1,229 / 1,230 tok/s.)
     ctx = tl.load(context_lens_ptr + b)
     # this split's share of the runtime context, in whole tiles
-    tiles = tl.cdiv(ctx, BLOCK_N)
+    tiles = tl.cdiv(ctx - first, BLOCK_N)
     tiles_per_split = tl.cdiv(tiles, num_splits)
-    start = split * tiles_per_split * BLOCK_N
+    start = first + split * tiles_per_split * BLOCK_N
     end = tl.minimum(start + tiles_per_split * BLOCK_N, ctx)
     # The split count is fixed by shapes (graphs), but a short context fills only the first few
     # splits: the rest store nothing and take no part in the merge, which waits for and reads
@@ -150,8 +158,9 @@ def _decode_split_kernel(
             tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
                      o.to(out_ptr.dtype.element_ty), mask=out_mask)
         else:
-            # workspace [B, Hq, S, D] and [B, Hq, S], contiguous
-            row = (b * (tl.num_programs(1) * GROUP) + heads).to(tl.int64) * num_splits + split
+            # workspace [B, Hq, EXTRA + S, D] and [B, Hq, EXTRA + S], contiguous
+            slots = EXTRA + num_splits
+            row = (b * (tl.num_programs(1) * GROUP) + heads).to(tl.int64) * slots + EXTRA + split
             tl.store(part_out_ptr + row[:, None] * HEAD_DIM + d[None, :], o, mask=out_mask)
             tl.store(part_lse_ptr + row, m_i + tl.log2(l_i), mask=row_mask)  # -inf when empty
             # Merge without a second launch: the split that finishes last for this (sequence,
@@ -169,19 +178,20 @@ def _decode_split_kernel(
                 mg = tl.arange(0, MERGE_G)
                 mg_ok = mg < GROUP
                 mg_heads = kvh * GROUP + mg
-                mbase = (b * (tl.num_programs(1) * GROUP) + mg_heads).to(tl.int64) * num_splits
+                mbase = (b * (tl.num_programs(1) * GROUP) + mg_heads).to(tl.int64) * slots
+                n_merge = EXTRA + n_used        # the prefix partials, then the used splits
                 all_s = tl.arange(0, BLOCK_S)
                 lse_all = tl.load(part_lse_ptr + mbase[:, None] + all_s[None, :],
-                                  mask=mg_ok[:, None] & (all_s < n_used)[None, :],
+                                  mask=mg_ok[:, None] & (all_s < n_merge)[None, :],
                                   other=float("-inf"), cache_modifier=".cg")  # [MERGE_G, BLOCK_S]
                 m_all = tl.max(lse_all, axis=1)
                 m_all = tl.where(m_all == float("-inf"), 0.0, m_all)
                 den = tl.sum(tl.exp2(lse_all - m_all[:, None]), axis=1)  # 0 for empty rows
                 den = tl.where(den == 0.0, 1.0, den)
                 acc_m = tl.zeros([MERGE_G, BLOCK_D], dtype=tl.float32)
-                for c0 in range(0, n_used, CHUNK_S):
+                for c0 in range(0, n_merge, CHUNK_S):
                     sc = c0 + tl.arange(0, CHUNK_S)
-                    c_ok = mg_ok[:, None] & (sc < n_used)[None, :]  # [MERGE_G, CHUNK_S]
+                    c_ok = mg_ok[:, None] & (sc < n_merge)[None, :]  # [MERGE_G, CHUNK_S]
                     c_rows = mbase[:, None] + sc[None, :]
                     lse_c = tl.load(part_lse_ptr + c_rows, mask=c_ok, other=float("-inf"),
                                     cache_modifier=".cg")
@@ -272,7 +282,9 @@ def context_caps(batch: int, num_kv_heads: int, max_context: int, device: torch.
     return sorted(by_splits.values())
 
 
-def _workspace(device, batch, num_heads, num_kv_heads, head_dim, num_splits):
+def workspace(device, batch, num_heads, num_kv_heads, head_dim, num_splits):
+    """(partials [B, Hq, S, D] fp32, lse [B, Hq, S] fp32, arrival counters [B, Hkv] int32) for
+    S split slots, cached per shape (see the module docstring)."""
     key = (device, batch, num_heads, num_kv_heads, head_dim, num_splits)
     ws = _WORKSPACES.get(key)
     if ws is None:
@@ -296,6 +308,8 @@ def paged_decode_attention(
     max_context: int | None = None,   # a bound on every context_lens value (graphs: the capture's cap)
     launch: dict | None = None,       # None: launch_config's; else BLOCK_N, num_warps, num_stages
     pdl: bool = True,                 # launch with PDL where the GPU has it (KernelConfig.pdl)
+    first: torch.Tensor | None = None,  # [B] int32: each row's first key (cascade's suffix)
+    prefix_slots: int = 0,            # cascade: partials already in the workspace's first slots
 ) -> torch.Tensor:
     batch, num_q_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
@@ -312,27 +326,29 @@ def paged_decode_attention(
     bound = min(bound, max_context or bound)
     if num_splits is None:
         num_splits = choose_num_splits(batch, num_kv_heads, bound, q.device)
-    direct = num_splits == 1
+    direct = num_splits == 1 and not prefix_slots
     if direct:
         part_out = part_lse = counters = out  # unused
     else:
-        part_out, part_lse, counters = _workspace(q.device, batch, num_q_heads, num_kv_heads, head_dim, num_splits)
+        part_out, part_lse, counters = workspace(q.device, batch, num_q_heads, num_kv_heads,
+                                                 head_dim, prefix_slots + num_splits)
     if launch is None:
         launch = launch_config(batch * num_kv_heads, num_splits, bound)
     pdl = use_pdl(q, pdl)
     block_d = max(16, triton.next_power_of_2(head_dim))
     merge_g = max(2, triton.next_power_of_2(group))
-    chunk_s = max(1, min(triton.next_power_of_2(num_splits), MERGE_CHUNK_ELEMS // (merge_g * block_d)))
+    slots = prefix_slots + num_splits
+    chunk_s = max(1, min(triton.next_power_of_2(slots), MERGE_CHUNK_ELEMS // (merge_g * block_d)))
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse, counters,
-        scale * math.log2(math.e), num_splits,
+        first if first is not None else context_lens, scale * math.log2(math.e), num_splits,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         PAGE_SIZE=page_size, BLOCK_N=launch["BLOCK_N"], DIRECT=direct,
-        BLOCK_S=triton.next_power_of_2(num_splits), DOT_PREC=dot_precision(q.dtype), USE_PDL=pdl,
-        MERGE_G=merge_g, CHUNK_S=chunk_s, num_warps=launch["num_warps"],
+        BLOCK_S=triton.next_power_of_2(slots), DOT_PREC=dot_precision(q.dtype), USE_PDL=pdl,
+        MERGE_G=merge_g, CHUNK_S=chunk_s, EXTRA=prefix_slots, num_warps=launch["num_warps"],
         num_stages=launch["num_stages"], launch_pdl=pdl,
     )
     return out

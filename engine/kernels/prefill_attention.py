@@ -21,6 +21,45 @@ from engine.kernels.jit_keys import varying
 
 MAX_SPLITS = 16
 SPLIT_MAX_TOKENS = 512  # above this many query tokens the grid fills the GPU anyway
+# (query rows per tile, keys per tile, warps, pipeline stages): BLOCK_M rows are (query, head)
+# pairs of one KV head's group. Short chunks keep small tiles (more programs for the SMs);
+# a long chunk is compute-bound and wants the larger tiles.
+SHORT_LAUNCH = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)
+LONG_LAUNCH = dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
+LONG_FROM_TOKENS = 2048
+
+
+def choose_launch(num_tokens: int) -> dict:
+    return LONG_LAUNCH if num_tokens >= LONG_FROM_TOKENS else SHORT_LAUNCH
+
+
+@triton.jit
+def _attend_tile(q, k_cache_ptr, v_cache_ptr, bt_row, tile_start, kv_hi, pos, m_i, l_i, acc, d,
+                 d_mask, kvh, scale_log2, stride_cb, stride_cs, stride_ch, BLOCK_N: tl.constexpr,
+                 PAGE_SIZE: tl.constexpr, DOT_PREC: tl.constexpr, MASKED: tl.constexpr):
+    """One K/V tile into the running softmax. MASKED: the tile crosses the causal diagonal or
+    the range's end (bounds and causal mask applied); else every row sees all of it."""
+    t = tile_start + tl.arange(0, BLOCK_N)
+    if MASKED:
+        block = tl.load(bt_row + t // PAGE_SIZE, mask=t < kv_hi, other=0).to(tl.int64)
+        kv_mask = (t < kv_hi)[:, None] & d_mask[None, :]
+    else:
+        block = tl.load(bt_row + t // PAGE_SIZE).to(tl.int64)
+        kv_mask = d_mask[None, :]
+    kv_off = block * stride_cb + (t % PAGE_SIZE) * stride_cs + kvh * stride_ch
+    k = tl.load(k_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2  # [BLOCK_M, BLOCK_N]
+    if MASKED:
+        s = tl.where((t < kv_hi)[None, :] & (t[None, :] <= pos[:, None]), s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    # a row can see no key of this split yet (split path): keep it at exp2(-inf) = 0, not NaN
+    m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_sub)
+    p = tl.exp2(s - m_sub[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+    return m_new, l_i, acc
 
 
 @triton.jit(do_not_specialize=varying(
@@ -70,24 +109,18 @@ def _prefill_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
-    for tile_start in range(kv_lo, kv_hi, BLOCK_N):
-        t = tile_start + tl.arange(0, BLOCK_N)
-        valid = t < kv_hi
-        block = tl.load(bt_row + t // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
-        kv_off = block * stride_cb + (t % PAGE_SIZE) * stride_cs + kvh * stride_ch
-        kv_mask = valid[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2  # [BLOCK_M, BLOCK_N]
-        s = tl.where(valid[None, :] & (t[None, :] <= pos[:, None]), s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        # a row can see no key of this split yet (split path): keep it at exp2(-inf) = 0, not NaN
-        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_sub)
-        p = tl.exp2(s - m_sub[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
-        m_i = m_new
+    # keys every row of the tile sees (up to its first query's position) need no mask: most of
+    # a long prompt's tiles. Only the tiles on the causal diagonal pay for the mask.
+    first_pos = ctx - q_len + q0
+    open_hi = tl.maximum(tl.minimum((first_pos + 1) // BLOCK_N * BLOCK_N, kv_hi), kv_lo)
+    for tile_start in range(kv_lo, open_hi, BLOCK_N):
+        m_i, l_i, acc = _attend_tile(
+            q, k_cache_ptr, v_cache_ptr, bt_row, tile_start, kv_hi, pos, m_i, l_i, acc, d,
+            d_mask, kvh, scale_log2, stride_cb, stride_cs, stride_ch, BLOCK_N, PAGE_SIZE, DOT_PREC, False)
+    for tile_start in range(open_hi, kv_hi, BLOCK_N):
+        m_i, l_i, acc = _attend_tile(
+            q, k_cache_ptr, v_cache_ptr, bt_row, tile_start, kv_hi, pos, m_i, l_i, acc, d,
+            d_mask, kvh, scale_log2, stride_cb, stride_cs, stride_ch, BLOCK_N, PAGE_SIZE, DOT_PREC, True)
 
     o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     out_mask = row_mask[:, None] & d_mask[None, :]
@@ -119,6 +152,7 @@ def paged_prefill_attention(
     max_seqlen_q: int,
     num_splits: int | None = None,  # None: chosen from shapes (tests force a value)
     pdl: bool = True,               # the split merge launches with PDL where the GPU has it
+    launch: dict | None = None,     # None: choose_launch's; else BLOCK_M, BLOCK_N, warps, stages
 ) -> torch.Tensor:               # [Nq, Hq, D]
     num_tokens, num_q_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
@@ -131,7 +165,8 @@ def paged_prefill_attention(
     if num_tokens == 0 or batch == 0 or max_seqlen_q == 0:
         return out
     group = num_q_heads // num_kv_heads
-    block_m = max(64, triton.next_power_of_2(group))
+    cfg = launch or choose_launch(num_tokens)
+    block_m = max(cfg["BLOCK_M"], triton.next_power_of_2(group))
     q_per_tile = block_m // group
     q_tiles = triton.cdiv(max_seqlen_q, q_per_tile)
     if num_splits is None:
@@ -148,9 +183,10 @@ def paged_prefill_attention(
         scale * math.log2(math.e), num_q_heads, num_splits,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
-        GROUP=group, Q_PER_TILE=q_per_tile, BLOCK_M=block_m, BLOCK_N=64,
+        GROUP=group, Q_PER_TILE=q_per_tile, BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"],
         HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)), PAGE_SIZE=page_size,
-        SPLIT=split, DOT_PREC=dot_precision(q.dtype), num_warps=4, num_stages=2,
+        SPLIT=split, DOT_PREC=dot_precision(q.dtype), num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
     )
     if split:
         combine_splits(part_out, part_lse, out, pdl)

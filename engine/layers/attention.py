@@ -10,7 +10,8 @@ from torch import nn
 
 from ..context import get_context
 from ..kernel_config import DEFAULT_KERNELS, KernelConfig
-from ..kernels import decode_attention, prefill_attention, qk_norm_rope_store, store_kvcache
+from ..kernels import (cascade_attention, decode_attention, prefill_attention, qk_norm_rope_store,
+                       store_kvcache)
 
 
 class Attention(nn.Module):
@@ -51,7 +52,17 @@ class Attention(nn.Module):
         cuda = q.is_cuda
         if ctx.probes is not None:
             ctx.probes.on_attention(self.layer_idx, q, self.k_cache, ctx, q_written)
-        if ctx.is_decode:
+        if ctx.is_decode and ctx.cascade is not None:    # rows sharing prefix blocks
+            c = ctx.cascade
+            if cuda:
+                o = cascade_attention.cascade_decode_attention(
+                    q, self.k_cache, self.v_cache, ctx.block_tables, ctx.context_lens, self.scale,
+                    c, max_context=ctx.max_context_len, pdl=self.kernels.pdl)
+            else:
+                o = cascade_attention.cascade_decode_attention_ref(
+                    q, self.k_cache, self.v_cache, ctx.block_tables, ctx.context_lens, self.scale,
+                    c.first, int(c.lead[0]))
+        elif ctx.is_decode:
             if cuda:
                 o = decode_attention.paged_decode_attention(
                     q, self.k_cache, self.v_cache, ctx.block_tables, ctx.context_lens, self.scale,

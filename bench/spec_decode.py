@@ -1,0 +1,227 @@
+"""Speculative decoding at batch 1 (Qwen3-0.6B shapes, dummy weights, 4 speculative tokens):
+decode tok/s of plain decoding beside n-gram prompt lookup on random ids (nothing to find: the
+cost of looking) and an oracle proposer at controlled acceptance, all in one engine and one run.
+
+Dummy weights give no natural acceptance, so the oracle replays the greedy tokens of a plain run
+of the same prompt (every draft right: through the real verify path) and corrupts each draft
+token with probability 1 - alpha, alpha chosen so the acceptance rate (vLLM's: accepted /
+drafted tokens; a draft after a wrong one is never accepted) is 100 % / 80 % / 50 %, and 0 %:
+every draft wrong, where the adaptive back-off must make speculation cost almost nothing. Each
+speculative run's tokens are checked against the plain run's (`exact`): speculation must not
+change greedy output. Then the many-request workload (bench/throughput.py's: 256 requests,
+seeded sampling at temperature 0.6) with n-gram speculation on and off: output tok/s, and the
+share of requests whose tokens are plain decoding's (seeded: all, up to batch numerics).
+Per run: tok/s, the measured acceptance (accepted / drafted draft tokens) and tokens per decode
+step (the step cost model: speculation wins when tokens per step beats the verify step's cost
+over a plain step's)."""
+from __future__ import annotations
+
+import random
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import (TINY_OF, base_parser, build_engine, error_row, finish_cli, free_memory,
+                          log, measure_floors, median, parse_dtype, random_prompt,
+                          resolve_device, row, sampling, shutdown_engine, vocab_size)
+
+FULL = dict(prompt_len=128, new_tokens=256)
+TINY = dict(prompt_len=16, new_tokens=24)
+TINY_WORKLOAD = dict(prompt_len=(8, 48), output_len=(4, 16))
+K = 4
+RATES = (1.0, 0.8, 0.5, 0.0)       # target acceptance rates (accepted / drafted)
+
+
+def alpha_for(rate: float, k: int = K) -> float:
+    """Per-token draft correctness alpha whose expected acceptance rate is `rate`:
+    (alpha + alpha^2 + ... + alpha^k) / k = rate (bisection; monotone in alpha)."""
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if sum(mid ** i for i in range(1, k + 1)) / k < rate:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+class OracleProposer:
+    """Drafts the reference continuation (a plain greedy run of the same prompt) from the
+    current length on, each token replaced by a wrong one with probability 1 - alpha."""
+
+    def __init__(self, prompt_len: int, reference: list[int], alpha: float, vocab: int,
+                 seed: int = 0):
+        self.prompt_len, self.reference, self.alpha, self.vocab = (prompt_len, reference, alpha,
+                                                                   vocab)
+        self.rng = random.Random(seed)
+
+    def __call__(self, token_ids, k: int) -> list[int]:
+        at = len(token_ids) - self.prompt_len
+        out = []
+        for t in self.reference[at:at + k]:
+            if self.rng.random() >= self.alpha:
+                t = (t + 1 + self.rng.randrange(self.vocab - 1)) % self.vocab   # never t itself
+            out.append(t)
+        return out
+
+
+def timed_stream(llm, prompt: list[int], new_tokens: int, k: int) -> dict:
+    """One streamed greedy request: decode tok/s over (first token, last token], its tokens,
+    and its drafts (TokenEvent.draft)."""
+    times, tokens, drafts = [], [], []
+    params = sampling(temperature=0.0, ignore_eos=True, max_tokens=new_tokens,
+                      num_speculative_tokens=k)
+    for ev in llm.stream(prompt, params):
+        if ev.token_id is not None:
+            times.append(time.perf_counter())
+            tokens.append(ev.token_id)
+        if ev.draft is not None:
+            drafts.append(ev.draft)
+    if len(times) < 2:
+        raise RuntimeError(f"asked for {new_tokens} tokens, the stream gave {len(times)}")
+    drafted = sum(len(d.drafted) for d in drafts)
+    accepted = sum(d.num_accepted for d in drafts)
+    # decode steps: each verify emitted accepted + 1 tokens; every other token took one step
+    from_verify = sum(d.num_accepted + 1 for d in drafts)
+    steps = len(drafts) + max(0, len(tokens) - 1 - from_verify)
+    return {"tok_s": (len(times) - 1) / (times[-1] - times[0]), "tokens": tokens,
+            "acceptance": accepted / drafted if drafted else None,
+            "tokens_per_step": (len(tokens) - 1) / steps if steps else None,
+            "verifies": len(drafts)}
+
+
+def run(llm, id_high: int, vocab: int, prompt_len: int, new_tokens: int, repeats: int,
+        bench: str, model: str) -> list[dict]:
+    rows: list[dict] = []
+    note = f"batch 1, {prompt_len}-tok random prompt, {new_tokens} greedy tokens, k={K}"
+    prompts = [random_prompt(prompt_len, id_high, 10 * r) for r in range(repeats)]
+    # warm-up: the prefill shapes, the decode graph and the verify chunk's shapes
+    warm = random_prompt(prompt_len, id_high, 999)
+    ref_warm = timed_stream(llm, warm, 8, 0)["tokens"]
+    llm.core.proposer_for = lambda seq: OracleProposer(prompt_len, ref_warm, 1.0, vocab)
+    timed_stream(llm, warm, 8, K)
+    llm.core.proposer_for = None
+
+    plain = [timed_stream(llm, p, new_tokens, 0) for p in prompts]
+    base = median([r["tok_s"] for r in plain])
+    log(f"plain: {base:,.1f} tok/s")
+    plain_row = row(bench, model, "plain", "decode_tok_s", base, "tok/s", note)
+    rows.append(plain_row)
+
+    def report(system: str, runs: list[dict], extra: str = ""):
+        tok_s = median([r["tok_s"] for r in runs])
+        exact = all(r["tokens"] == p["tokens"] for r, p in zip(runs, plain))
+        acc = [r["acceptance"] for r in runs if r["acceptance"] is not None]
+        tps = [r["tokens_per_step"] for r in runs if r["tokens_per_step"] is not None]
+        log(f"{system}: {tok_s:,.1f} tok/s ({tok_s / base:.2f}x), acceptance "
+            f"{median(acc) if acc else float('nan'):.2f}, exact {exact}")
+        ours = row(bench, model, system, "decode_tok_s", tok_s, "tok/s", note)
+        rows.extend([
+            ours,
+            row(bench, model, system, "acceptance", median(acc) if acc else None, "ratio",
+                "accepted / drafted draft tokens" + extra),
+            row(bench, model, system, "tokens_per_step", median(tps) if tps else None, "tok",
+                "decode tokens per step (plain: 1)"),
+            row(bench, model, system, "exact", float(exact), "bool",
+                "greedy tokens identical to plain decoding"),
+        ])
+        rows.append(row(bench, model, system, "speedup", tok_s / base, "x",
+                        "decode tok/s over plain decoding's"))
+
+    # n-gram prompt lookup with nothing to find (random ids): the cost of looking, and backing off
+    report("ngram-random", [timed_stream(llm, p, new_tokens, K) for p in prompts])
+    for rate in RATES:
+        alpha = alpha_for(rate)
+        runs = []
+        for i, p in enumerate(prompts):
+            llm.core.proposer_for = (lambda seq, ref=plain[i]["tokens"], a=alpha, s=i:
+                                     OracleProposer(prompt_len, ref, a, vocab, seed=s))
+            try:
+                runs.append(timed_stream(llm, p, new_tokens, K))
+            finally:
+                llm.core.proposer_for = None
+        report(f"oracle-{int(rate * 100)}", runs, f" (target {rate:.0%}, alpha {alpha:.3f})")
+    return rows
+
+
+def workload(llm, model: str, num_requests: int, tiny: bool, dev, bench: str) -> list[dict]:
+    """Many requests at once, speculation off then on (n-gram, K tokens), same seeded params."""
+    from bench.common import make_workload, timed
+    kw = dict(TINY_WORKLOAD) if tiny else {}
+    reqs = make_workload(num_requests, seed=0, id_stream=0, id_high=min(10000, vocab_size(model)),
+                         **kw)
+    prompts = [r.prompt for r in reqs]
+    rows, outs, base = [], {}, None
+    note = f"{num_requests} requests (throughput.py's workload), temperature 0.6, seeded"
+    for system, k in (("workload-plain", 0), ("workload-ngram", K)):
+        params = [sampling(temperature=0.6, seed=i, ignore_eos=True, max_tokens=r.max_tokens,
+                           num_speculative_tokens=k) for i, r in enumerate(reqs)]
+        got, secs = timed(lambda ps=params: llm.generate(prompts, ps), dev)
+        tokens = sum(len(o.token_ids) for o in got)
+        outs[system] = got
+        tok_s = tokens / secs
+        log(f"{system}: {tokens} tokens in {secs:.2f}s = {tok_s:,.0f} tok/s")
+        rows.append(row(bench, model, system, "output_tok_s", tok_s, "tok/s", note))
+        if base is None:
+            base = tok_s
+        else:
+            drafted = sum(len(v.drafted) for o in got for v in o.drafts)
+            accepted = sum(v.num_accepted for o in got for v in o.drafts)
+            same = sum(a.token_ids == b.token_ids for a, b in
+                       zip(outs["workload-plain"], got)) / len(got)
+            rows += [row(bench, model, system, "speedup", tok_s / base, "x",
+                         "output tok/s over plain decoding's"),
+                     row(bench, model, system, "acceptance",
+                         accepted / drafted if drafted else None, "ratio",
+                         f"accepted / drafted draft tokens ({drafted} drafted)"),
+                     row(bench, model, system, "exact_share", same, "ratio",
+                         "requests whose tokens equal plain decoding's")]
+    return rows
+
+
+def main(model: str = "qwen3-0.6b", device: str | None = None, dtype=None, repeats: int = 3,
+         tiny: bool = False, floors: bool = True, bench: str = "spec_decode",
+         engine_kwargs: dict | None = None, num_requests: int | None = 256) -> list[dict]:
+    """num_requests: the many-request workload's size (None or 0: skip it; tiny: 4)."""
+    dev = resolve_device(device)
+    dtype = parse_dtype(dtype)
+    if tiny:
+        model = TINY_OF.get(model, model)
+    shape = dict(TINY if tiny else FULL)
+    vocab = vocab_size(model)
+    id_high = min(10000, vocab)
+    rows: list[dict] = measure_floors(dev) if floors else []
+    llm = None
+    try:
+        llm = build_engine(model, dev, dtype, max_model_len=4096 if not tiny else 256,
+                           **(engine_kwargs or {}))
+        rows += run(llm, id_high, vocab, repeats=repeats, bench=bench, model=model, **shape)
+        if num_requests:
+            rows += workload(llm, model, 4 if tiny else num_requests, tiny, dev, bench)
+    except Exception as exc:
+        rows.append(error_row(bench, model, "glassbox", exc))
+    finally:
+        shutdown_engine(llm)
+        free_memory(dev)
+    return rows
+
+
+def cli(argv=None) -> list[dict]:
+    p = base_parser(__doc__)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--num-requests", type=int, default=256,
+                   help="the many-request workload's size (0: skip it)")
+    a = p.parse_args(argv)
+    if a.tiny:
+        a.repeats = min(a.repeats, 2)
+    rows = main(a.model, a.device, a.dtype, a.repeats, a.tiny, not a.no_floors,
+                num_requests=a.num_requests)
+    finish_cli(rows, "spec_decode", a.json)
+    return rows
+
+
+if __name__ == "__main__":
+    cli()

@@ -1,0 +1,96 @@
+"""SpeculativeConfig: vLLM's `--speculative-config` JSON, checked once with errors that name
+the field (`speculative_config.num_speculative_tokens`)."""
+from __future__ import annotations
+
+import json
+import numbers
+from dataclasses import dataclass
+
+from ..errors import InvalidArgumentError
+
+METHODS = ("ngram",)
+MAX_SPECULATIVE_TOKENS = 16     # more rows than this per verify only wastes the forward
+
+
+def _field(name: str) -> str:
+    return f"speculative_config.{name}"
+
+
+def _positive_int(name: str, v, hi: int | None = None) -> int:
+    if not isinstance(v, numbers.Integral) or isinstance(v, bool) or v < 1 or \
+            (hi is not None and v > hi):
+        rng = f"1..{hi}" if hi is not None else ">= 1"
+        raise InvalidArgumentError(f"{_field(name)} must be an integer in {rng}, got {v!r}",
+                                   _field(name))
+    return int(v)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+    # adaptive back-off: a request whose drafts were accepted at less than this rate over its
+    # last `adaptive_window` proposals (judged from its 8th on) stops speculating for good
+    # (plain decoding costs less then)
+    adaptive_min_acceptance: float = 0.3
+    adaptive_window: int = 32
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            hint = (" (a draft model is not served yet: use method 'ngram')"
+                    if self.method in ("draft_model", "eagle", "eagle3", "mtp", "medusa") else "")
+            raise InvalidArgumentError(f"{_field('method')}={self.method!r} is not supported; "
+                                       f"use one of {list(METHODS)}{hint}", _field("method"))
+        _positive_int("num_speculative_tokens", self.num_speculative_tokens,
+                      MAX_SPECULATIVE_TOKENS)
+        _positive_int("prompt_lookup_min", self.prompt_lookup_min)
+        _positive_int("prompt_lookup_max", self.prompt_lookup_max)
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise InvalidArgumentError(
+                f"{_field('prompt_lookup_min')}={self.prompt_lookup_min} is above "
+                f"prompt_lookup_max={self.prompt_lookup_max}; use min <= max",
+                _field("prompt_lookup_min"))
+        a = self.adaptive_min_acceptance
+        if not isinstance(a, numbers.Real) or isinstance(a, bool) or not 0.0 <= a <= 1.0:
+            raise InvalidArgumentError(f"{_field('adaptive_min_acceptance')} must be in [0, 1], "
+                                       f"got {a!r}", _field("adaptive_min_acceptance"))
+        _positive_int("adaptive_window", self.adaptive_window)
+
+    @classmethod
+    def parse(cls, value) -> "SpeculativeConfig | None":
+        """None, a SpeculativeConfig, a dict or a JSON object string (vLLM's keys) -> config.
+        `model` (a draft model) is refused; unknown keys are refused by name."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise InvalidArgumentError(f"speculative_config is not valid JSON ({e}); "
+                                           'expected e.g. {"method": "ngram", '
+                                           '"num_speculative_tokens": 4}',
+                                           "speculative_config") from None
+        if not isinstance(value, dict):
+            raise InvalidArgumentError("speculative_config must be a JSON object (a dict), got "
+                                       f"{type(value).__name__}", "speculative_config")
+        d = dict(value)
+        if d.get("model") is not None or d.get("method") == "draft_model":
+            raise InvalidArgumentError(
+                "speculative_config: a draft model is not served yet; use "
+                '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}',
+                _field("model"))
+        d.pop("model", None)
+        if "method" not in d:
+            raise InvalidArgumentError(f"{_field('method')} is required (use 'ngram')",
+                                       _field("method"))
+        # only a lower bound given above the default upper one: the upper one follows it
+        if isinstance(d.get("prompt_lookup_min"), int) and "prompt_lookup_max" not in d:
+            d["prompt_lookup_max"] = max(d["prompt_lookup_min"], cls.prompt_lookup_max)
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise InvalidArgumentError(f"speculative_config: unknown key(s) {unknown}; known: "
+                                       f"{sorted(known | {'model'})}", _field(unknown[0]))
+        return cls(**d)
