@@ -720,3 +720,23 @@ def test_a_request_finished_between_scheduling_and_launch_drops_its_drafts():
     sched.finish(a, "abort")
     assert a.token_ids == before and not a.spec.drafts
     assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_allowed_token_ids_mask_every_verify_row_and_bad_words_do_not_speculate(engines):
+    """allowed_token_ids is a static mask row: each of a verify entry's rows carries it, so the
+    tokens equal plain decoding's under the same mask. bad_words ban per plain row only, so such
+    a request decodes plainly beside speculating ones."""
+    plain, spec = engines
+    prompts = _prompts(3)
+    allowed = sorted({t for p in prompts for t in p})
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True,
+                            allowed_token_ids=allowed)
+    a, b = plain.generate(prompts, params), spec.generate(prompts, params)
+    _same(a, b)
+    assert all(set(o.token_ids) <= set(allowed) for o in b)
+    assert any(v.num_accepted for o in b for v in o.drafts), "no draft accepted under the mask"
+    word = spec.tokenizer.decode([prompts[0][0]]).strip() or "x"
+    banned = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, bad_words=[word])
+    out = spec.generate(prompts[:1], banned)[0]
+    assert not out.drafts
+    assert out.token_ids == plain.generate(prompts[:1], banned)[0].token_ids
