@@ -15,8 +15,8 @@ In order, each check before the request costs anything:
 4. The key, when the server has one, on every route: `Authorization: Bearer KEY` (API clients,
    gradio_client's `headers=`), or the session cookie a browser gets from the /login page by
    typing the key once. A browser opening a page without it is sent to /login; anything else
-   gets a 401 in OpenAI's error shape. Only /login, /health, /ping, /version and /metrics are open
-   (as vLLM's: counters and a version, nothing that generates or reads a request).
+   gets a 401 in OpenAI's error shape. Only /login, /health, /ping and /version are open; /metrics
+   is not (vLLM's is): its prefix-cache counters tell whether another user's prompt was cached.
 After a large request (a body over `Limits.heavy_request_bytes`) the heap is trimmed, so the
 memory its parsing and tokenizing used goes back to the OS.
 """

@@ -656,7 +656,7 @@ def test_the_engine_charts_say_which_steps_read_a_shared_prefix_once(rng):
 
 def test_history_figure_spans_each_bucket_and_reaches_back_to_the_first(rng):
     from views.figures_engine import history_figure
-    from views.step_history import Bucket
+    from views.engine_timeline import Bucket
     now = 10_000.0
     buckets = [Bucket(now - 600 + 10 * k, 10.0, 1, int(rng.integers(0, 99)),
                       int(rng.integers(0, 99)), 0.5, int(rng.integers(0, 5)))

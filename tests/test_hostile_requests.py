@@ -19,7 +19,7 @@ import time
 import httpx
 import pytest
 
-from test_hostile import (AUTH, MAX_GAP_S, Background, Monitor, chat_body,  # noqa: F401
+from test_hostile import (AUTH, MAX_GAP_S, Background, Monitor, Server, chat_body,  # noqa: F401
                           gradio_call, openai_error, rss_mb, server)
 from ui_helpers import require_engine, wait_until
 
@@ -236,8 +236,32 @@ def prefix_cache_privacy(s: Server):
     assert r.status_code == 200 and "vllm:prefix_cache_hits" in r.text
 
 
+def responses_route(s: Server):
+    """The Responses API (#49) is one more door to the same processor: the clamp overflow, the
+    counted repetition and a prompt past the context are 400s naming the field there too, and
+    a stream that fails its checks fails before its first event, alone."""
+    t0 = time.monotonic()
+    clamp = [{"kind": "clamp_attention", "layer": 0, "heads": [0],
+              "positions": [9223372036854775808]}]
+    for stream in (False, True):
+        openai_error(s.post("/v1/responses", {"model": s.model, "input": "hi", "stream": stream,
+                                              "max_output_tokens": 2, "interventions": clamp}),
+                     400, "interventions[0].positions")
+    schema = {"type": "object", "properties": {"a": {"type": "string", "pattern": "b{300000}"}}}
+    err = openai_error(s.post("/v1/responses", {
+        "model": s.model, "input": "hi", "max_output_tokens": 2,
+        "text": {"format": {"type": "json_schema", "name": "x", "schema": schema}}}), 400)
+    assert "text" in (err.get("param") or "") or "format" in err["message"], err
+    openai_error(s.post("/v1/responses", {"model": s.model, "input": "word " * 5000,
+                                          "max_output_tokens": 2}), 400)
+    _fast(t0, 10)
+    r = s.post("/v1/responses", {"model": s.model, "input": "hi", "max_output_tokens": 2})
+    assert r.status_code == 200 and r.json()["status"] in ("completed", "incomplete"), r.text
+
+
 CASES = [clamp_overflow, counted_repetition, cost_caps, tokenize_size, trace_ownership,
-         large_replies, client_errors, steering_overflow, prefix_cache_privacy, kv_share]
+         large_replies, client_errors, steering_overflow, prefix_cache_privacy, kv_share,
+         responses_route]
 
 
 def test_hostile_requests_fail_alone_and_nobody_stalls(server):  # noqa: F811

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 from ui_helpers import require_engine, shared_app, wait_until  # noqa: I001
-from views.step_history import StepHistory, history_for
+from views.engine_timeline import EngineTimeline, history_for
 
 
 def final_event(rid, ttft, e2e, n_out, decode_s):
@@ -17,7 +17,7 @@ def final_event(rid, ttft, e2e, n_out, decode_s):
 
 
 def test_finished_requests_give_ttft_tpot_and_end_to_end_percentiles():
-    h = StepHistory()
+    h = EngineTimeline()
     h.finish(final_event("a", 0.1, 1.0, 11, 0.5), now=100.0)      # 50 ms per output token
     h.finish(final_event("b", None, 0.2, 0, 0.0), now=100.0)      # aborted before a token
     h.finish(final_event("c", 0.1, 1.0, 3, 0.2), now=10.0)        # outside the window

@@ -12,7 +12,7 @@ import pytest
 from ui_helpers import make_snapshot  # noqa: I001  (puts the repo on sys.path)
 from engine.records import StepEntry, StepTrace
 from views.figures_common import EVICTABLE_COLOUR, FREE_COLOUR, PALETTE, fmt_bytes, request_colour
-from views.step_history import COARSE, FINE_S, StepHistory
+from views.engine_timeline import COARSE, FINE_S, EngineTimeline
 
 
 def step(i, t, entries, own=0.01):
@@ -56,7 +56,7 @@ def random_run(rng: random.Random, t0: float):
 def test_history_counts_each_step_once(seed):
     rng = random.Random(seed)
     steps, still = random_run(rng, 1_000_000.0)
-    h = StepHistory()
+    h = EngineTimeline()
     # read as a live tab does: overlapping windows of the ring, some read twice
     k = 0
     while k < len(steps):
@@ -81,7 +81,7 @@ def test_a_burst_prefill_still_counts_after_it_left_the_ring():
              for i in range(16)]
     decode = [step(16 + i, 100.2 + 0.01 * i, [StepEntry("b-0", "decode", 1, 64)])
               for i in range(80)]
-    h = StepHistory()
+    h = EngineTimeline()
     h.fold(snap_of(burst, ["b-0"]))
     ring = decode[-64:]                         # the burst's steps are gone from the ring
     h.fold(snap_of(ring, ["b-0"]))

@@ -315,9 +315,8 @@ def build(hub: EngineHub) -> ChatParts:
     # progress targets a live tab's every tick copied the whole conversation (Engine 4.2 ->
     # 1.7 updates/s as a reply grew). The stats line says "generating…" instead of the
     # chatbot's pending dots.
-    ev_send = gr.on([box.submit, send.click], respond, inputs, outputs, api_visibility="private",
-                    show_progress="hidden", show_progress_on=[conversation],
-                    trigger_mode="once")
+    gr.on([box.submit, send.click], respond, inputs, outputs, api_visibility="private",
+          show_progress="hidden", show_progress_on=[conversation], trigger_mode="once")
     # an example is sent alone: each of the demo's tasks answers as trained whatever came
     # before (the dense demo misses some tasks asked after another one in one conversation)
     for btn, text in zip(example_buttons, DEMO_EXAMPLES):

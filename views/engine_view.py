@@ -9,12 +9,12 @@ import time
 import gradio as gr
 
 from views import figures as F
-from views.figures_engine import (STEP_WINDOW, cpu_batch_figure, graphs_figure, history_figure,
-                                  latency_table, step_stats)
+from views.figures_engine import (STEP_WINDOW, graphs_figure, history_figure, latency_table,
+                                  step_stats)
 from views.live import LIVE_SNAPSHOT_AGE_S, TICK_IDLE_S, EngineHub, LiveTab, pace
 from views.live_plot import live_plot, plot_value
 from views.step_chart import board_value, step_board
-from views.step_history import LATENCY_WINDOW_S, StepHistory, fold
+from views.engine_timeline import LATENCY_WINDOW_S, EngineTimeline, fold
 
 IDLE_NOTE_S = 1.0
 SLOW_EVERY_S = 1.0      # history (1-second buckets) and latency table: once a second
@@ -26,7 +26,7 @@ HELP = ("**What this shows:** the engine's step loop. Each step runs one batch: 
         "*TP map*: which rank holds which heads (the tensor-parallel head split).")
 
 
-def stats_line(snap, now: float | None = None, history: StepHistory | None = None) -> str:
+def stats_line(snap, now: float | None = None, history: EngineTimeline | None = None) -> str:
     """The tab's headline: step, median step time over the plots' window, and token rates
     per busy second over the last minute (from the aggregated history, so a burst's prefill
     still counts after its steps left the engine's ring)."""

@@ -232,7 +232,7 @@ def cpu_batch_figure(steps: Sequence[StepTrace], window: int = STEP_WINDOW) -> d
 
 def history_figure(buckets: Sequence, now: float, span_s: float = 15 * 60) -> dict:
     """Tokens per second over the last `span_s` seconds from the view's aggregated history
-    (views/step_history.py): 1-second buckets for the last two minutes, 10-second ones before."""
+    (views/engine_timeline.py): 1-second buckets for the last two minutes, 10-second ones before."""
     title = "Engine history: tokens/s, last 15 min (older than 2 min: 10-s averages)"
     if not buckets:
         return empty_chart("No engine steps yet", title)

@@ -12,7 +12,7 @@ from engine import SamplingParams
 from views import figures as F
 from views.live import LIVE_SNAPSHOT_AGE_S, TICK_IDLE_S, EngineHub, LiveTab, pace
 from views.live_plot import live_plot, plot_value
-from views.step_history import fold
+from views.engine_timeline import fold
 
 BURST_SYSTEM = (
     "You are the tour guide of a small museum of computing history. The museum has three "

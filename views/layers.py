@@ -12,7 +12,7 @@ from views import figures as F
 from views.live import LIVE_SNAPSHOT_AGE_S, TICK_IDLE_S, EngineHub, LiveTab, pace
 from views.canvas_chart import canvas_chart, chart_value, empty_chart
 from views.scrub_slider import ScrubSlider
-from views.step_history import fold
+from views.engine_timeline import fold
 
 LOAD_STEPS = 32      # expert load is summed over this many recent steps: one step is too noisy
 AUTO = "auto"        # this page's own latest reply

@@ -18,7 +18,7 @@ import gradio as gr
 
 from engine.records import EngineSnapshot
 from engine.serving import SNAPSHOT_MAX_AGE_S, ServingHub  # noqa: F401  (re-exported)
-from views.step_history import history_for
+from views.engine_timeline import history_for
 # live tabs poll fast while the engine works and slowly when it idles. Gradio's timer fires on
 # a setInterval and drops a tick while the previous one is in flight, so an update every
 # `interval * ceil(update time / interval)`: a short interval keeps that close to the update time

@@ -2,7 +2,7 @@
 
 The engine keeps only its newest steps (`snap.steps`, a bounded ring); a burst's prefill is
 gone from it within seconds. Each live tab folds every snapshot it reads into one
-StepHistory per hub, keyed by step_id so each step is counted once: the last two minutes in
+EngineTimeline per hub, keyed by step_id so each step is counted once: the last two minutes in
 one-second buckets, older time in ten-second buckets, up to HISTORY_S.
 
 Nor does it depend on a tab being open: the hub's engine finish listener (views/live.py) folds
@@ -67,7 +67,7 @@ class Finished:
 
 
 @dataclass
-class StepHistory:
+class EngineTimeline:
     buckets: deque = field(default_factory=deque)        # oldest first
     last_step_id: int = -1
     finished: deque = field(default_factory=lambda: deque(maxlen=20_000))
@@ -158,17 +158,17 @@ def percentiles(values: Sequence[float], qs: Sequence[float] = (50, 90, 99)
 _LOCK = threading.Lock()
 
 
-def history_for(hub) -> StepHistory:
-    """The hub's one StepHistory (a fresh one after a model switch)."""
+def history_for(hub) -> EngineTimeline:
+    """The hub's one EngineTimeline (a fresh one after a model switch)."""
     with _LOCK:
-        h = getattr(hub, "_glassbox_step_history", None)
+        h = getattr(hub, "_glassbox_engine_timeline", None)
         if h is None or h[0] != hub.generation:
-            h = (hub.generation, StepHistory())
-            hub._glassbox_step_history = h
+            h = (hub.generation, EngineTimeline())
+            hub._glassbox_engine_timeline = h
         return h[1]
 
 
-def fold(hub, snap: EngineSnapshot) -> StepHistory:
+def fold(hub, snap: EngineSnapshot) -> EngineTimeline:
     """Fold `snap` into the hub's history (every live tab calls this with what it read)."""
     h = history_for(hub)
     h.fold(snap)
