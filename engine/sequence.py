@@ -132,14 +132,6 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
 
-    @property
-    def in_prefill(self) -> bool:
-        """True while some tokens other than the newest still need their K/V computed."""
-        return self.num_computed_tokens < len(self.token_ids) - 1
-
-    def num_blocks_needed(self, num_tokens: int, block_size: int) -> int:
-        return (num_tokens + block_size - 1) // block_size
-
     def metrics(self) -> dict:
         now = self.finish_time or time.perf_counter()
         ttft = (self.first_token_time - self.arrival_time) if self.first_token_time else None

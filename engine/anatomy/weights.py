@@ -10,7 +10,7 @@ expert's intermediate dim split, the router replicated).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from .architecture import Architecture
 
@@ -79,7 +79,6 @@ class WeightBreakdown:
     elem_bytes: int
     tied: bool
     num_kv_heads: int
-    per_layer_params: list[int] = field(default_factory=list)
 
     @property
     def total_params(self) -> int:
@@ -92,10 +91,6 @@ class WeightBreakdown:
     @property
     def total_bytes(self) -> int:
         return self.total_params * self.elem_bytes
-
-    @property
-    def embedding_params(self) -> int:
-        return sum(p.params for p in self.parts if p.group in ("embedding", "lm head"))
 
     def by_group(self) -> dict[str, int]:
         out: dict[str, int] = {}
@@ -170,6 +165,4 @@ def weight_parts(a: Architecture) -> list[WeightPart]:
 
 
 def weight_breakdown(a: Architecture, elem_bytes: int, dtype: str) -> WeightBreakdown:
-    parts = weight_parts(a)
-    per_layer = [sum(p.params_one for p in parts if i in p.layers) for i in range(a.num_layers)]
-    return WeightBreakdown(parts, dtype, elem_bytes, a.tied, a.num_kv_heads, per_layer)
+    return WeightBreakdown(weight_parts(a), dtype, elem_bytes, a.tied, a.num_kv_heads)
