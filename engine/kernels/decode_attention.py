@@ -296,6 +296,16 @@ def workspace(device, batch, num_heads, num_kv_heads, head_dim, num_splits):
     return ws
 
 
+def check_paged_inputs(name: str, q: torch.Tensor, k_cache: torch.Tensor,
+                       v_cache: torch.Tensor) -> None:
+    """What every paged attention launcher needs of q [.., Hq, D] and the k/v caches."""
+    num_q_heads, num_kv_heads = q.shape[-2], k_cache.shape[-2]
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or k_cache.stride() != v_cache.stride():
+        raise ValueError(f"{name} needs a contiguous head_dim and one layout for k/v caches")
+
+
 def paged_decode_attention(
     q: torch.Tensor,             # [B, Hq, D]
     k_cache: torch.Tensor,       # [num_blocks, block_size, Hkv, D]
@@ -313,10 +323,7 @@ def paged_decode_attention(
 ) -> torch.Tensor:
     batch, num_q_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
-    if num_q_heads % num_kv_heads:
-        raise ValueError(f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
-    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or k_cache.stride() != v_cache.stride():
-        raise ValueError("paged_decode_attention needs a contiguous head_dim and one layout for k/v caches")
+    check_paged_inputs("paged_decode_attention", q, k_cache, v_cache)
     if out is None:
         out = torch.empty_like(q)
     if batch == 0:

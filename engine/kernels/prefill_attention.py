@@ -16,7 +16,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from engine.kernels.decode_attention import combine_splits, dot_precision, num_sms
+from engine.kernels.decode_attention import check_paged_inputs, combine_splits, dot_precision, num_sms
 from engine.kernels.jit_keys import varying
 
 MAX_SPLITS = 16
@@ -156,10 +156,7 @@ def paged_prefill_attention(
 ) -> torch.Tensor:               # [Nq, Hq, D]
     num_tokens, num_q_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
-    if num_q_heads % num_kv_heads:
-        raise ValueError(f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
-    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or k_cache.stride() != v_cache.stride():
-        raise ValueError("paged_prefill_attention needs a contiguous head_dim and one layout for k/v caches")
+    check_paged_inputs("paged_prefill_attention", q, k_cache, v_cache)
     out = torch.empty_like(q)
     batch = cu_seqlens_q.shape[0] - 1
     if num_tokens == 0 or batch == 0 or max_seqlen_q == 0:
