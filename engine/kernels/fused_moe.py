@@ -241,6 +241,14 @@ def fused_moe(
     return moe_sum(y, out, top_k)
 
 
+def expert_runs(flat_ids: torch.Tensor, num_experts: int) -> list[tuple[int, torch.Tensor]]:
+    """(expert, the flat indices routed to it, ascending) for each expert with any, experts
+    ascending: the torch paths' loop over experts. One host sync (the counts)."""
+    runs = torch.argsort(flat_ids, stable=True).split(
+        torch.bincount(flat_ids, minlength=num_experts).tolist())
+    return [(e, run) for e, run in enumerate(runs) if run.numel()]
+
+
 def fused_moe_ref(
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -260,14 +268,7 @@ def fused_moe_ref(
     out = torch.zeros_like(x)  # [N, H]
     ids_kn = topk_ids.t().reshape(-1).long()  # [k*N], flat index = k_pos * N + token
     weights_kn = topk_weights.t().reshape(-1).to(x.dtype)
-    order = torch.argsort(ids_kn, stable=True)
-    counts = torch.bincount(ids_kn, minlength=num_experts).tolist()
-    start = 0
-    for e, count in enumerate(counts):
-        if count == 0:
-            continue
-        pairs = order[start:start + count]
-        start += count
+    for e, pairs in expert_runs(ids_kn, num_experts):
         tokens = pairs % num_tokens
         gate, up = F.linear(x[tokens], w13[e]).chunk(2, dim=-1)
         h = F.linear(F.silu(gate) * up, w2[e])  # [count, H]
@@ -281,8 +282,7 @@ def w13_silu_ref(x: torch.Tensor, w13: torch.Tensor, topk_ids: torch.Tensor) -> 
     flat = topk_ids.reshape(-1).long()
     top_k = topk_ids.shape[1]
     inter = torch.empty(flat.numel(), w13.shape[1] // 2, dtype=torch.float32, device=x.device)
-    for e in flat.unique().tolist():
-        pairs = (flat == e).nonzero().squeeze(1)
+    for e, pairs in expert_runs(flat, w13.shape[0]):
         gate, up = F.linear(x[pairs // top_k].float(), w13[e].float()).chunk(2, dim=-1)
         inter[pairs] = F.silu(gate) * up
     return inter
@@ -295,7 +295,6 @@ def w2_weighted_ref(inter: torch.Tensor, w2: torch.Tensor, topk_weights: torch.T
     flat = topk_ids.reshape(-1).long()
     weights = topk_weights.reshape(-1).to(inter.dtype).float()
     y = torch.empty(flat.numel(), w2.shape[1], dtype=torch.float32, device=inter.device)
-    for e in flat.unique().tolist():
-        pairs = (flat == e).nonzero().squeeze(1)
+    for e, pairs in expert_runs(flat, w2.shape[0]):
         y[pairs] = F.linear(inter[pairs].float(), w2[e].float()) * weights[pairs, None]
     return y

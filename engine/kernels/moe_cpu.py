@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.kernels.fused_moe import check_shapes
+from engine.kernels.fused_moe import check_shapes, expert_runs
 
 
 def _rows_times(a: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -45,15 +45,8 @@ def fused_moe_cpu(
         return torch.zeros_like(x)
     flat = topk_ids.reshape(-1).long()                      # [N*k], flat index = token * k + j
     weights = topk_weights.reshape(-1).to(x.dtype)
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
     y = torch.empty(flat.numel(), x.shape[1], dtype=x.dtype, device=x.device)  # [N*k, H]
-    start = 0
-    for e, count in enumerate(counts):
-        if count == 0:
-            continue
-        pairs = order[start:start + count]
-        start += count
+    for e, pairs in expert_runs(flat, w13.shape[0]):
         gate, up = _rows_times(x[pairs // top_k].unsqueeze(1), w13[e]).chunk(2, dim=-1)
         h = _rows_times(F.silu(gate) * up, w2[e]).squeeze(1)  # [count, H]
         y[pairs] = h * weights[pairs, None]
