@@ -482,8 +482,13 @@ def test_decode_kernel_with_wide_tiles_at_large_batch_matches_ref(monkeypatch, d
     tile longer than every context, masked)."""
     monkeypatch.setattr(decode, "DIRECT_WIDE_PROGRAMS", 2)
     q, k_cache, v_cache, tables, ctx, _, _ = _decode_inputs(5, 4, 2, 32, dtype)
+    _decode_matches_ref(q, k_cache, v_cache, tables, ctx, 1, dtype)
+
+
+def _decode_matches_ref(q, k_cache, v_cache, tables, ctx, num_splits, dtype):
+    """The kernel, into an out of NaNs, equals the reference; an empty context gives zeros."""
     out = decode.paged_decode_attention(q, k_cache, v_cache, tables, ctx, 0.17,
-                                        out=torch.full_like(q, NAN), num_splits=1)
+                                        out=torch.full_like(q, NAN), num_splits=num_splits)
     ref = decode.paged_decode_attention_ref(q, k_cache, v_cache, tables, ctx, 0.17)
     assert (out[ctx == 0] == 0).all()
     torch.testing.assert_close(out, ref, **TOL[dtype])
@@ -501,12 +506,7 @@ def test_decode_kernel_with_the_wide_serving_tiles_matches_ref(monkeypatch, dtyp
     bound = tables.shape[1] * k_cache.shape[1]
     assert decode.launch_config(5 * 2, num_splits, bound)["BLOCK_N"] == 128
     for _ in range(2):   # twice: the arrival counters are back at zero after a merge
-        q = torch.randn_like(q)
-        out = decode.paged_decode_attention(q, k_cache, v_cache, tables, ctx, 0.17,
-                                            out=torch.full_like(q, NAN), num_splits=num_splits)
-        ref = decode.paged_decode_attention_ref(q, k_cache, v_cache, tables, ctx, 0.17)
-        assert (out[ctx == 0] == 0).all()
-        torch.testing.assert_close(out, ref, **TOL[dtype])
+        _decode_matches_ref(torch.randn_like(q), k_cache, v_cache, tables, ctx, num_splits, dtype)
 
 
 def test_decode_launch_choice_by_programs_and_context_bound(monkeypatch):
@@ -536,12 +536,7 @@ def test_decode_merge_of_a_query_head_group_matches_ref(monkeypatch, hq, hkv, nu
     torch.manual_seed(hq * 100 + num_splits)
     q, k_cache, v_cache, tables, ctx, _, _ = _decode_inputs(5, hq, hkv, 32, torch.float32)
     for _ in range(2):   # twice: the arrival counters are back at zero after a merge
-        q = torch.randn_like(q)
-        out = decode.paged_decode_attention(q, k_cache, v_cache, tables, ctx, 0.17,
-                                            out=torch.full_like(q, NAN), num_splits=num_splits)
-        ref = decode.paged_decode_attention_ref(q, k_cache, v_cache, tables, ctx, 0.17)
-        assert (out[ctx == 0] == 0).all()
-        torch.testing.assert_close(out, ref, **TOL[torch.float32])
+        _decode_matches_ref(torch.randn_like(q), k_cache, v_cache, tables, ctx, num_splits, torch.float32)
 
 
 def test_decode_kernel_with_splits_chosen_from_shapes_matches_ref():

@@ -307,26 +307,22 @@ GEMV_CONFIGS = {
     "wide": MoEGemvConfig(KernelTile(32, 64, 2), KernelTile(64, 32, 2)),
 }
 GEMV_TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float16: dict(rtol=1e-2, atol=1e-2)}
+# (tokens, config, dtype); "one-row" runs one program per row, slow in the interpreter: n=1 covers it
+GEMV_CASES = [pytest.param(n, name, dtype, id=f"{n}-{name}-{str(dtype)[6:]}")
+              for dtype in (torch.float32, torch.float16) for name in GEMV_CONFIGS for n in (1, 3)
+              if name != "one-row" or n == 1]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-@pytest.mark.parametrize("name", list(GEMV_CONFIGS))
-@pytest.mark.parametrize("n", [1, 3])
+@pytest.mark.parametrize("n, name, dtype", GEMV_CASES)
 def test_gemv_w13_silu_matches_stage_reference(n, name, dtype):
-    if name == "one-row" and n > 1:
-        pytest.skip("one program per row: slow in the interpreter, n=1 covers it")
     x, w13, _, _, ids = _moe_inputs(n, dtype, seed=70 + n, hidden=40, inter=24, top_k=3)
     inter = gemv_w13_silu(x, w13, ids, GEMV_CONFIGS[name].w13)
     assert inter.shape == (n * 3, 24) and inter.dtype == dtype
     torch.testing.assert_close(inter.float(), w13_silu_ref(x, w13, ids), **GEMV_TOL[dtype])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-@pytest.mark.parametrize("name", list(GEMV_CONFIGS))
-@pytest.mark.parametrize("n", [1, 3])
+@pytest.mark.parametrize("n, name, dtype", GEMV_CASES)
 def test_gemv_w2_sum_applies_weights_and_sums_over_k(n, name, dtype):
-    if name == "one-row" and n > 1:
-        pytest.skip("one program per row: slow in the interpreter, n=1 covers it")
     _, _, w2, w, ids = _moe_inputs(n, dtype, seed=80 + n, hidden=40, inter=24, top_k=3, norm=False)
     inter = torch.randn(n * 3, 24, generator=_gen(81)).to(dtype)
     out = torch.full((n, 40), float("nan"), dtype=dtype)
