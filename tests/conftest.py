@@ -33,6 +33,16 @@ def _openai_models_built():
     build_response_models()
 
 
+@pytest.fixture(scope="module")
+def served():
+    """The HTTP API in-process over the default tiny engine (tests/api_served.py), one per test
+    module; a module that needs another engine defines its own `served`."""
+    from api_served import ServedAPI
+    s = ServedAPI()
+    yield s
+    s.close()
+
+
 @pytest.fixture(scope="session")
 def model_factory(tmp_path_factory):
     """model_factory(arch, **config_overrides) -> checkpoint dir (cached per arguments)."""

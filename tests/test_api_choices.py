@@ -6,18 +6,10 @@ import json
 
 import pytest
 
-from api_served import ServedAPI
 
 PROMPTS = ["The quick brown fox", "one two three four five six"]
 LONG = ("one two three four five six seven eight nine ten eleven twelve thirteen fourteen "
         "fifteen sixteen seventeen eighteen nineteen twenty")
-
-
-@pytest.fixture(scope="module")
-def served():
-    s = ServedAPI()
-    yield s
-    s.close()
 
 
 def _greedy(llm, prompt, n=8):

@@ -11,16 +11,9 @@ from pydantic import Field
 
 import pytest
 
-from api_served import KEY, ServedAPI
+from api_served import KEY
 
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")   # no fetch at import
-
-
-@pytest.fixture(scope="module")
-def served():
-    s = ServedAPI()
-    yield s
-    s.close()
 
 
 def _greedy(llm, prompt, n):
@@ -60,17 +53,19 @@ def test_langchain_bind_tools_gets_tool_calls(served):
     assert ai.response_metadata["finish_reason"] == "tool_calls"
 
 
+@pytest.mark.parametrize("strict, seed", [(True, 2), (None, 3)], ids=["strict", "not-strict"])
 @pytest.mark.parametrize("method", ["json_schema", "function_calling"])
-def test_langchain_with_structured_output(served, method):
+def test_langchain_with_structured_output(served, method, strict, seed):
+    """Without strict, LangChain sends pydantic's schema as it is (no additionalProperties)."""
     from pydantic import BaseModel
 
     class Person(BaseModel):
         name: str = Field(max_length=10)
         age: int = Field(ge=0, le=120)
 
-    chat = _chat(served, max_tokens=80, seed=2)
-    p = chat.with_structured_output(Person, method=method, strict=True).invoke(
-        "Invent a person")
+    chat = _chat(served, max_tokens=80, seed=seed)
+    kw = {} if strict is None else {"strict": strict}
+    p = chat.with_structured_output(Person, method=method, **kw).invoke("Invent a person")
     assert isinstance(p, Person) and len(p.name) <= 10 and 0 <= p.age <= 120
 
 
@@ -92,20 +87,6 @@ def test_langchain_bind_tools_with_a_tool_function_whose_schema_is_open(served):
     assert [c["name"] for c in ai.tool_calls] == ["get_weather"], ai
     assert set(ai.tool_calls[0]["args"]) == {"city"}
     assert ai.response_metadata["finish_reason"] == "tool_calls"
-
-
-@pytest.mark.parametrize("method", ["json_schema", "function_calling"])
-def test_langchain_with_structured_output_not_strict(served, method):
-    """Without strict, LangChain sends pydantic's schema as it is (no additionalProperties)."""
-    from pydantic import BaseModel
-
-    class Person(BaseModel):
-        name: str = Field(max_length=10)
-        age: int = Field(ge=0, le=120)
-
-    chat = _chat(served, max_tokens=80, seed=3)
-    p = chat.with_structured_output(Person, method=method).invoke("Invent a person")
-    assert isinstance(p, Person) and len(p.name) <= 10 and 0 <= p.age <= 120
 
 
 def test_langchain_completions_batch(served):

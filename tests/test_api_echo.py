@@ -8,17 +8,10 @@ import json
 import pytest
 import torch
 
-from api_served import DEMO, ServedAPI
+from api_served import DEMO
 
 CONTEXT = "The quick brown fox"
 CONTINUATIONS = [" jumps over the lazy dog", " widget is that"]
-
-
-@pytest.fixture(scope="module")
-def served():
-    s = ServedAPI()
-    yield s
-    s.close()
 
 
 @pytest.fixture(scope="module")

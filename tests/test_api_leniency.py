@@ -3,25 +3,29 @@ the default, `model` optional) and strict where it is (max_tokens beyond the con
 naming the limit); X-Request-Id names the request; stop_reason and stop-token text as vLLM."""
 from __future__ import annotations
 
+import json
 import logging
 
 import pytest
 
-from api_served import ServedAPI
 
 PROMPT = "The quick brown fox"
-
-
-@pytest.fixture(scope="module")
-def served():
-    s = ServedAPI()
-    yield s
-    s.close()
 
 
 def _greedy(llm, prompt, **kw):
     from engine import SamplingParams
     return llm.generate([prompt], SamplingParams(temperature=0, **kw))[0]
+
+
+def _greedy_completion(served, **fields):
+    """POST /v1/completions (greedy, 12 tokens, streamed or not): the response, its last
+    choice and the whole text."""
+    r = served.post("/v1/completions",
+                    {"prompt": PROMPT, "max_tokens": 12, "temperature": 0, **fields})
+    if not fields.get("stream"):
+        return r, r.json()["choices"][0], r.json()["choices"][0]["text"]
+    chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    return r, chunks[-1]["choices"][0], "".join(c["choices"][0]["text"] for c in chunks)
 
 
 def test_unknown_fields_are_ignored_with_a_logged_warning(served, caplog):
@@ -143,17 +147,7 @@ def test_stop_reason_is_the_stop_string(served):
     full = _greedy(served.llm, PROMPT, max_tokens=12).text      # ' widget is that the 5.x. ...'
     stop = full.split()[2]                                       # a word in the middle
     for stream in (False, True):
-        r = served.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 12, "temperature": 0,
-                                            "stop": ["zzz", stop], "stream": stream})
-        if stream:
-            import json
-            chunks = [json.loads(line[6:]) for line in r.text.splitlines()
-                      if line.startswith("data: {")]
-            last = chunks[-1]["choices"][0]
-            text = "".join(c["choices"][0]["text"] for c in chunks)
-        else:
-            last = r.json()["choices"][0]
-            text = last["text"]
+        _, last, text = _greedy_completion(served, stop=["zzz", stop], stream=stream)
         assert last["finish_reason"] == "stop" and last["stop_reason"] == stop
         assert text == full[:full.index(stop)]
 
@@ -165,17 +159,7 @@ def test_a_stop_token_id_ends_the_reply_without_its_text(served):
     assert stop_id not in out.token_ids[:k]
     want = served.llm.tokenizer.decode(out.token_ids[:k])
     for stream in (False, True):
-        r = served.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 12, "temperature": 0,
-                                            "stop_token_ids": [stop_id], "stream": stream})
-        if stream:
-            import json
-            chunks = [json.loads(line[6:]) for line in r.text.splitlines()
-                      if line.startswith("data: {")]
-            last = chunks[-1]["choices"][0]
-            text = "".join(c["choices"][0]["text"] for c in chunks)
-        else:
-            last = r.json()["choices"][0]
-            text = last["text"]
+        r, last, text = _greedy_completion(served, stop_token_ids=[stop_id], stream=stream)
         assert (last["finish_reason"], last["stop_reason"]) == ("stop", stop_id)
         assert text == want
         assert r.json()["usage"]["completion_tokens"] == k + 1 if not stream else True

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from api_served import DEMO, KEY, ServedAPI
+from api_served import DEMO, KEY
 
 QUESTIONS = [
     {"question": "The quick brown fox jumps over the lazy", "choices": ["dog", "cat", "sun"],
@@ -29,13 +29,6 @@ doc_to_target: answer
 metric_list:
   - metric: acc
 """
-
-
-@pytest.fixture(scope="module")
-def served():
-    s = ServedAPI()
-    yield s
-    s.close()
 
 
 def _hf_loglikelihood(hf, tok, context: str, continuation: str) -> float:

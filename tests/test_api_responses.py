@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from api_served import KEY, ServedAPI
+from api_served import KEY
 from scripted_engine import ScriptedLLM, demo_tokenizer
 
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")   # no fetch at import
@@ -23,13 +23,6 @@ WEATHER = {"type": "function", "name": "get_weather", "description": "The weathe
 THINK_REPLY = "<think>\nThe user greets me.\n</think>\n\nHello there!"
 TOOL_REPLY = ('Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"city": '
               '"Paris"}}\n</tool_call>')
-
-
-@pytest.fixture(scope="module")
-def served():
-    s = ServedAPI()
-    yield s
-    s.close()
 
 
 class Scripted:

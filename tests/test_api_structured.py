@@ -8,7 +8,6 @@ import re
 
 import pytest
 
-from api_served import ServedAPI
 
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 12},
@@ -23,13 +22,6 @@ def _matches(obj) -> bool:
             and isinstance(obj["name"], str) and len(obj["name"]) <= 12
             and isinstance(obj["age"], int) and not isinstance(obj["age"], bool)
             and 0 <= obj["age"] <= 150 and isinstance(obj["ok"], bool))
-
-
-@pytest.fixture(scope="module")
-def served():
-    s = ServedAPI()
-    yield s
-    s.close()
 
 
 def test_json_schema_output_parses_and_matches_the_schema(served):

@@ -13,19 +13,11 @@ import re
 
 import pytest
 
-from api_served import ServedAPI
 
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0,
                                                  "maximum": 99},
                                            "w": {"type": "string", "maxLength": 6}},
           "required": ["n", "w"], "additionalProperties": False}
-
-
-@pytest.fixture(scope="module")
-def served():
-    s = ServedAPI()
-    yield s
-    s.close()
 
 
 def _greedy(llm, prompt, n):
