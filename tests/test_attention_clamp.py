@@ -5,7 +5,6 @@ recomputation over the chosen keys against a dense masked softmax over the whole
 in test_interventions_vs_hf.py."""
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
@@ -13,11 +12,10 @@ from engine import Intervention
 from engine.context import ForwardContext
 from engine.interventions.attention_clamp import clamped_attention, token_seq_and_pos
 from engine.interventions.plan import InterventionPlanner
-from engine.interventions.spec import (MAX_CLAMP_POSITIONS, ModelFacts, cache_salt,
+from engine.interventions.spec import (MAX_CLAMP_POSITIONS, cache_salt,
                                        resolve_interventions)
+from test_interventions import DENSE as FACTS, _Sched, _Seq  # the planner's fakes
 
-FACTS = ModelFacts(num_layers=4, num_heads=8, hidden_size=16, moe_layers=(), num_experts=0,
-                   top_k=0)
 HQ, HKV, D, PAGE = 8, 2, 16, 4
 
 
@@ -128,19 +126,6 @@ def test_decode_rows_attend_only_to_their_chosen_keys():
 
 
 # ---- the tables: only the clamping request's chosen heads change -------------------------------
-class _Seq:
-    def __init__(self, ivs, P):
-        self.interventions = resolve_interventions(ivs, FACTS)
-        self.cache_salt = cache_salt(self.interventions)
-        self.num_prompt_tokens = P
-        self.is_finished = False
-
-
-class _Sched:
-    def __init__(self, seq, start, n):
-        self.seq, self.start, self.num_tokens = seq, start, n
-
-
 def _decode_step(k, v, tables, lens):
     return ForwardContext(slot_mapping=torch.zeros(len(lens), dtype=torch.long),
                           context_lens=torch.tensor(lens, dtype=torch.int32), block_tables=tables,
