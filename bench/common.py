@@ -148,6 +148,29 @@ def timed(fn: Callable[[], Any], device: torch.device) -> tuple[Any, float]:
     return out, time.perf_counter() - t0
 
 
+def graph_us(calls: list[Callable[[], Any]], replays: int) -> float:
+    """µs per call: the calls back to back in one CUDA graph (each run once before, to compile
+    and allocate outside the capture), median of `replays` replays."""
+    for c in calls:
+        c()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for c in calls:
+            c()
+    g.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(replays):
+        start.record()
+        g.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / len(calls))
+    del g
+    return statistics.median(times)
+
+
 def median(xs: list[float]) -> float:
     return float(statistics.median(xs)) if xs else float("nan")
 

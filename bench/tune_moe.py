@@ -40,6 +40,7 @@ if not torch.cuda.is_available():  # before triton is imported: CPU runs use the
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.common import graph_us  # noqa: E402
 from engine.kernels.fused_moe import (grouped_w13_silu, grouped_w2_weighted, moe_sum,  # noqa: E402
                                       w13_silu_ref, w2_weighted_ref)
 from engine.kernels.moe_align import moe_align  # noqa: E402
@@ -93,28 +94,6 @@ class ContextLost(RuntimeError):
 
 
 # ---------------------------------------------------------------- timing
-
-def graph_us(calls) -> float:
-    """µs per call: a CUDA graph of the calls back to back, median of REPLAYS replays."""
-    for c in calls:  # compile and allocate outside the capture
-        c()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for c in calls:
-            c()
-    g.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(REPLAYS):
-        start.record()
-        g.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / len(calls))
-    del g
-    return statistics.median(times)
-
 
 def wall_us(calls) -> float:
     """CPU (interpreter): wall time of the first call; proves the path runs, says nothing of speed."""
@@ -439,7 +418,7 @@ def main(argv=None) -> dict:
                 queues[stage].remove(tile)
             queues[stage].insert(0, tile)
 
-    timer = graph_us if cuda else wall_us
+    timer = (lambda calls: graph_us(calls, REPLAYS)) if cuda else wall_us
     if cuda:
         from bench.common import measure_copy_bandwidth, measure_matmul_flops
         bw, mm_rate = measure_copy_bandwidth(dev), measure_matmul_flops(dev)

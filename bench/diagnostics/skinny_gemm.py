@@ -27,6 +27,7 @@ if not torch.cuda.is_available():  # before triton is imported: CPU runs use the
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
+from bench.common import graph_us  # noqa: E402
 from engine.kernels.skinny_gemm import SkinnyConfig, fma_acc_regs, pick_config, skinny_linear, skinny_linear_ref  # noqa: E402
 
 SHAPES = [  # (name, N, K): weight [N, K]
@@ -88,28 +89,6 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() * src.element_size() / statistics.median(times)
 
 
-def graph_us_per_call(call, n_calls: int) -> float:
-    """call(i) issues the i-th call; µs per call from a graph of n_calls, median of REPLAYS replays."""
-    for i in range(n_calls):  # compile and warm up outside capture
-        call(i)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(n_calls):
-            call(i)
-    g.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(REPLAYS):
-        start.record()
-        g.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / n_calls)
-    del g
-    return statistics.median(times)
-
-
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-12)).item()
 
@@ -120,7 +99,7 @@ def bench_one(name, x, ws, n_calls, sweep, num_sms) -> dict:
     ref = skinny_linear_ref(x, ws[0])
 
     def timed(fn) -> float:
-        return graph_us_per_call(lambda i: fn(x, ws[i % len(ws)]), n_calls)
+        return graph_us([lambda i=i: fn(x, ws[i % len(ws)]) for i in range(n_calls)], REPLAYS)
 
     torch_us = timed(torch.nn.functional.linear)
     heur = pick_config(M, N, K, 2, num_sms)
