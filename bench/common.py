@@ -123,6 +123,13 @@ def resolve_device(device: str | None) -> torch.device:
     return torch.device(device)
 
 
+def bench_setup(model: str, device: str | None, dtype, tiny: bool
+                ) -> tuple[str, torch.device, torch.dtype | None]:
+    """What a bench's main runs on: the model (its tiny stand-in under --tiny), device, dtype."""
+    model = TINY_OF.get(model, model) if tiny else model
+    return model, resolve_device(device), parse_dtype(dtype)
+
+
 def default_dtype(device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 

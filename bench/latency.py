@@ -9,10 +9,9 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import (base_parser, build_engine, build_hf, error_row, finish_cli,
-                          free_memory, hf_generate, log, measure_floors, median, parse_dtype,
-                          random_prompt, ratio_row, resolve_device, row, sampling,
-                          shutdown_engine, timed, vocab_size, TINY_OF)
+from bench.common import (base_parser, bench_setup, build_engine, build_hf, error_row, finish_cli,
+                          free_memory, hf_generate, log, measure_floors, median, random_prompt,
+                          ratio_row, row, sampling, shutdown_engine, timed, vocab_size)
 
 FULL = dict(prompt_len=128, new_tokens=256, ttft_prompt_len=1024)
 TINY = dict(prompt_len=16, new_tokens=8, ttft_prompt_len=32)
@@ -124,10 +123,7 @@ def main(model: str = "qwen3-0.6b", device: str | None = None, dtype=None, repea
          bench: str = "latency", hf_new_tokens: int | None = None,
          engine_kwargs: dict | None = None, llm=None) -> list[dict]:
     """`llm`: an engine already built for this model (run_all shares one); else one is built."""
-    dev = resolve_device(device)
-    dtype = parse_dtype(dtype)
-    if tiny:
-        model = TINY_OF.get(model, model)
+    model, dev, dtype = bench_setup(model, device, dtype, tiny)
     shape = dict(TINY if tiny else FULL)
     id_high = min(10000, vocab_size(model))
     rows: list[dict] = measure_floors(dev) if floors else []

@@ -11,10 +11,10 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import (base_parser, build_engine, build_hf, error_row, finish_cli,
+from bench.common import (base_parser, bench_setup, build_engine, build_hf, error_row, finish_cli,
                           free_memory, hf_config, hf_generate, log, measure_floors, median,
-                          parse_dtype, random_prompt, ratio_row, resolve_device, row, sampling,
-                          shutdown_engine, timed, vocab_size, TINY_OF)
+                          random_prompt, ratio_row, row, sampling, shutdown_engine, timed,
+                          vocab_size)
 
 FULL = dict(ttft=(4096, 16384, 32768), decode=(8192, 30720), new_tokens=64)
 TINY = dict(ttft=(64, 128), decode=(96,), new_tokens=8)
@@ -62,11 +62,8 @@ def main(model: str = "qwen3-0.6b", device: str | None = None, dtype=None, hf: b
          tiny: bool = False, repeats: int = 3, report_floors: bool = True) -> list[dict]:
     """The floors are measured either way (the notes need them); `report_floors`: their rows
     too (run_all has its own)."""
-    dev = resolve_device(device)
-    dtype = parse_dtype(dtype)
+    model, dev, dtype = bench_setup(model, device, dtype, tiny)
     shape = TINY if tiny else FULL
-    if tiny:
-        model = TINY_OF.get(model, model)
     cfg = hf_config(model)
     floor_rows = measure_floors(dev)
     rows = list(floor_rows) if report_floors else []

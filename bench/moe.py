@@ -16,10 +16,9 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import (base_parser, build_engine, build_hf, error_row, finish_cli,
-                          free_memory, hf_generate, log, make_workload, measure_floors,
-                          parse_dtype, ratio_row, resolve_device, row, shutdown_engine, timed,
-                          TINY_OF)
+from bench.common import (base_parser, bench_setup, build_engine, build_hf, error_row, finish_cli,
+                          free_memory, hf_generate, log, make_workload, measure_floors, ratio_row,
+                          row, shutdown_engine, timed)
 from bench.latency import FULL, TINY, compare_rows, glassbox_latency, hf_latency, latency_rows
 from bench.moe_floor import copy_bandwidth, model_bytes, run_floor
 from bench.throughput import run_glassbox, warmup_glassbox, workload_kwargs
@@ -93,10 +92,7 @@ def main(model: str = "qwen3-30b-a3b", device: str | None = None, dtype=None,
          hf_batch: int = 32, hf_batch_new_tokens: int = 64, hf_decode_tokens: int = 32,
          tiny: bool = False, floors: bool = True, engine_kwargs: dict | None = None,
          count_experts: bool = False) -> list[dict]:
-    dev = resolve_device(device)
-    dtype = parse_dtype(dtype)
-    if tiny:
-        model = TINY_OF.get(model, model)
+    model, dev, dtype = bench_setup(model, device, dtype, tiny)
     shape = dict(TINY if tiny else FULL)
     id_high = workload_kwargs(model, tiny)["id_high"]
     rows: list[dict] = measure_floors(dev) if floors else []

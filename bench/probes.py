@@ -8,9 +8,9 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import (base_parser, build_engine, error_row, finish_cli, free_memory, log,
-                          make_workload, measure_floors, median, parse_dtype, resolve_device, row,
-                          shutdown_engine, TINY_OF)
+from bench.common import (base_parser, bench_setup, build_engine, error_row, finish_cli,
+                          free_memory, log, make_workload, measure_floors, median, row,
+                          shutdown_engine)
 from bench.latency import FULL, TINY, glassbox_latency
 from bench.throughput import run_glassbox, warmup_glassbox, workload_kwargs
 
@@ -72,10 +72,7 @@ def main(model: str = "qwen3-0.6b", device: str | None = None, dtype=None,
          num_requests: int = 64, tput_repeats: int = 3, lat_repeats: int = 3, tiny: bool = False,
          floors: bool = True, engine_kwargs: dict | None = None, llm=None) -> list[dict]:
     """`llm`: an engine already built for this model (run_all shares one); else one is built."""
-    dev = resolve_device(device)
-    dtype = parse_dtype(dtype)
-    if tiny:
-        model = TINY_OF.get(model, model)
+    model, dev, dtype = bench_setup(model, device, dtype, tiny)
     shape = dict(TINY if tiny else FULL)
     id_high = workload_kwargs(model, tiny)["id_high"]
     rows: list[dict] = measure_floors(dev) if floors else []

@@ -11,10 +11,9 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import (Request, base_parser, build_engine, build_hf, error_row, finish_cli,
-                          free_memory, hf_generate_batch, log, median, parse_dtype, random_prompt,
-                          ratio_row, resolve_device, row, sampling, shutdown_engine, timed,
-                          vocab_size, TINY_OF)
+from bench.common import (Request, base_parser, bench_setup, build_engine, build_hf, error_row,
+                          finish_cli, free_memory, hf_generate_batch, log, median, random_prompt,
+                          ratio_row, row, sampling, shutdown_engine, timed, vocab_size)
 
 FULL = dict(num_requests=256, prefix=2048, own=64, out=128)
 TINY = dict(num_requests=6, prefix=64, own=8, out=8)
@@ -60,11 +59,8 @@ def measure(llm, shape, id_high, device, repeats: int, cascade_expected: bool) -
 
 def main(model: str = "qwen3-0.6b", device: str | None = None, dtype=None, hf: bool = True,
          tiny: bool = False, repeats: int = 2, hf_num_requests: int = 16) -> list[dict]:
-    dev = resolve_device(device)
-    dtype = parse_dtype(dtype)
+    model, dev, dtype = bench_setup(model, device, dtype, tiny)
     shape = TINY if tiny else FULL
-    if tiny:
-        model = TINY_OF.get(model, model)
     id_high = min(10000, vocab_size(model))
     rows, ours = [], None
     length = shape["prefix"] + shape["own"] + shape["out"] + 16

@@ -24,9 +24,9 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import (TINY_OF, base_parser, build_engine, error_row, finish_cli, free_memory,
-                          log, measure_floors, median, parse_dtype, random_prompt,
-                          resolve_device, row, sampling, shutdown_engine, vocab_size)
+from bench.common import (base_parser, bench_setup, build_engine, error_row, finish_cli,
+                          free_memory, log, measure_floors, median, random_prompt, row, sampling,
+                          shutdown_engine, vocab_size)
 
 FULL = dict(prompt_len=128, new_tokens=256)
 TINY = dict(prompt_len=16, new_tokens=24)
@@ -186,10 +186,7 @@ def main(model: str = "qwen3-0.6b", device: str | None = None, dtype=None, repea
          tiny: bool = False, floors: bool = True, bench: str = "spec_decode",
          engine_kwargs: dict | None = None, num_requests: int | None = 256) -> list[dict]:
     """num_requests: the many-request workload's size (None or 0: skip it; tiny: 4)."""
-    dev = resolve_device(device)
-    dtype = parse_dtype(dtype)
-    if tiny:
-        model = TINY_OF.get(model, model)
+    model, dev, dtype = bench_setup(model, device, dtype, tiny)
     shape = dict(TINY if tiny else FULL)
     vocab = vocab_size(model)
     id_high = min(10000, vocab)

@@ -8,10 +8,9 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import (Request, base_parser, build_engine, build_hf, error_row, finish_cli,
-                          free_memory, log, make_workload, measure_floors, median, parse_dtype,
-                          ratio_row, resolve_device, row, sampling, shutdown_engine, timed,
-                          vocab_size, TINY_OF)
+from bench.common import (Request, base_parser, bench_setup, build_engine, build_hf, error_row,
+                          finish_cli, free_memory, log, make_workload, measure_floors, median,
+                          ratio_row, row, sampling, shutdown_engine, timed, vocab_size)
 
 TINY_WORKLOAD = dict(prompt_len=(8, 48), output_len=(4, 16))
 
@@ -76,10 +75,8 @@ def main(model: str = "qwen3-0.6b", device: str | None = None, dtype=None,
          tiny: bool = False, floors: bool = True, max_model_len: int = 4096,
          engine_kwargs: dict | None = None, llm=None) -> list[dict]:
     """`llm`: an engine already built for this model (run_all shares one); else one is built."""
-    dev = resolve_device(device)
-    dtype = parse_dtype(dtype)
+    model, dev, dtype = bench_setup(model, device, dtype, tiny)
     if tiny:
-        model = TINY_OF.get(model, model)
         max_model_len = min(max_model_len, 256)
     rows: list[dict] = measure_floors(dev) if floors else []
     ours = peer = None

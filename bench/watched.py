@@ -25,10 +25,10 @@ if __package__ in (None, ""):
 
 import numpy as np
 
-from bench.common import (TINY_OF, base_parser, build_engine, error_row, finish_cli, free_memory,
-                          log, make_workload, measure_floors, median, parse_dtype, random_prompt,
-                          resolve_device, row, sampling, shutdown_engine)
-from bench.latency import FULL, TINY, glassbox_decode_ms
+from bench.common import (base_parser, bench_setup, build_engine, error_row, finish_cli,
+                          free_memory, log, make_workload, measure_floors, median, random_prompt,
+                          row, sampling, shutdown_engine)
+from bench.latency import FULL, TINY
 from bench.throughput import warmup_glassbox, workload_kwargs
 
 BENCH = "watched"
@@ -355,10 +355,7 @@ def main(model: str = "qwen3-0.6b", device: str | None = None, dtype=None,
          tiny: bool = False, floors: bool = True, llm=None) -> list[dict]:
     """`llm`: an engine already built for this model (run_all shares one); else one is built."""
     from engine.serving import ServingHub
-    dev = resolve_device(device)
-    dtype = parse_dtype(dtype)
-    if tiny:
-        model = TINY_OF.get(model, model)
+    model, dev, dtype = bench_setup(model, device, dtype, tiny)
     shape = dict(TINY if tiny else FULL)
     id_high = workload_kwargs(model, tiny)["id_high"]
     rows: list[dict] = measure_floors(dev) if floors else []

@@ -17,9 +17,9 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench.common import (base_parser, build_engine, error_row, finish_cli, free_memory, log,
-                          make_workload, measure_floors, median, parse_dtype, random_prompt,
-                          resolve_device, row, sampling, shutdown_engine, timed, TINY_OF)
+from bench.common import (base_parser, bench_setup, build_engine, error_row, finish_cli,
+                          free_memory, log, make_workload, measure_floors, median, random_prompt,
+                          row, sampling, shutdown_engine, timed)
 from bench.latency import FULL, TINY
 from bench.throughput import warmup_glassbox, workload_kwargs
 
@@ -98,10 +98,7 @@ def _pct(slow: float, fast: float) -> float:
 def main(model: str = "qwen3-0.6b", device: str | None = None, dtype=None,
          num_requests: int = 256, tput_repeats: int = 3, lat_repeats: int = 5,
          tiny: bool = False, floors: bool = True) -> list[dict]:
-    dev = resolve_device(device)
-    dtype = parse_dtype(dtype)
-    if tiny:
-        model = TINY_OF.get(model, model)
+    model, dev, dtype = bench_setup(model, device, dtype, tiny)
     shape = dict(TINY if tiny else FULL)
     id_high = workload_kwargs(model, tiny)["id_high"]
     rows: list[dict] = measure_floors(dev) if floors else []
