@@ -497,6 +497,24 @@ def build_hf(name: str, device: torch.device, dtype: torch.dtype | None = None):
     return model
 
 
+def hf_peer(rows: list[dict], bench: str, model: str, device: torch.device,
+            dtype: torch.dtype | None, measure: Callable[[Any], Any],
+            system: str = "hf-generate") -> Any:
+    """Build the HF peer and return measure(hf_model), which adds its rows to `rows`. A failure
+    in either adds an error row after the figures already there (and returns None); the model
+    is freed either way."""
+    hf_model = None
+    try:
+        hf_model = build_hf(model, device, dtype)
+        return measure(hf_model)
+    except Exception as exc:
+        rows.append(error_row(bench, model, system, exc))
+        return None
+    finally:
+        del hf_model
+        free_memory(device)
+
+
 @torch.no_grad()
 def hf_generate(model, prompts: list[list[int]], max_new_tokens: int, device: torch.device,
                 temperature: float = 0.0, streamer=None) -> int:

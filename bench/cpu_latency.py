@@ -10,9 +10,9 @@ if __package__ in (None, ""):
 
 import torch
 
-from bench.common import (DEMO_DIR, base_parser, build_engine, build_hf, cpu_threads, error_row,
-                          finish_cli, free_memory, log, measure_floors, parse_dtype,
-                          resolve_device, shutdown_engine, vocab_size)
+from bench.common import (DEMO_DIR, base_parser, build_engine, cpu_threads, error_row, finish_cli,
+                          free_memory, hf_peer, log, measure_floors, parse_dtype, resolve_device,
+                          shutdown_engine, vocab_size)
 from bench.latency import TINY, compare_rows, glassbox_latency, hf_latency, latency_rows
 
 BENCH = "cpu"
@@ -44,7 +44,6 @@ def measure_model(model: str, hf: bool, dtype: torch.dtype) -> list[dict]:
     max_len = 2 * max(shape["prompt_len"] + shape["new_tokens"], shape["ttft_prompt_len"] + 2)
     rows: list[dict] = []
     ours: list[dict] = []
-    peer: list[dict] = []
     llm = None
     try:
         llm = build_engine(model, dev, dtype, max_model_len=max_len)
@@ -59,18 +58,13 @@ def measure_model(model: str, hf: bool, dtype: torch.dtype) -> list[dict]:
         llm = None
         free_memory(dev)
     if hf:
-        hf_model = None
-        try:
-            hf_model = build_hf(model, dev, dtype)
+        def peer_figures(hf_model) -> list[dict]:
             res = hf_latency(hf_model, dev, id_high, repeats=hf_rep, ttft_repeats=1, **shape)
             log(f"HF cpu {model}: {res['decode_tok_s']:,.1f} tok/s")
             peer = latency_rows(BENCH, model, "hf-generate", res, shape)
-            rows += peer
-        except Exception as exc:
-            rows.append(error_row(BENCH, model, "hf-generate", exc))
-        finally:
-            del hf_model
-            free_memory(dev)
+            rows.extend(peer)
+            return peer
+        peer = hf_peer(rows, BENCH, model, dev, dtype, peer_figures) or []
         rows += compare_rows(BENCH, model, ours, peer)
     return rows
 

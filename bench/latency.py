@@ -9,9 +9,10 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import (base_parser, bench_setup, build_engine, build_hf, error_row, finish_cli,
-                          free_memory, hf_generate, log, measure_floors, median, random_prompt,
-                          ratio_row, row, sampling, shutdown_engine, timed, vocab_size)
+from bench.common import (base_parser, bench_setup, build_engine, error_row, finish_cli,
+                          free_memory, hf_generate, hf_peer, log, measure_floors, median,
+                          random_prompt, ratio_row, row, sampling, shutdown_engine, timed,
+                          vocab_size)
 
 FULL = dict(prompt_len=128, new_tokens=256, ttft_prompt_len=1024)
 TINY = dict(prompt_len=16, new_tokens=8, ttft_prompt_len=32)
@@ -128,7 +129,6 @@ def main(model: str = "qwen3-0.6b", device: str | None = None, dtype=None, repea
     id_high = min(10000, vocab_size(model))
     rows: list[dict] = measure_floors(dev) if floors else []
     ours: list[dict] = []
-    peer: list[dict] = []
     own = llm is None
     try:
         if own:
@@ -146,19 +146,15 @@ def main(model: str = "qwen3-0.6b", device: str | None = None, dtype=None, repea
         llm = None
         free_memory(dev)
     if hf:
-        hf_model = None
         hf_shape = dict(shape, new_tokens=hf_new_tokens or shape["new_tokens"])
-        try:
-            hf_model = build_hf(model, dev, dtype)
+
+        def peer_figures(hf_model) -> list[dict]:
             res = hf_latency(hf_model, dev, id_high, repeats=hf_repeats, **hf_shape)
             log(f"HF {model}: {res['decode_tok_s']:,.1f} tok/s, TTFT {res['ttft_ms']:.2f} ms")
             peer = latency_rows(bench, model, "hf-generate", res, hf_shape)
-            rows += peer
-        except Exception as exc:
-            rows.append(error_row(bench, model, "hf-generate", exc))
-        finally:
-            del hf_model
-            free_memory(dev)
+            rows.extend(peer)
+            return peer
+        peer = hf_peer(rows, bench, model, dev, dtype, peer_figures) or []
         rows += compare_rows(bench, model, ours, peer)
     return rows
 

@@ -11,9 +11,9 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import (base_parser, bench_setup, build_engine, build_hf, error_row, finish_cli,
-                          free_memory, hf_config, hf_generate, log, measure_floors, median,
-                          random_prompt, ratio_row, row, sampling, shutdown_engine, timed,
+from bench.common import (base_parser, bench_setup, build_engine, error_row, finish_cli,
+                          free_memory, hf_config, hf_generate, hf_peer, log, measure_floors,
+                          median, random_prompt, ratio_row, row, sampling, shutdown_engine, timed,
                           vocab_size)
 
 FULL = dict(ttft=(4096, 16384, 32768), decode=(8192, 30720), new_tokens=64)
@@ -97,9 +97,7 @@ def main(model: str = "qwen3-0.6b", device: str | None = None, dtype=None, hf: b
         shutdown_engine(llm)
         free_memory(dev)
     if hf:
-        hf_model = None
-        try:
-            hf_model = build_hf(model, dev, dtype)
+        def peer_figures(hf_model) -> None:
             n = shape["ttft"][0]
             hf_generate(hf_model, [random_prompt(n, id_high, 6998)], 1, dev)     # warm
             _, t = timed(lambda: hf_generate(hf_model, [random_prompt(n, id_high, 6997)], 1, dev),
@@ -107,13 +105,9 @@ def main(model: str = "qwen3-0.6b", device: str | None = None, dtype=None, hf: b
             peer = row("long_context", model, "hf-generate", f"ttft_ms_{n}", 1e3 * t, "ms",
                        "1 run")
             rows.append(peer)
-            rows += ratio_row("long_context", model, f"ttft_ms_{n}", ours, peer,
-                              higher_is_better=False)
-        except Exception as exc:
-            rows.append(error_row("long_context", model, "hf-generate", exc))
-        finally:
-            del hf_model
-            free_memory(dev)
+            rows.extend(ratio_row("long_context", model, f"ttft_ms_{n}", ours, peer,
+                                  higher_is_better=False))
+        hf_peer(rows, "long_context", model, dev, dtype, peer_figures)
     return rows
 
 

@@ -16,9 +16,9 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import (base_parser, bench_setup, build_engine, build_hf, error_row, finish_cli,
-                          free_memory, hf_generate, log, make_workload, measure_floors, ratio_row,
-                          row, shutdown_engine, timed)
+from bench.common import (base_parser, bench_setup, build_engine, error_row, finish_cli,
+                          free_memory, hf_generate, hf_peer, log, make_workload, measure_floors,
+                          ratio_row, row, shutdown_engine, timed)
 from bench.latency import FULL, TINY, compare_rows, glassbox_latency, hf_latency, latency_rows
 from bench.moe_floor import copy_bandwidth, model_bytes, run_floor
 from bench.throughput import run_glassbox, warmup_glassbox, workload_kwargs
@@ -97,7 +97,7 @@ def main(model: str = "qwen3-30b-a3b", device: str | None = None, dtype=None,
     id_high = workload_kwargs(model, tiny)["id_high"]
     rows: list[dict] = measure_floors(dev) if floors else []
     ours_lat: list[dict] = []
-    ours_tput = peer_tput = None
+    ours_tput = None
     llm = None
     try:
         kwargs = dict(trace_history=TRACE_HISTORY, record_expert_load=count_experts)
@@ -123,32 +123,25 @@ def main(model: str = "qwen3-30b-a3b", device: str | None = None, dtype=None,
         shutdown_engine(llm)
         llm = None
         free_memory(dev)
-    if not hf:
-        return rows
-    hf_model = None
-    try:
-        hf_model = build_hf(model, dev, dtype)
-        hf_shape = dict(shape, new_tokens=min(hf_decode_tokens, shape["new_tokens"]))
-        try:
-            res = hf_latency(hf_model, dev, id_high, repeats=1, ttft_repeats=2, **hf_shape)
-            log(f"HF {model}: {res['decode_tok_s']:,.1f} tok/s, TTFT {res['ttft_ms']:.2f} ms")
-            peer_lat = latency_rows(BENCH, model, "hf-generate", res, hf_shape)
-            rows += peer_lat
-            rows += compare_rows(BENCH, model, ours_lat, peer_lat)
-        except Exception as exc:
-            rows.append(error_row(BENCH, model, "hf-generate", exc))
-        batch = min(hf_batch, 2) if tiny else hf_batch
-        new = min(hf_batch_new_tokens, 4) if tiny else hf_batch_new_tokens
-        tok_s, tokens, _ = hf_batch_throughput(hf_model, model, batch, new, tiny, dev)
-        peer_tput = row(BENCH, model, "hf-generate", "output_tok_s", tok_s, "tok/s",
-                        f"batch {batch}, {new} new tok each, 1 run")
-        rows.append(peer_tput)
-        rows += ratio_row(BENCH, model, "output_tok_s", ours_tput, peer_tput)
-    except Exception as exc:
-        rows.append(error_row(BENCH, model, "hf-generate", exc))
-    finally:
-        del hf_model
-        free_memory(dev)
+    if hf:
+        def peer_figures(hf_model) -> None:
+            hf_shape = dict(shape, new_tokens=min(hf_decode_tokens, shape["new_tokens"]))
+            try:
+                res = hf_latency(hf_model, dev, id_high, repeats=1, ttft_repeats=2, **hf_shape)
+                log(f"HF {model}: {res['decode_tok_s']:,.1f} tok/s, TTFT {res['ttft_ms']:.2f} ms")
+                peer_lat = latency_rows(BENCH, model, "hf-generate", res, hf_shape)
+                rows.extend(peer_lat)
+                rows.extend(compare_rows(BENCH, model, ours_lat, peer_lat))
+            except Exception as exc:
+                rows.append(error_row(BENCH, model, "hf-generate", exc))
+            batch = min(hf_batch, 2) if tiny else hf_batch
+            new = min(hf_batch_new_tokens, 4) if tiny else hf_batch_new_tokens
+            tok_s, tokens, _ = hf_batch_throughput(hf_model, model, batch, new, tiny, dev)
+            peer_tput = row(BENCH, model, "hf-generate", "output_tok_s", tok_s, "tok/s",
+                            f"batch {batch}, {new} new tok each, 1 run")
+            rows.append(peer_tput)
+            rows.extend(ratio_row(BENCH, model, "output_tok_s", ours_tput, peer_tput))
+        hf_peer(rows, BENCH, model, dev, dtype, peer_figures)
     return rows
 
 

@@ -11,8 +11,8 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import (Request, base_parser, bench_setup, build_engine, build_hf, error_row,
-                          finish_cli, free_memory, hf_generate_batch, log, median, random_prompt,
+from bench.common import (Request, base_parser, bench_setup, build_engine, error_row, finish_cli,
+                          free_memory, hf_generate_batch, hf_peer, log, median, random_prompt,
                           ratio_row, row, sampling, shutdown_engine, timed, vocab_size)
 
 FULL = dict(num_requests=256, prefix=2048, own=64, out=128)
@@ -91,20 +91,14 @@ def main(model: str = "qwen3-0.6b", device: str | None = None, dtype=None, hf: b
             shutdown_engine(llm)
             free_memory(dev)
     if hf:
-        hf_model = None
-        try:
-            hf_model = build_hf(model, dev, dtype)
+        def peer_figures(hf_model) -> None:
             _, shared, _ = workloads(dict(shape, num_requests=hf_num_requests), id_high, 100)
             tokens, secs = hf_generate_batch(hf_model, shared, dev, temperature=0.6)
             peer = row("shared_prefix", model, "hf-generate_batch", "shared_tok_s_cascade",
                        tokens / secs, "tok/s", f"{hf_num_requests} req, 1 run")
             rows.append(peer)
-            rows += ratio_row("shared_prefix", model, "shared_tok_s_cascade", ours, peer)
-        except Exception as exc:
-            rows.append(error_row("shared_prefix", model, "hf-generate_batch", exc))
-        finally:
-            del hf_model
-            free_memory(dev)
+            rows.extend(ratio_row("shared_prefix", model, "shared_tok_s_cascade", ours, peer))
+        hf_peer(rows, "shared_prefix", model, dev, dtype, peer_figures, "hf-generate_batch")
     return rows
 
 

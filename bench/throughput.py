@@ -8,8 +8,8 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import (Request, base_parser, bench_setup, build_engine, build_hf, error_row,
-                          finish_cli, free_memory, log, make_workload, measure_floors, median,
+from bench.common import (Request, base_parser, bench_setup, build_engine, error_row, finish_cli,
+                          free_memory, hf_peer, log, make_workload, measure_floors, median,
                           ratio_row, row, sampling, shutdown_engine, timed, vocab_size)
 
 TINY_WORKLOAD = dict(prompt_len=(8, 48), output_len=(4, 16))
@@ -79,7 +79,7 @@ def main(model: str = "qwen3-0.6b", device: str | None = None, dtype=None,
     if tiny:
         max_model_len = min(max_model_len, 256)
     rows: list[dict] = measure_floors(dev) if floors else []
-    ours = peer = None
+    ours = None
     own = llm is None
     try:
         if own:
@@ -98,18 +98,13 @@ def main(model: str = "qwen3-0.6b", device: str | None = None, dtype=None,
         llm = None
         free_memory(dev)
     if hf:
-        hf_model = None
-        try:
-            hf_model = build_hf(model, dev, dtype)
+        def peer_figures(hf_model) -> dict:
             tok_s, tokens, secs = hf_throughput(hf_model, model, hf_num_requests, tiny, dev)
             peer = row("throughput", model, "hf-generate_batch", "output_tok_s", tok_s, "tok/s",
                        f"{hf_num_requests} req, {tokens} out tok, 1 run")
             rows.append(peer)
-        except Exception as exc:
-            rows.append(error_row("throughput", model, "hf-generate_batch", exc))
-        finally:
-            del hf_model
-            free_memory(dev)
+            return peer
+        peer = hf_peer(rows, "throughput", model, dev, dtype, peer_figures, "hf-generate_batch")
         rows += ratio_row("throughput", model, "output_tok_s", ours, peer)
     return rows
 
