@@ -1,7 +1,7 @@
 """Headless Chromium clicks through the playground: chat streams, every tab's plots render,
-two browser sessions batch together in the block map, Stop frees their blocks. Takes the
-README's screenshots: into a temporary folder, or into assets/screenshots/ when
-GLASSBOX_SCREENSHOTS=1 (a test run must not rewrite tracked files)."""
+two browser sessions batch together in the block map, Stop frees their blocks. Screenshots of
+what it saw go to a temporary folder, to look at; the README's are made by
+tools/screenshots.py (a test run must not rewrite tracked files)."""
 import io
 import os
 import re
@@ -12,14 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from ui_helpers import ROOT, require_engine, shared_app, wait_until  # noqa: I001
+from ui_helpers import require_engine, shared_app, wait_until  # noqa: I001
 
 pytestmark = pytest.mark.slow
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
                  "--no-first-run", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync"]
-SHOTS = (ROOT / "assets" / "screenshots" if os.environ.get("GLASSBOX_SCREENSHOTS") == "1"
-         else Path(tempfile.gettempdir()) / "glassbox-screenshots")
+SHOTS = Path(tempfile.gettempdir()) / "glassbox-screenshots"
 MAX_SHOT_BYTES = 300_000
 
 

@@ -2,7 +2,8 @@
 under the running page) and on an engine with tensor_parallel_size=2 on the CPU: every plot
 renders, typing text shows its ids, a block id shows its owner, the watched reply's token fills
 the path with live numbers, a what-if TP degree redraws the rank table; no console errors.
-Saves assets/screenshots/anatomy.png when GLASSBOX_SCREENSHOTS=1 (else a temporary folder)."""
+Saves a screenshot of the token path and the KV block to a temporary folder (the README's
+come from tools/screenshots.py)."""
 import os
 import re
 

@@ -1,6 +1,8 @@
 """Rough edges a newcomer hit (issue 52), in headless Chromium on the shared app: the chat
 log's own clear icon forgets the conversation as the Clear button does; a token index typed
-past the end of the Layers slider snaps to the last token, with no toast and no failing tick."""
+past the end of the Layers slider snaps to the last token, with no toast and no failing tick;
+the Engine tab's latency table draws only its light row rules (Gradio's prose style gave its
+rows a dark box)."""
 import pytest
 
 from test_browser import (browser, open_app, running, send, set_number,  # noqa: F401
@@ -86,4 +88,17 @@ def test_cached_free_blocks_are_drawn_only_when_asked(running, browser):
     show_tab(page, "kv")
     wait_js(page, f"() => ({root} || {{dataset: {{}}}}).dataset.showCached === '1'",
             what="the choice kept after a reload")
+    page.context.close()
+
+
+def test_the_latency_table_has_no_dark_row_borders(running, browser):
+    page = open_app(browser, running.url)
+    send(page, "Copy: glass box", 8, ignore_eos=False)
+    reply_done(page, 1)
+    show_tab(page, "engine")
+    page.wait_for_selector("#engine-latency table tr")
+    borders = page.evaluate("""() => [...document.querySelectorAll('#engine-latency tr')]
+      .map(r => getComputedStyle(r)).map(s => [s.borderTopWidth, s.borderLeftWidth,
+                                               s.borderRightWidth])""")
+    assert all(b == ["0px", "0px", "0px"] for b in borders), borders
     page.context.close()

@@ -825,3 +825,18 @@ def test_packed_map_arrays_take_the_narrowest_type_and_round_trip():
         assert unpack_ints(m).tolist() == a.tolist()
     empty = pack_ints(np.zeros(0, np.int64))
     assert empty["n"] == 0 and unpack_ints(empty).size == 0
+
+
+def test_tp_map_head_axes_draw_no_zero_line(rng):
+    """Heads are counted from 0: plotly's zero line on a head axis struck through head 0's
+    marker (the README's Engine screenshot)."""
+    snap = make_snapshot(rng)
+    layout = F.tp_map_figure(snap.tp_layout, snap.num_heads, snap.num_kv_heads)["layout"]
+    assert layout["xaxis"]["zeroline"] is False and layout["xaxis2"]["zeroline"] is False
+
+
+def test_latency_note_counts_one_request_in_the_singular():
+    from views.figures_engine import latency_table
+    lat = {"requests": 1, "ttft": [0.01] * 3, "tpot": [0.02] * 3, "e2e": [0.5] * 3}
+    assert latency_table(lat, 300)["note"].startswith("1 request finished ")
+    assert latency_table(dict(lat, requests=7), 300)["note"].startswith("7 requests finished ")

@@ -260,8 +260,9 @@ def _ms(v: float) -> str:
 def latency_table(lat: dict, window_s: float) -> dict:
     """The latency panel: TTFT, time per output token and end-to-end p50 / p90 / p99, in ms."""
     title = f"Latency, last {window_s / 60:.0f} min"
-    note = (f"{lat['requests']} requests finished (every request the engine finished, the "
-            "API's too, whether or not this tab was open); timed by the engine from each "
+    n = lat["requests"]
+    note = (f"{n} request{'' if n == 1 else 's'} finished (every request the engine finished, "
+            "the API's too, whether or not this tab was open); timed by the engine from each "
             "request's arrival, queueing included")
     if not lat["requests"]:
         return {"kind": "table", "title": title + ": none yet", "note": note}

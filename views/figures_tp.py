@@ -43,10 +43,11 @@ def tp_map_figure(tp_layout: Sequence[RankLayout], num_heads: int, num_kv_heads:
         traces, f"Tensor-parallel map ({len(tp_layout)} rank{'s' if len(ranks) > 1 else ''})",
         uirevision="engine-tp", height=max(340, 3 * 34 * len(ranks) + 240), annotations=notes,
         margin=dict(l=70, r=20, t=50, b=40),
-        xaxis=dict(range=[-0.5, max(num_heads, 1) - 0.5], anchor="y",
+        # no zero line on the head axes: it struck through head 0's marker
+        xaxis=dict(range=[-0.5, max(num_heads, 1) - 0.5], anchor="y", zeroline=False,
                    dtick=1 if num_heads <= 32 else None),
         yaxis=dict(domain=panels[0], **cat),
-        xaxis2=dict(range=[-0.5, max(num_kv_heads, 1) - 0.5], anchor="y2",
+        xaxis2=dict(range=[-0.5, max(num_kv_heads, 1) - 0.5], anchor="y2", zeroline=False,
                     dtick=1 if num_kv_heads <= 32 else None),
         yaxis2=dict(domain=panels[1], **cat),
         xaxis3=dict(title="intermediate dim", anchor="y3"),
