@@ -101,7 +101,6 @@ def test_the_layers_view_finds_each_rejection_and_the_verify_row_that_chose(runs
     from views import drafts as D
     (_, _), (spec_outs, spec) = runs
     out = spec_outs[0]
-    P = len(out.prompt_token_ids)
     rejecting = [v for v in out.drafts if v.num_accepted < len(v.drafted)]
     rejs = D.rejections(spec)
     assert [r.verdict for r in rejs] == rejecting

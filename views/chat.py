@@ -3,8 +3,9 @@
 Each reply is one engine request (its own id), streamed with a ProbeSpec so the Layers tab can
 show it. Stop, Clear and closing the tab abort the request in the engine; a cut reply says why.
 The conversation itself lives in a gr.State as typed; the chat log shows an escaped copy, so no
-message (user's or model's) is ever rendered as Markdown or HTML. The same logic is exposed as
-the named API endpoint `/chat` for gradio_client.
+message (user's or model's) is ever rendered as Markdown or HTML (a speculated reply: its
+escaped text with the drafts marked by views/drafts.py). The same logic is exposed as the named
+API endpoint `/chat` for gradio_client.
 """
 from __future__ import annotations
 

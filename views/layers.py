@@ -2,7 +2,8 @@
 live while it streams. Any traced request can be watched (the session's own chat reply by
 default; API requests that opt in to tracing too); a slider scrubs tokens (it follows the
 newest token until moved); clicking a head in the heads grid, or a token in the norms or lens,
-selects it (the charts are canvases: views/canvas_chart.py)."""
+selects it (the charts are canvases: views/canvas_chart.py). For a reply that speculated, its
+rejected drafts can be opened one by one: the verify step's guesses (views/drafts.py)."""
 from __future__ import annotations
 
 import gradio as gr
