@@ -129,14 +129,15 @@ class EngineCore:
 
     def _speculation(self, seq: Sequence) -> None:
         """Give seq a SpecState when it speculates: the request's num_speculative_tokens, else
-        the engine's. Requests whose probes and interventions index decode rows decode
-        plainly."""
+        the engine's. Requests with interventions (they index decode rows) decode plainly; a
+        watched one speculates, its probes recording every verified row and keeping those of
+        accepted tokens (ProbeManager.settle)."""
         cfg, k = self.speculative_config, seq.params.num_speculative_tokens
         if k is None:
             k = cfg.num_speculative_tokens if cfg is not None else 0
         # bad_words ban per plain row (_banned): a verify entry's rows would miss them
         bad_words = seq.token_filter is not None and seq.token_filter.bad_words is not None
-        if not k or seq.watch is not None or seq.interventions or bad_words:
+        if not k or seq.interventions or bad_words:
             return
         seq.spec = SpecState(cfg if cfg is not None else SpeculativeConfig(), k,
                              self.proposer_for(seq) if self.proposer_for is not None else None)
@@ -436,6 +437,8 @@ class EngineCore:
                                                                    tl[first + j][:k])))
                 if j == 0:
                     verdict = seq.spec.log[-1]
+                    if seq.watch is not None and self.probes is not None:
+                        self.probes.settle(seq, verdict)
             try:
                 ev = self._token_event(seq, tok, lp, now)
                 ev.draft = verdict

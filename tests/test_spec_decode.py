@@ -450,11 +450,15 @@ def test_final_metrics_carry_the_request_speculation_summary(engines):
 
 
 def test_a_watched_request_beside_speculating_ones_records_what_it_would_alone(qwen3_dir):
-    """Watched requests decode plainly; in a step with verify entries their probes and tokens
-    are those of a batch without speculation (verify rows come after every plain row)."""
+    """A watched request that decodes plainly (num_speculative_tokens=0), in a step with verify
+    entries: its probes and tokens are those of a batch without speculation (verify rows come
+    after every plain row)."""
     from engine import ProbeSpec
     prompts = _prompts(3)
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    plain = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True,
+                           num_speculative_tokens=0)
+    params = [params, plain, params]
     watch = [None, ProbeSpec(layers=(0, 1)), None]
     traces = []
     for spec in (None, NGRAM):

@@ -3,8 +3,9 @@
 Each reply is one engine request (its own id), streamed with a ProbeSpec so the Layers tab can
 show it. Stop, Clear and closing the tab abort the request in the engine; a cut reply says why.
 The conversation itself lives in a gr.State as typed; the chat log shows an escaped copy, so no
-message (user's or model's) is ever rendered as Markdown or HTML. The same logic is exposed as
-the named API endpoint `/chat` for gradio_client.
+message (user's or model's) is ever rendered as Markdown or HTML (a speculated reply: its
+escaped text with the drafts marked by views/drafts.py). The same logic is exposed as the named
+API endpoint `/chat` for gradio_client.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import gradio as gr
 from engine import ProbeSpec, SamplingParams
 from views.chat_context import context_line, fit_conversation
 from views.demo_tasks import DEMO_EXAMPLES, DEMO_NOTE, DEMO_PLACEHOLDER, is_demo_task
+from views.drafts import CHAT_HELP as DRAFTS_HELP, DraftMarkup
 from views.live import EngineHub
 
 DEFAULT_SYSTEM = "You are a helpful assistant. Answer briefly."
@@ -28,6 +30,8 @@ HISTORY_LABEL = ("send the conversation so far (off: each message alone; an exam
                  "always sends its task alone)")
 PATTERN_BYTES = 8 << 20     # the prompt's full attention pattern is kept when it fits this
 BUSY = "A reply is still streaming: wait for it, or press Stop. Your message stays in the box."
+SPECULATE_LABEL = "speculate: n-gram drafts, marked in the reply (off: the server's setting)"
+MAX_CHAT_DRAFTS = 8         # draft tokens per step the chat offers
 
 
 class ChatParts(NamedTuple):
@@ -84,10 +88,11 @@ def fit_messages(llm, system: str, history: list[dict], message: str, max_tokens
 
 def display(history: list[dict]) -> list[dict]:
     """The chat log's copy of the conversation: every message escaped, so `<img onerror>`,
-    `<script>` and `__init__` show exactly as typed; a cut reply ends with why it stopped."""
+    `<script>` and `__init__` show exactly as typed (a speculated reply: its escaped text with
+    the drafts marked, views/drafts.py); a cut reply ends with why it stopped."""
     out = []
     for m in history:
-        text = html.escape(_text_of(m["content"]), quote=False)
+        text = m.get("marked") or html.escape(_text_of(m["content"]), quote=False)
         if m.get("cut"):
             text += f"\n\n(reply cut: {html.escape(m['cut'], quote=False)})"
         out.append({"role": m["role"], "content": text})
@@ -107,8 +112,10 @@ def check_message(message: str | None) -> str:
     return message
 
 
-def make_sampling(temperature, top_p, top_k, max_tokens, ignore_eos=False) -> SamplingParams:
-    """SamplingParams from UI/API values; bad values raise ValueError with the reason."""
+def make_sampling(temperature, top_p, top_k, max_tokens, ignore_eos=False,
+                  num_speculative_tokens: int | None = None) -> SamplingParams:
+    """SamplingParams from UI/API values; bad values raise ValueError with the reason.
+    num_speculative_tokens: None = the server's setting, k = up to k n-gram drafts a step."""
     if any(isinstance(v, bool) for v in (temperature, top_p, top_k, max_tokens)):
         raise ValueError("temperature, top_p, top_k and max_tokens must be numbers, not "
                          "true/false")          # float(True) would quietly be 1.0
@@ -121,7 +128,21 @@ def make_sampling(temperature, top_p, top_k, max_tokens, ignore_eos=False) -> Sa
     if t < 0:
         raise ValueError(f"temperature must be >= 0 (0 = greedy), got {t}")
     return SamplingParams(temperature=t, top_p=p, top_k=k, max_tokens=n,
-                          ignore_eos=bool(ignore_eos))
+                          ignore_eos=bool(ignore_eos),
+                          num_speculative_tokens=num_speculative_tokens)
+
+
+def speculative_tokens(on, k) -> int | None:
+    """The chat's speculate controls as SamplingParams.num_speculative_tokens."""
+    if not on:
+        return None
+    try:
+        k = int(k)
+    except (TypeError, ValueError, OverflowError):
+        raise ValueError(f"draft tokens per step must be a whole number, got {k!r}") from None
+    if not 1 <= k <= MAX_CHAT_DRAFTS:
+        raise ValueError(f"draft tokens per step must be in 1..{MAX_CHAT_DRAFTS}, got {k}")
+    return k
 
 
 def watch_spec(hf_config) -> ProbeSpec:
@@ -199,6 +220,7 @@ def build(hub: EngineHub) -> ChatParts:
             gr.Markdown("Each reply is one engine request, streamed token by token; the other "
                         "tabs show its internals live (Layers follows your latest reply).",
                         elem_classes=["gb-help"], elem_id="chat-help")
+            drafts_help = gr.Markdown(DRAFTS_HELP, visible=False, elem_id="chat-drafts-help")
             # the log grows with the window but leaves the first screen (900 px) room for the
             # message box, its buttons, the reply's stats, the notes and the "What if" header
             chatbot = gr.Chatbot(elem_id="chat-log", height="max(260px, calc(100vh - 600px))",
@@ -240,11 +262,17 @@ def build(hub: EngineHub) -> ChatParts:
             ignore_eos = gr.Checkbox(False, label="ignore EOS (run to max tokens)",
                                      elem_id="chat-ignore-eos")
             keep_history = gr.Checkbox(True, label=HISTORY_LABEL, elem_id="chat-history")
+            with gr.Row(equal_height=True):
+                speculate = gr.Checkbox(False, label=SPECULATE_LABEL, elem_id="chat-speculate",
+                                        scale=3)
+                spec_k = gr.Number(4, minimum=1, maximum=MAX_CHAT_DRAFTS, step=1, precision=0,
+                                   label="drafts a step", elem_id="chat-spec-k", scale=1,
+                                   min_width=90)
     from views import interventions     # "what if": the same message re-run with an edit
     whatif = interventions.build(hub, conversation, box, system, max_tokens)
 
     def respond(message, history, system, temperature, top_p, top_k, max_tokens, ignore_eos,
-                keep, noted_before, request: gr.Request, alone: bool = False):
+                keep, noted_before, spec_on, k, request: gr.Request, alone: bool = False):
         key = request.session_hash if request else None
         history = list(history or [])
         before = list(history)
@@ -256,7 +284,8 @@ def build(hub: EngineHub) -> ChatParts:
             return
         try:
             message = check_message(message)
-            sampling = make_sampling(temperature, top_p, top_k, max_tokens, ignore_eos)
+            sampling = make_sampling(temperature, top_p, top_k, max_tokens, ignore_eos,
+                                     speculative_tokens(spec_on, k))
             llm = hub.llm
             sent, dropped, n_prompt, budget = fit_messages(
                 llm, system, history if keep and not alone else [], message, sampling.max_tokens)
@@ -271,7 +300,13 @@ def build(hub: EngineHub) -> ChatParts:
                                  {"role": "assistant", "content": ""}]
             yield (display(history), history, "", "generating…", busy_send(), ctx, note_out,
                    noted_now)
+            marks = None        # the drafts marked, from the reply's first verify on
             for ev in events:
+                if marks is None and ev.draft is not None:
+                    marks = DraftMarkup(hub.decode, history[-1]["content"])
+                if marks is not None:
+                    marks.add(ev)
+                    history[-1]["marked"] = marks.html()
                 history[-1]["content"] = ev.output_text
                 if not ev.finished:
                     yield [display(history)] + skip
@@ -302,12 +337,12 @@ def build(hub: EngineHub) -> ChatParts:
                    gr.skip(), gr.skip(), gr.skip())
 
     def respond_alone(message, history, system, temperature, top_p, top_k, max_tokens,
-                      ignore_eos, keep, noted_before, request: gr.Request):
+                      ignore_eos, keep, noted_before, spec_on, k, request: gr.Request):
         yield from respond(message, history, system, temperature, top_p, top_k, max_tokens,
-                           ignore_eos, keep, noted_before, request, alone=True)
+                           ignore_eos, keep, noted_before, spec_on, k, request, alone=True)
 
     inputs = [box, conversation, system, temperature, top_p, top_k, max_tokens, ignore_eos,
-              keep_history, noted]
+              keep_history, noted, speculate, spec_k]
     outputs = [chatbot, conversation, box, stats, send, context, note, noted]
     # one dependency for Enter and Send: a second message while a reply streams is ignored
     # (trigger_mode "once"), and stays in the box; Send shows it is disabled meanwhile
@@ -332,6 +367,10 @@ def build(hub: EngineHub) -> ChatParts:
         hub.abort_session(request.session_hash if request else None, "stopped by user")
 
     stop.click(on_stop, None, None, api_visibility="private", queue=False)
+    # the legend of the marks shows while speculation is on
+    speculate.change(lambda on: gr.Markdown(visible=bool(on)), speculate, drafts_help,
+                     api_visibility="private", queue=False, show_progress="hidden",
+                     show_progress_on=[conversation])
 
     def on_clear(request: gr.Request):
         hub.abort_session(request.session_hash if request else None, CLEARED)

@@ -2,13 +2,15 @@
 live while it streams. Any traced request can be watched (the session's own chat reply by
 default; API requests that opt in to tracing too); a slider scrubs tokens (it follows the
 newest token until moved); clicking a head in the heads grid, or a token in the norms or lens,
-selects it (the charts are canvases: views/canvas_chart.py)."""
+selects it (the charts are canvases: views/canvas_chart.py). For a reply that speculated, its
+rejected drafts can be opened one by one: the verify step's guesses (views/drafts.py)."""
 from __future__ import annotations
 
 import gradio as gr
 import numpy as np
 
 from views import figures as F
+from views import drafts as D
 from views.live import LIVE_SNAPSHOT_AGE_S, TICK_IDLE_S, EngineHub, LiveTab, pace
 from views.canvas_chart import canvas_chart, chart_value, empty_chart
 from views.scrub_slider import ScrubSlider
@@ -90,6 +92,12 @@ def build(hub: EngineHub) -> LiveTab:
                              scale=1)
     norms = canvas_chart("layers-norms")
     lens = canvas_chart("layers-lens")
+    # speculative decoding: a rejected draft's verify step (shown for a reply that speculated)
+    with gr.Column(visible=False, elem_id="layers-rejections") as rej_box:
+        gr.Markdown(D.LAYERS_HELP, elem_classes=["gb-help"])
+        rej = gr.Dropdown([], value=None, label="rejected drafts: open one's verify step",
+                          elem_id="layers-rejection")
+        rej_view = gr.HTML("", elem_id="layers-rejection-view")
     with gr.Row():
         layer = gr.Dropdown([0], value=0, label="attention layer", elem_id="layers-layer",
                             scale=1)
@@ -106,7 +114,7 @@ def build(hub: EngineHub) -> LiveTab:
         with gr.Column(scale=1):
             load = canvas_chart("layers-expert-load")
     outputs = [status, req, token, follow, layer, head, norms, lens, heads, row, routing, load,
-               moe_row, timer, last]
+               moe_row, rej_box, rej, rej_view, timer, last]
     skip_all = [gr.skip()] * len(outputs)
 
     def refresh(last_keys, choice, tok, follow_on, layer_id, head_id, request: gr.Request):
@@ -153,6 +161,7 @@ def build(hub: EngineHub) -> LiveTab:
             empty = chart_value(empty_chart("No traced tokens yet"))
             out.update({status: msg, norms: empty, lens: empty, heads: empty, row: empty,
                         routing: empty, load: empty, moe_row: gr.Row(visible=moe)})
+            _rejections(None, rid, keys, out)
             return [out[o] for o in outputs[:-1]] + [keys]
 
         # the scrubbed token: the newest processed one while following
@@ -217,8 +226,36 @@ def build(hub: EngineHub) -> LiveTab:
         if keys.get("moe") != moe:
             out[moe_row] = gr.Row(visible=moe)
             keys["moe"] = moe
+        _rejections(tr, rid, keys, out)
         keys.update(t=t, key=None)
         return [out[o] for o in outputs[:-1]] + [keys]
+
+    def _rejections(tr, rid, keys: dict, out: dict) -> None:
+        """The rejected drafts of a reply that speculated: the list, and the picked one's verify
+        step (the newest until one is picked), rebuilt only when they change (a verdict joins
+        the trace with its rows, so the count of verdicts says when)."""
+        shown = bool(tr is not None and tr.drafts)
+        if keys.get("rej_shown", False) != shown:
+            out[rej_box] = gr.Column(visible=shown)
+            keys["rej_shown"] = shown
+        if not shown:
+            return
+        key = (rid, len(tr.drafts), tr.finished, keys.get("rej_pick"))
+        if keys.get("rej") == key:
+            return
+        keys["rej"] = key
+        rejs = [r for r in D.rejections(tr) if r.lens is not None]
+        choices = D.rejection_choices(rejs, hub.decode)
+        pick = keys.get("rej_pick")         # (request id, position) picked on this page
+        chosen = next((r for r in rejs if (rid, str(r.position)) == pick),
+                      rejs[-1] if rejs else None)
+        value = str(chosen.position) if chosen else None
+        if (choices, value) != keys.get("rej_choices"):
+            keys["rej_choices"] = (choices, value)
+            out[rej] = gr.Dropdown(choices=choices, value=value)
+        out[rej_view] = (D.rejection_html(chosen, hub.decode) if chosen is not None else
+                         f"<p>{len(tr.drafts)} verifies so far: the model accepted every draft "
+                         "it checked.</p>")
 
     controls = [last, req, token, follow, layer, head]
     # show_progress_on: Gradio tracks a loading status for every component it is given, on
@@ -257,6 +294,26 @@ def build(hub: EngineHub) -> LiveTab:
                                                       value=min(tok, t - 1))
             return res
         return on_click
+
+    def on_rejection(last_keys, choice, tok, follow_on, layer_id, head_id, pick,
+                     request: gr.Request):
+        """A rejection picked: its view, and the slider to the query that chose in its place
+        (the lens column and the attention of the verify pass's row)."""
+        keys = dict(last_keys or {})
+        keys["rej_pick"] = (keys.get("slider_rid"), pick)
+        keys["rej"] = None
+        if not pick:
+            return refresh(keys, choice, tok, follow_on, layer_id, head_id, request)
+        tok = int(pick) - 1
+        res = refresh(keys, choice, tok, False, layer_id, head_id, request)
+        res[outputs.index(follow)] = False
+        t = res[-1].get("t") if isinstance(res[-1], dict) else None
+        if t:
+            res[outputs.index(token)] = gr.Slider(maximum=max(t - 1, 1), value=min(tok, t - 1))
+        return res
+
+    rej.input(on_rejection, controls + [rej], outputs, api_visibility="private",
+              show_progress="hidden", trigger_mode="always_last")
 
     picks = {heads: lambda p: {"head": int(str(p["y"]).lstrip("h"))},
              norms: lambda p: {"token": int(p["x"])},

@@ -33,10 +33,12 @@ class ProbeBuffers:
         self.device = device
         self.num_rows = num_rows
         R, W = len(plan.rows), len(plan.last_rows)
-        # rows | last_rows | last_batch in one device tensor: one host->device copy per step
-        self.index = _to_device(torch.tensor(plan.rows + plan.last_rows + plan.last_batch,
-                                             dtype=torch.int64), device)
-        self.rows, self.last_rows, self.last_batch = self.index.split([R, W, W])
+        C = len(plan.last_ctx)      # W with a watched verify in the step, else 0
+        # rows | last_rows | last_batch | last_ctx in one device tensor: one host->device copy
+        self.index = _to_device(torch.tensor(plan.rows + plan.last_rows + plan.last_batch +
+                                             plan.last_ctx, dtype=torch.int64), device)
+        self.rows, self.last_rows, self.last_batch, last_ctx = self.index.split([R, W, W, C])
+        self.last_ctx = last_ctx.to(torch.int32) if C else None     # as context_lens
         self.sumsq = (torch.zeros(num_layers + 1, num_rows, device=device)
                       if plan.norms and R else None)
         self.norms = None                                   # [L + 1, R], set by on_final
@@ -255,8 +257,11 @@ class ProbeBuffers:
             b = self.last_batch[w:w + 1]     # index_select: a 0-d index would sync
             out = torch.empty(len(self.attn_layers), q_rows.shape[2], max_ctx,
                               dtype=torch.float32, device=q_rows.device)
+            # a verify's row j sees its context up to its own position, not the drafts after it
+            n = (self.last_ctx[w:w + 1] if self.last_ctx is not None
+                 else ctx.context_lens.index_select(0, b))
             fn(q_rows[:, w], k_all, self.attn_layer_ids, ctx.block_tables.index_select(0, b)[0],
-               ctx.context_lens.index_select(0, b), scale, out)
+               n, scale, out)
             outs.append(out)
         self.attn_probs = tp.all_gather_dim(torch.stack(outs, 1), 2)   # [A, W, Hq, max_ctx]
 

@@ -40,6 +40,8 @@ class ProbeManager:
         # attention rows stay on the device where the step left them; a reader moves the one
         # it shows, and the store moves the oldest to the host off the engine thread
         self.attention_store = AttentionStore()
+        # request id -> (lens steps, attention rows) of a watched verify awaiting its verdict
+        self._unsettled: dict[str, tuple[list, list]] = {}
 
     def register(self, seq) -> None:
         if seq.watch is None or not seq.watch.any:
@@ -62,12 +64,14 @@ class ProbeManager:
             return None                         # off means off: no per-step walk of the batch
         entries, row, sampling_rows = [], 0, []
         for b, s in enumerate(scheduled):
-            if s.samples:
-                sampling_rows.append(row + s.num_tokens - 1)
+            if s.samples:       # a verify samples its last 1 + num_draft rows
+                sampling_rows.extend(range(row + s.num_tokens - 1 - s.num_draft,
+                                           row + s.num_tokens))
             spec = s.seq.watch
             if spec is not None and spec.any and s.seq.request_id in self._active:
                 entries.append(WatchedEntry(s.seq.request_id, b, row, s.num_tokens, s.start,
-                                            s.samples, spec, list(s.seq.block_table)))
+                                            s.samples, spec, list(s.seq.block_table),
+                                            1 + s.num_draft if s.samples else 1))
             row += s.num_tokens
         moe = bool(self.moe_layers)
         if not entries and not (self.record_expert_load and moe):
@@ -89,10 +93,16 @@ class ProbeManager:
                 for l in e.spec.prefill_pattern_layers:
                     patterns.setdefault(l, []).append((e.row_start, e.start_pos, m,
                                                        e.batch_index))
+        # a watched verify records every sampled row (queries at successive positions)
+        last_rows = [e.row_start + e.num_tokens - e.num_sampled + j
+                     for e in last for j in range(e.num_sampled)]
+        last_ctx = ([e.start_pos + e.num_tokens - e.num_sampled + j + 1
+                     for e in last for j in range(e.num_sampled)]
+                    if any(e.num_sampled > 1 for e in last) else [])
         return ProbePlan(
-            entries=entries, rows=rows,
-            last_rows=[e.row_start + e.num_tokens - 1 for e in last],
-            last_batch=[e.batch_index for e in last],
+            entries=entries, rows=rows, last_rows=last_rows,
+            last_batch=[e.batch_index for e in last for _ in range(e.num_sampled)],
+            last_ctx=last_ctx,
             norms=any(e.spec.norms for e in entries),
             lens=any(e.spec.logit_lens for e in last),
             lens_top_k=max([e.spec.lens_top_k for e in entries] or [1]),
@@ -114,14 +124,17 @@ class ProbeManager:
             return None
         host = result.host()
         sample_index = self.sample_index(plan)
-        att = {q.entry_index: q for q in result.attention}
+        att: dict[int, list] = {}
+        for q in result.attention:
+            att.setdefault(q.entry_index, []).append(q)
         r0, w = 0, 0
         for i, e in enumerate(plan.entries):
             tr = self.traces.get(e.request_id)
             nrows = e.num_tokens if (e.spec.norms or e.spec.routing) else 0
             if tr is None:                      # evicted while in flight
                 r0 += nrows
-                w += e.samples and (e.spec.logit_lens or e.spec.attention)
+                if e.samples and (e.spec.logit_lens or e.spec.attention):
+                    w += e.num_sampled
                 continue
             if nrows:       # one strided copy per field and entry, then a view per token
                 pos, cols = e.start_pos, slice(r0, r0 + nrows)
@@ -138,23 +151,36 @@ class ProbeManager:
                         _put_rows(tr.shared_expert_gate, pos, host["shared_gate"][:, cols].T.copy())
             r0 += nrows
             if e.samples and (e.spec.logit_lens or e.spec.attention):
-                pos = e.start_pos + e.num_tokens - 1
-                tok = tokens[sample_index[w]]
-                if "lens_top_i" in host and e.spec.logit_lens:
-                    k = e.spec.lens_top_k
-                    tr.lens.append(LensStep(
-                        pos, tok, host["lens_top_i"][:, w, :k].astype(np.int64),
-                        host["lens_top_p"][:, w, :k].copy(),
-                        host["lens_sampled_rank"][:, w].astype(np.int64),
-                        host["lens_sampled_prob"][:, w].copy(), host["lens_entropy"][:, w].copy()))
-                q = att.get(i)
-                if q is not None:
-                    self._add_attention(tr, AttentionStep(q.position, q.layers, q.probs,
-                                                          q.block_table, self.block_size))
-                w += 1
+                # one lens step (and attention row) per sampled row; a verify's wait for its
+                # verdict (settle), which keeps those of the tokens it accepted
+                lens, rows = [], []
+                for j in range(e.num_sampled):
+                    pos = e.start_pos + e.num_tokens - e.num_sampled + j
+                    tok = tokens[sample_index[w]]
+                    if "lens_top_i" in host and e.spec.logit_lens:
+                        k = e.spec.lens_top_k
+                        lens.append(LensStep(
+                            pos, tok, host["lens_top_i"][:, w, :k].astype(np.int64),
+                            host["lens_top_p"][:, w, :k].copy(),
+                            host["lens_sampled_rank"][:, w].astype(np.int64),
+                            host["lens_sampled_prob"][:, w].copy(),
+                            host["lens_entropy"][:, w].copy()))
+                    w += 1
+                for q in att.get(i, ()):
+                    rows.append(AttentionStep(q.position, q.layers, q.probs, q.block_table,
+                                              self.block_size))
+                if e.num_sampled > 1:
+                    if e.request_id in self._active:
+                        self._unsettled[e.request_id] = (lens, rows)
+                else:
+                    tr.lens.extend(lens)
+                    for st in rows:
+                        self._add_attention(tr, st)
             self._fold_patterns(plan, host, e, tr)
             seq = seqs[e.batch_index]
             resolved = seq.num_resolved_tokens
+            if seq.spec is not None and seq.spec.drafts:    # drafts in flight are not output
+                resolved = min(resolved, seq.spec.position)
             tr.output_token_ids.extend(       # new output ids only; texts are decoded when read
                 seq.token_ids[seq.num_prompt_tokens + len(tr.output_token_ids):resolved])
         return host.get("expert_load")
@@ -186,12 +212,36 @@ class ProbeManager:
             pat[:, start:start + m, start + m:] = 0.0           # causal: no weight on the future
             tr.prefill_computed[start:start + m] = True
 
+    def settle(self, seq, verdict) -> None:
+        """A watched request's verify is decided (spec_decode.DraftVerdict): keep what the
+        step recorded for the tokens it kept — the newest token, the accepted drafts and the
+        query that chose the target's own token — and drop the rejected drafts' rows, so the
+        trace reads as plain decoding's. The verdict joins the trace (the Layers tab opens it)."""
+        lens, rows = self._unsettled.pop(seq.request_id, ((), ()))
+        tr = self.traces.get(seq.request_id)
+        if tr is None:
+            return
+        tr.drafts.append(verdict)
+        # rows (norms, routing) of positions < position + num_accepted hold kept tokens; the
+        # query at position - 1 + j (j <= num_accepted) chose the j-th emitted token
+        _truncate_rows(tr, verdict.position + verdict.num_accepted)
+        last = verdict.position + verdict.num_accepted - 1
+        tr.lens.extend(st for st in lens if st.position <= last)
+        for st in rows:
+            if st.position <= last:
+                self._add_attention(tr, st)
+
     def finish_request(self, seq) -> None:
         self._active.discard(seq.request_id)
+        self._unsettled.pop(seq.request_id, None)
         tr = self.traces.get(seq.request_id)
         if tr is not None:
             tr.output_token_ids = list(seq.output_token_ids)
             tr.finished = True
+            if tr.drafts:   # a stop inside a verify: nothing past the last token (plain's view)
+                n = len(tr.prompt_token_ids) + len(tr.output_token_ids)
+                _truncate_rows(tr, n - 1)
+                _truncate_queries(tr, n - 2)
 
     def _add_attention(self, tr: RequestTrace, step: AttentionStep) -> None:
         rows = step.device_rows
@@ -261,6 +311,23 @@ class ProbeManager:
         trace keeps device memory alive."""
         self.attention_store.flush()
         self._active.clear()
+
+
+def _truncate_rows(tr: RequestTrace, n: int) -> None:
+    """Keep the per-token rows (norms, routing) of positions < n."""
+    for name in ("resid_norms", "router_probs", "router_topk_ids", "router_topk_weights",
+                 "shared_expert_gate"):
+        rows = getattr(tr, name)
+        if len(rows) > n:
+            del rows[n:]
+
+
+def _truncate_queries(tr: RequestTrace, last: int) -> None:
+    """Keep the lens steps and attention rows of queries at positions <= last."""
+    while tr.lens and tr.lens[-1].position > last:
+        tr.lens.pop()
+    while tr.attention and tr.attention[-1].position > last:
+        tr.attention.pop()
 
 
 def _put_rows(lst: list, pos: int, rows: np.ndarray) -> None:

@@ -16,6 +16,9 @@ class WatchedEntry:
     samples: bool
     spec: object                # ProbeSpec
     block_table: list = field(default_factory=list)   # at plan time (freed blocks vanish later)
+    # rows sampled at the entry's end: 1, or 1 + k for a verify (speculative decoding), whose
+    # rows are all recorded; the verdict keeps those of accepted tokens (ProbeManager.settle)
+    num_sampled: int = 1
 
 
 @dataclass
@@ -36,3 +39,7 @@ class ProbePlan:
     # prefill chunk whose rows of the full prompt pattern are recorded this step
     pattern_layers: dict = field(default_factory=dict)
     sampling_rows: list = field(default_factory=list)     # flat rows sampled this step, in order
+    # [W] context length of each last row's query, only when a watched verify is in the step
+    # (its rows are queries at successive positions of one sequence); else [] and the
+    # attention probe reads each row's batch context length
+    last_ctx: list = field(default_factory=list)

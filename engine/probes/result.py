@@ -73,14 +73,16 @@ def queue_attention_rows(bufs, plan, block_size: int) -> list[QueuedAttention]:
         if not (e.samples and (e.spec.logit_lens or e.spec.attention)):
             continue
         if e.spec.attention:
-            pos = e.start_pos + e.num_tokens - 1
             layers = [l for l in plan.attention_layers
                       if e.spec.layers is None or l in e.spec.layers]
             slots = [bufs.attn_slot[l] for l in layers]
-            if slots == list(range(a.shape[0])):
-                rows = a[:, w, :, :pos + 1].clone()            # [layers, Hq, pos + 1]
-            else:
-                rows = a[slots, w, :, :pos + 1]                # advanced indexing: a copy
-            out.append(QueuedAttention(i, pos, layers, rows, e.block_table[:pos // block_size + 1]))
-        w += 1
+            for j in range(e.num_sampled):      # a verify: one query per sampled row
+                pos = e.start_pos + e.num_tokens - e.num_sampled + j
+                if slots == list(range(a.shape[0])):
+                    rows = a[:, w + j, :, :pos + 1].clone()        # [layers, Hq, pos + 1]
+                else:
+                    rows = a[slots, w + j, :, :pos + 1]            # advanced indexing: a copy
+                out.append(QueuedAttention(i, pos, layers, rows,
+                                           e.block_table[:pos // block_size + 1]))
+        w += e.num_sampled
     return out

@@ -128,6 +128,10 @@ class RequestTrace:
     # what was done to the forward (Intervention.to_dict(): kind, layer, heads / experts /
     # vector, scale, positions); [] for an untouched run
     interventions: list[dict] = field(default_factory=list)
+    # speculative decoding: every verify of this request (spec_decode.DraftVerdict), in order;
+    # the rows above describe accepted tokens only, as plain decoding would (the query at
+    # position p of a verify's lens step chose the token at p + 1, correction or bonus)
+    drafts: list = field(default_factory=list)
     # the engine's own trace is live; what LLM.trace() hands out is a frozen copy
     live: bool = field(default=True, repr=False, compare=False)
     # set when a frozen copy shares this trace's pattern arrays: the engine copies them before
@@ -136,7 +140,7 @@ class RequestTrace:
 
     _ROWS = ("prompt_token_ids", "output_token_ids", "token_texts", "resid_norms", "lens",
              "attention", "router_probs", "router_topk_ids", "router_topk_weights",
-             "shared_expert_gate", "moe_layers")
+             "shared_expert_gate", "moe_layers", "drafts")
 
     def frozen(self) -> "RequestTrace":
         """A copy of the rows committed so far that the engine never changes afterwards. Takes
@@ -224,6 +228,7 @@ class RequestTrace:
             "lens": [{"position": s.position, "sampled_token": s.sampled_token} for s in self.lens],
             "interventions": [{k: v for k, v in iv.items() if k != "vector"}
                               for iv in self.interventions],
+            "drafts": [_verdict_dict(v) for v in self.drafts],
         }
         path.with_suffix(".json").write_text(json.dumps(meta))
         return path
@@ -263,9 +268,30 @@ class RequestTrace:
         for i, iv in enumerate(meta.get("interventions", [])):
             key = f"interventions.{i}.vector"
             t.interventions.append({**iv, "vector": arr[key].tolist()} if key in arr else iv)
+        if meta.get("drafts"):
+            from ..spec_decode.state import DraftVerdict
+            t.drafts = [DraftVerdict(**_verdict_args(d)) for d in meta["drafts"]]
         for i, s in enumerate(meta["lens"]):
             t.lens.append(LensStep(s["position"], s["sampled_token"],
                                    arr["logit_lens.top_ids"][i], arr["logit_lens.top_probs"][i],
                                    arr["logit_lens.sampled_rank"][i],
                                    arr["logit_lens.sampled_prob"][i], arr["logit_lens.entropy"][i]))
         return t
+
+
+def _verdict_dict(v) -> dict:
+    """A DraftVerdict as JSON: its fields (optional ones, e.g. a draft model's guesses, as
+    lists where set)."""
+    import dataclasses
+    out = {}
+    for f in dataclasses.fields(v):
+        x = getattr(v, f.name)
+        out[f.name] = np.asarray(x).tolist() if isinstance(x, (tuple, np.ndarray)) else x
+    return out
+
+
+def _verdict_args(d: dict) -> dict:
+    """_verdict_dict's JSON back as DraftVerdict arguments (sequences as tuples)."""
+    def tup(x):
+        return tuple(tup(y) for y in x) if isinstance(x, list) else x
+    return {k: tup(v) for k, v in d.items()}

@@ -21,6 +21,11 @@ class DraftVerdict:
     drafted: tuple[int, ...]
     num_accepted: int
     token: int
+    # optional: a proposer with a distribution (a draft model) may give its own top guesses
+    # at each drafted position, [len(drafted)][k] ids and probabilities, for the Layers tab's
+    # side-by-side view; None for n-gram lookup (one proposed token, no distribution)
+    draft_top_ids: tuple | None = None
+    draft_top_probs: tuple | None = None
 
     @property
     def rejected(self) -> tuple[int, ...]:
