@@ -146,7 +146,8 @@ class DraftModel:
                     done.add(id(st))
             live = [st for st in live if id(st) not in done]
         for st, _ in items:
-            # K/V of the context and of every draft but the last; base: the context's length
+            # blocks for the K/V held: the context and every draft but the last (fewer when
+            # drafting stopped early)
             self.block_manager.truncate(st, st.num_computed_tokens)
             st.prefetched = (len(st.seq.token_ids), st.drafts)
 
