@@ -122,8 +122,9 @@ def build_parser(description: str = "Glassbox") -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0, help="the engine's random seed")
     g.add_argument("--speculative-config", metavar="JSON",
                    help='speculative decoding, e.g. \'{"method": "ngram", '
-                   '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\' (a request may '
-                   'turn it off with num_speculative_tokens 0)')
+                   '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\' or a draft model '
+                   'with the same tokenizer, \'{"model": "PATH", "num_speculative_tokens": 4}\' '
+                   '(a request may turn it off with num_speculative_tokens 0)')
 
     g = p.add_argument_group("the OpenAI-compatible server (vLLM's meaning)")
     g.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0 to expose)")

@@ -89,7 +89,7 @@ class EngineCore:
     def __init__(self, runner, scheduler: Scheduler, block_manager: BlockManager, tokenizer,
                  eos_token_ids, steps: StepHistory, *, probes=None, interventions=None,
                  overlap: bool = False, lock=None, on_idle=None,
-                 speculative_config: SpeculativeConfig | None = None):
+                 speculative_config: SpeculativeConfig | None = None, draft=None):
         self.runner = runner                 # a Runner (engine/runner.py): local or a TP driver
         self.scheduler = scheduler
         self.bm = block_manager
@@ -112,6 +112,9 @@ class EngineCore:
         # seq -> a proposer (token_ids, k) -> drafts for that request, or None for n-gram: the
         # benchmark's oracle proposer; the engine itself never sets it
         self.proposer_for = None
+        # spec_decode.draft_model.DraftModel when the speculative_config names a draft `model`:
+        # its proposals for every request about to verify are made in one batch per step
+        self.draft = draft
         self._t_propose: dict[int, float] = {}  # step id -> seconds its drafts took to propose
 
     # ---- requests ----------------------------------------------------------------------------
@@ -139,8 +142,13 @@ class EngineCore:
         bad_words = seq.token_filter is not None and seq.token_filter.bad_words is not None
         if not k or seq.interventions or bad_words:
             return
-        seq.spec = SpecState(cfg if cfg is not None else SpeculativeConfig(), k,
-                             self.proposer_for(seq) if self.proposer_for is not None else None)
+        if self.proposer_for is not None:
+            proposer = self.proposer_for(seq)
+        elif self.draft is not None:
+            proposer = self.draft.proposer(seq)
+        else:
+            proposer = None                 # n-gram prompt lookup
+        seq.spec = SpecState(cfg if cfg is not None else SpeculativeConfig(), k, proposer)
         self.speculating = True
 
     def has_work(self) -> bool:
@@ -226,14 +234,21 @@ class EngineCore:
 
     def _prepare(self, t0: float):
         """Schedule and build the inputs (under the lock). None when nothing is runnable."""
+        t_draft = 0.0
+        if self.draft is not None and self.speculating:
+            # the draft model's forwards for every request that may verify, batched; the
+            # scheduler's _draft then takes each request's drafts
+            t_draft = time.perf_counter()
+            self.draft.prefetch(self.scheduler)
+            t_draft = time.perf_counter() - t_draft
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return None
         t1 = time.perf_counter()
         step_id = self.step_id
         self.step_id += 1
-        if self.speculating and self.scheduler.t_propose:
-            self._t_propose[step_id] = self.scheduler.t_propose
+        if self.speculating and self.scheduler.t_propose + t_draft:
+            self._t_propose[step_id] = self.scheduler.t_propose + t_draft
         prev = self.inflight.inp.step_id if self.inflight is not None else -1
         try:
             inp = self._inputs(step_id, scheduled, prev)

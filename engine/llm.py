@@ -67,8 +67,17 @@ class LLM:
         # a fact of the checkpoint, kept past shutdown() (which frees the weights): the app's
         # model line still describes the old engine while a switch loads the next one
         self._num_params = runner.num_params
+        # a draft model (speculative_config.model): loaded before the KV cache is sized, so the
+        # target's budget sees its weights
+        self.draft = self._load_draft(cfg, max_len)
         num_blocks = cfg.num_kv_blocks or runner.profile_num_blocks(
             cfg.max_num_batched_tokens, cfg.max_num_seqs)
+        if self.draft is not None:
+            if not cfg.num_kv_blocks and cfg.device.startswith("cuda"):
+                # one memory budget, split so both caches hold the same number of tokens
+                t, d = runner.bytes_per_block, self.draft.runner.bytes_per_block
+                num_blocks = max(1, num_blocks * t // (t + d))
+            self.draft.allocate(num_blocks)
         runner.allocate_kv_cache(num_blocks)
         # a sequence can never hold more tokens than the whole cache
         self.max_model_len = min(max_len, num_blocks * cfg.block_size)
@@ -87,6 +96,8 @@ class LLM:
                                    max_traces=cfg.max_traces,
                                    record_expert_load=cfg.record_expert_load)
         runner.capture_graphs(cfg.max_num_seqs)
+        if self.draft is not None:          # its decode rounds replay graphs too (GPU)
+            self.draft.runner.capture_graphs(cfg.max_num_seqs)
         self.intervention_facts = ModelFacts.of(self.hf_config, runner.moe_layers,
                                                 self.max_model_len)
         self.processor = Processor(self.tokenizer, self.eos_token_ids, ModelLimits(
@@ -104,12 +115,25 @@ class LLM:
                                interventions=InterventionPlanner(self.intervention_facts),
                                overlap=self.async_scheduling, lock=lock,
                                on_idle=lambda: handoff.serve_while_waiting(lock, copy),
-                               speculative_config=cfg.speculative_config)
+                               speculative_config=cfg.speculative_config, draft=self.draft)
         self.loop = EngineLoop(self.core, self.probes, lock, f"glassbox-engine-{self.engine_id}",
                                between_steps=lambda: handoff.serve_if_wanted(copy))
         self.inspector = Inspector(self.loop, self._facts(num_blocks), self.block_manager,
                                    self.scheduler, steps, self.probes, runner, L, handoff)
         _running.add(self)
+
+    def _load_draft(self, cfg, max_len: int):
+        """The draft model of speculative_config (engine/spec_decode/draft_model.py), or None."""
+        spec = cfg.speculative_config
+        if spec is None or spec.method != "draft_model":
+            return None
+        from .spec_decode.draft_model import load_draft
+        try:
+            return load_draft(cfg, spec, self.hf_config, self.tokenizer, self.eos_token_ids,
+                              max_len, self.runner.kernel_config)
+        except BaseException:
+            self.runner.shutdown()          # the target's weights (and TP workers) go too
+            raise
 
     def _copier(self, steps):
         from functools import partial
@@ -317,6 +341,8 @@ class LLM:
         self.inspector.release()
         self.probes.release_device()
         self.runner.shutdown()
+        if self.draft is not None:
+            self.draft.shutdown()
         _running.discard(self)
 
     def __enter__(self):

@@ -84,9 +84,11 @@ class Scheduler:
     # ---- scheduling ------------------------------------------------------------------------
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        if seq.spec is not None and seq.spec.drafts:   # scheduled with drafts this very step
-            del seq.token_ids[seq.spec.position:]
-            seq.spec.drafts = []
+        if seq.spec is not None:
+            if seq.spec.drafts:             # scheduled with drafts this very step
+                del seq.token_ids[seq.spec.position:]
+                seq.spec.drafts = []
+            seq.spec.release()              # a draft model's cache mirrors the target's
         self.bm.free(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = 0
@@ -129,8 +131,7 @@ class Scheduler:
             if seq.pending and self._reached_limit(seq):
                 i += 1                               # its last token is in flight: it is done
                 continue
-            if seq.spec is not None and seq.spec.active and not seq.pending and \
-                    seq.num_computed_tokens == length - 1:
+            if self.may_draft(seq):
                 k = self._draft(seq, length, budget)
                 if k:
                     out.append(ScheduledSeq(seq, 1 + k, length - 1, k))
@@ -187,12 +188,23 @@ class Scheduler:
             out = [o for o in out if not o.num_draft] + [o for o in out if o.num_draft]
         return out
 
+    @staticmethod
+    def may_draft(seq: Sequence) -> bool:
+        """A speculating request whose every token but the newest has its K/V: it may verify
+        drafts this step (engine_core asks too, to batch a draft model's proposals)."""
+        return seq.spec is not None and seq.spec.active and not seq.pending and \
+            seq.num_computed_tokens == len(seq.token_ids) - 1
+
+    def draft_limit(self, seq: Sequence, budget: int) -> int:
+        """How many drafts seq may take after its own token: what max_tokens, max_model_len and
+        the budget leave room for (< 1: none)."""
+        return min(seq.params.max_tokens - seq.num_output_tokens,
+                   self.max_model_len - len(seq.token_ids), budget) - 1
+
     def _draft(self, seq: Sequence, length: int, budget: int) -> int:
         """Propose, append the drafts to seq and take their blocks: how many (0: none fit, or
-        nothing to propose). At most what max_tokens, max_model_len and the budget leave room
-        for after the target's own token."""
-        limit = min(seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - length,
-                    budget) - 1
+        nothing to propose)."""
+        limit = self.draft_limit(seq, budget)
         if limit < 1:
             return 0
         t0 = time.perf_counter()
@@ -228,6 +240,8 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.drop_pending()
+        if seq.spec is not None:
+            seq.spec.release()
         if seq in self.running:
             self.running.remove(seq)
         else:

@@ -82,8 +82,10 @@ def test_config_parses_vllm_json():
      "speculative_config.prompt_lookup_min"),
     ({"method": "medusa"}, "speculative_config.method"),
     ({"num_speculative_tokens": 3}, "speculative_config.method"),
-    ({"model": "Qwen/Qwen3-0.6B", "num_speculative_tokens": 3}, "speculative_config.model"),
+    ({"model": "Qwen/Qwen3-0.6B", "method": "ngram"}, "speculative_config.model"),
     ({"method": "draft_model", "num_speculative_tokens": 3}, "speculative_config.model"),
+    ({"model": "  ", "num_speculative_tokens": 3}, "speculative_config.model"),
+    ({"model": "m", "draft_tensor_parallel_size": 2}, "speculative_config.draft_tensor_parallel_size"),
     ({"method": "ngram", "lookahead": 3}, "speculative_config.lookahead"),
     ("{not json", "speculative_config"),
     ([1, 2], "speculative_config"),
@@ -94,10 +96,12 @@ def test_config_errors_name_the_field(value, param):
     assert e.value.param == param
 
 
-def test_engine_config_refuses_a_draft_model(qwen3_dir):
-    with pytest.raises(InvalidArgumentError, match="draft model"):
-        LLM(qwen3_dir, device="cpu", speculative_config={"model": "x",
-                                                        "num_speculative_tokens": 2})
+def test_a_draft_model_that_cannot_load_is_refused_by_name(qwen3_dir, tmp_path):
+    for missing in ("x", str(tmp_path / "nowhere")):
+        with pytest.raises(InvalidArgumentError, match="cannot be loaded as a draft model") as e:
+            LLM(qwen3_dir, device="cpu", speculative_config={"model": missing,
+                                                            "num_speculative_tokens": 2})
+        assert e.value.param == "speculative_config.model"
 
 
 @pytest.mark.parametrize("bad", [-1, 17, 1.5, True])

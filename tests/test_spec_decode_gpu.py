@@ -52,3 +52,39 @@ def test_gpu_speculation_equals_plain(model_factory, dtype, batch):
     assert any(o.drafts for o in b)
     verify = [s for s in steps if s.num_draft_tokens]
     assert verify and any(s.graph_bucket for s in verify), "no verify step replayed a graph"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gpu_a_draft_model_gives_the_plain_tokens_and_its_decode_rounds_replay_graphs(dtype):
+    """The dense demo drafts for the MoE demo on the GPU: greedy and seeded output equal plain
+    decoding's, and the draft's one-token rounds replay its own decode graphs."""
+    from pathlib import Path
+    assets = Path(__file__).resolve().parents[1] / "assets"
+    target, draft = str(assets / "demo-qwen3-moe"), str(assets / "demo-qwen3")
+    chats = [[{"role": "user", "content": c}] for c in
+             ("Copy: glass box glass box", "Sort: 42 7 19 3 11 5", "Reverse: c a t s d o g")]
+    params = [SamplingParams(temperature=0, max_tokens=40),
+              SamplingParams(temperature=0.8, seed=5, max_tokens=40),
+              SamplingParams(temperature=0, max_tokens=40, num_speculative_tokens=2)]
+    a, _ = _run(target, None, dtype, params, chats)
+    llm = LLM(target, device="cuda", dtype=dtype, num_kv_blocks=256, block_size=16,
+              max_num_seqs=8, speculative_config={"model": draft, "num_speculative_tokens": 4})
+    buckets = []
+    execute = llm.draft.runner.execute_step
+
+    def spy(inp):
+        out = execute(inp)
+        buckets.append(out.graph_bucket)
+        return out
+    llm.draft.runner.execute_step = spy
+    try:
+        b = llm.generate(chats, params)
+        with llm.loop.lock:
+            llm.draft.check_invariants()
+            assert llm.draft.block_manager.num_free_blocks == llm.draft.block_manager.num_blocks
+    finally:
+        llm.shutdown()
+    for x, y in zip(a, b):
+        assert y.token_ids == x.token_ids
+    assert sum(v.num_accepted for o in b for v in o.drafts) > 0
+    assert any(bk is not None for bk in buckets), "no draft round replayed a graph"

@@ -62,3 +62,26 @@ def test_the_chat_reply_stats_tell_how_much_drafting_paid():
     plain = format_stats(TokenEvent("chat-2", None, "", "", True, "stop",
                                     metrics={"num_output_tokens": 3}), "done")
     assert "drafted" not in plain
+
+
+def test_serve_with_a_draft_model_speculative_config(qwen3_dir):
+    """`python app.py serve TARGET --speculative-config '{"model": DRAFT, ...}'`: the flags
+    give the engine its draft model (here the target drafting for itself: every draft
+    accepted), and /metrics counts its drafts under vLLM's names."""
+    import json
+
+    from api.cli import engine_kwargs, parse
+    js = json.dumps({"model": qwen3_dir, "num_speculative_tokens": 3})
+    args = parse(["serve", qwen3_dir, "--device", "cpu", "--block-size", "4",
+                  "--num-kv-blocks", "64", "--speculative-config", js])
+    with LLM(args.model, **engine_kwargs(args)) as llm:
+        assert llm.draft is not None and llm.config.speculative_config.method == "draft_model"
+        metrics = EngineMetrics(SimpleNamespace(llm=llm, switching=False))
+        out = llm.generate([[11, 12, 13, 14, 15]], SamplingParams(temperature=0, max_tokens=20,
+                                                                  ignore_eos=True))[0]
+        fams = {f.name: f for f in text_string_to_metric_families(metrics.render().decode())}
+    samples = {s.name: s.value for f in fams.values() for s in f.samples}
+    drafted = sum(len(v.drafted) for v in out.drafts)
+    assert drafted > 0
+    assert samples["vllm:spec_decode_num_draft_tokens_total"] == drafted
+    assert samples["vllm:spec_decode_num_accepted_tokens_total"] == drafted

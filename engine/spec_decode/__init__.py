@@ -5,6 +5,8 @@ distribution (and, for n-gram drafts, token for token under a seed) when samplin
 
 config.py     SpeculativeConfig (vLLM's --speculative-config JSON), validated
 ngram.py      prompt lookup: propose the continuation of the last n-gram's latest earlier match
+draft_model.py  a smaller Qwen's greedy drafts, from its own paged KV cache, batched per step
+draft_sampling.py  the draft's rows: greedy under the request's masks, bans, bias, penalties
 rejection.py  the verify rule: greedy, sampled with a draft distribution q, and one-hot q
 state.py      per-request speculation state (drafts in flight, adaptive back-off, the log)
 """

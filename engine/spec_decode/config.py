@@ -1,5 +1,8 @@
 """SpeculativeConfig: vLLM's `--speculative-config` JSON, checked once with errors that name
-the field (`speculative_config.num_speculative_tokens`)."""
+the field (`speculative_config.num_speculative_tokens`). Two methods, as vLLM spells them:
+"ngram" (prompt lookup) and "draft_model" (a smaller checkpoint's `model`, implied by `model`).
+Whether the draft loads and shares the target's tokenizer is checked when the engine loads it
+(spec_decode/draft_model.py)."""
 from __future__ import annotations
 
 import json
@@ -8,7 +11,7 @@ from dataclasses import dataclass
 
 from ..errors import InvalidArgumentError
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16     # more rows than this per verify only wastes the forward
 
 
@@ -29,6 +32,9 @@ def _positive_int(name: str, v, hi: int | None = None) -> int:
 class SpeculativeConfig:
     method: str = "ngram"
     num_speculative_tokens: int = 4
+    model: str | None = None        # draft_model: the draft checkpoint (a directory or hub id)
+    # vLLM's key: the draft runs unsharded on rank 0 (in the calling process), so only 1
+    draft_tensor_parallel_size: int = 1
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
     # adaptive back-off: a request whose drafts were accepted at less than this rate over its
@@ -39,8 +45,9 @@ class SpeculativeConfig:
 
     def __post_init__(self):
         if self.method not in METHODS:
-            hint = (" (a draft model is not served yet: use method 'ngram')"
-                    if self.method in ("draft_model", "eagle", "eagle3", "mtp", "medusa") else "")
+            hint = (" (EAGLE, MTP and Medusa heads are not served: use 'ngram', or a draft "
+                    "checkpoint as `model`)"
+                    if self.method in ("eagle", "eagle3", "mtp", "medusa") else "")
             raise InvalidArgumentError(f"{_field('method')}={self.method!r} is not supported; "
                                        f"use one of {list(METHODS)}{hint}", _field("method"))
         _positive_int("num_speculative_tokens", self.num_speculative_tokens,
@@ -57,11 +64,28 @@ class SpeculativeConfig:
             raise InvalidArgumentError(f"{_field('adaptive_min_acceptance')} must be in [0, 1], "
                                        f"got {a!r}", _field("adaptive_min_acceptance"))
         _positive_int("adaptive_window", self.adaptive_window)
+        if self.method == "draft_model":
+            if not isinstance(self.model, str) or not self.model.strip():
+                raise InvalidArgumentError(
+                    f"{_field('model')} is required for method 'draft_model': the path (or hub "
+                    f"id) of a smaller Qwen sharing the target's tokenizer, got {self.model!r}",
+                    _field("model"))
+        elif self.model is not None:
+            raise InvalidArgumentError(
+                f"{_field('model')}={self.model!r} is a draft model, but method is "
+                f"{self.method!r}; drop `method` (or use 'draft_model'), or drop `model`",
+                _field("model"))
+        if self.draft_tensor_parallel_size != 1:
+            raise InvalidArgumentError(
+                f"{_field('draft_tensor_parallel_size')}={self.draft_tensor_parallel_size!r}: "
+                "the draft runs unsharded on rank 0, use 1 (or leave it out)",
+                _field("draft_tensor_parallel_size"))
 
     @classmethod
     def parse(cls, value) -> "SpeculativeConfig | None":
         """None, a SpeculativeConfig, a dict or a JSON object string (vLLM's keys) -> config.
-        `model` (a draft model) is refused; unknown keys are refused by name."""
+        `model` without `method` means a draft model (vLLM's rule); unknown keys are refused
+        by name."""
         if value is None or isinstance(value, SpeculativeConfig):
             return value
         if isinstance(value, str):
@@ -76,15 +100,13 @@ class SpeculativeConfig:
             raise InvalidArgumentError("speculative_config must be a JSON object (a dict), got "
                                        f"{type(value).__name__}", "speculative_config")
         d = dict(value)
-        if d.get("model") is not None or d.get("method") == "draft_model":
-            raise InvalidArgumentError(
-                "speculative_config: a draft model is not served yet; use "
-                '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}',
-                _field("model"))
-        d.pop("model", None)
+        if d.get("model") is None:
+            d.pop("model", None)
+        elif "method" not in d:
+            d["method"] = "draft_model"
         if "method" not in d:
-            raise InvalidArgumentError(f"{_field('method')} is required (use 'ngram')",
-                                       _field("method"))
+            raise InvalidArgumentError(f"{_field('method')} is required (use 'ngram', or give "
+                                       "a draft checkpoint as `model`)", _field("method"))
         # only a lower bound given above the default upper one: the upper one follows it
         if isinstance(d.get("prompt_lookup_min"), int) and "prompt_lookup_max" not in d:
             d["prompt_lookup_max"] = max(d["prompt_lookup_min"], cls.prompt_lookup_max)
@@ -92,5 +114,5 @@ class SpeculativeConfig:
         unknown = sorted(set(d) - known)
         if unknown:
             raise InvalidArgumentError(f"speculative_config: unknown key(s) {unknown}; known: "
-                                       f"{sorted(known | {'model'})}", _field(unknown[0]))
+                                       f"{sorted(known)}", _field(unknown[0]))
         return cls(**d)

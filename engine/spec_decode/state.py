@@ -37,8 +37,10 @@ class SpecState:
 
     def __init__(self, config: SpeculativeConfig, k: int, proposer=None):
         self.config = config
-        # (token_ids, k) -> up to k drafts; None: n-gram prompt lookup (bench/spec_decode.py
-        # plugs in an oracle that replays a plain run)
+        # (token_ids, k) -> up to k drafts; None: n-gram prompt lookup. A draft model's
+        # (spec_decode/draft_model.DraftSeq) also takes each verdict (`on_verdict`: roll its
+        # cache back) and `release` (return its cache blocks); bench/spec_decode.py plugs in
+        # an oracle that replays a plain run
         self.proposer = proposer
         self.k = k
         self.active = k > 0
@@ -78,6 +80,9 @@ class SpecState:
 
     def record(self, verdict: DraftVerdict) -> None:
         """Count one verify; back off for good when the recent acceptance rate is too low."""
+        on_verdict = getattr(self.proposer, "on_verdict", None)
+        if on_verdict is not None:
+            on_verdict(verdict)
         self.log.append(verdict)
         n = len(verdict.drafted)
         self.num_drafts += 1
@@ -91,6 +96,14 @@ class SpecState:
             accepted = sum(a for _, a in self._window)
             if accepted < self.config.adaptive_min_acceptance * drafted:
                 self.active = False
+                self.release()
+
+    def release(self) -> None:
+        """The request finished, was preempted or stopped speculating: a proposer with state
+        (a draft model's cache) lets it go."""
+        release = getattr(self.proposer, "release", None)
+        if release is not None:
+            release()
 
     def summary(self) -> dict:
         return {"num_drafts": self.num_drafts, "num_draft_tokens": self.num_draft_tokens,
