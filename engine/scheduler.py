@@ -304,7 +304,8 @@ class Scheduler:
         del seq.pending[start + len(drafts)]
         del seq.token_ids[start:]
         self.bm.truncate(seq, start + a)     # the blocks the kept K/V (positions < start + a) use
-        verdict = DraftVerdict(start, tuple(drafts), a, emitted[-1])
+        guesses = getattr(spec.proposer, "last_guesses", None)     # a draft model's, watched
+        verdict = DraftVerdict(start, tuple(drafts), a, emitted[-1], *(guesses or (None, None)))
         spec.record(verdict)
         self.spec_stats.add(verdict)
         for tok in emitted:

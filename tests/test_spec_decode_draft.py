@@ -329,3 +329,23 @@ def test_guided_drafts_are_always_legal_and_the_output_equals_plain():
                     assert g.matcher.consume_token(t) and not g.matcher.is_error(), v
         assert all(t < 40 for v in b[2].drafts for t in v.drafted)
     _same(a, b)
+
+
+def test_a_watched_request_s_verdicts_carry_the_draft_s_top_guesses(plain, drafted):
+    """The Layers tab's rejection view shows the draft's own top guesses beside the target's:
+    a watched request's verdicts carry them (the first is the greedy draft itself, the
+    probabilities a descending distribution's); an unwatched request's carry none."""
+    from engine import ProbeSpec
+    from engine.spec_decode.draft_sampling import DRAFT_TOP_K
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    outs = drafted.generate(_prompts(2), params, watch=[ProbeSpec(), None])
+    _same(plain.generate(_prompts(2), params), outs)
+    watched, other = outs
+    assert watched.drafts and other.drafts
+    for v in watched.drafts:
+        assert len(v.draft_top_ids) == len(v.drafted) == len(v.draft_top_probs)
+        for tok, ids, probs in zip(v.drafted, v.draft_top_ids, v.draft_top_probs):
+            assert len(ids) == DRAFT_TOP_K and ids[0] == tok
+            assert all(a >= b for a, b in zip(probs, probs[1:])) and 0 < sum(probs) <= 1 + 1e-4
+    assert all(v.draft_top_ids is None for v in other.drafts)
+    _all_free(drafted)

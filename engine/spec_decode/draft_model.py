@@ -20,6 +20,8 @@ are host token ids that travel to the workers inside the target's step inputs an
 """
 from __future__ import annotations
 
+import math
+
 from ..block_manager import BlockManager
 from ..errors import InvalidArgumentError
 from ..grammar_masks import GrammarMasks
@@ -47,7 +49,11 @@ class DraftSeq:
         self.base = 0           # token_ids[:base] are known to be the request's own tokens
         self.want = 0           # drafts asked of the proposal under way
         self.drafts: list[int] = []
-        self.prefetched: tuple[int, list[int]] | None = None   # (request length, drafts)
+        self.prefetched: tuple | None = None   # (request length, drafts, top guesses)
+        self.tops: list[tuple[tuple, tuple]] = []  # per draft: (top ids, top probs); watched only
+        # the guesses behind the drafts last handed out, (ids per draft, probs per draft) or
+        # None: DraftVerdict.draft_top_ids / draft_top_probs (the Layers tab's rejection view)
+        self.last_guesses: tuple[tuple, tuple] | None = None
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -65,7 +71,10 @@ class DraftSeq:
         if pre is None or pre[0] != len(token_ids):
             self.draft.propose([(self, k)])
             pre, self.prefetched = self.prefetched, None
-        return pre[1][:k]
+        drafts, tops = pre[1][:k], pre[2][:k]
+        self.last_guesses = (tuple(t[0] for t in tops), tuple(t[1] for t in tops)) \
+            if tops and len(tops) == len(drafts) else None
+        return drafts
 
     def on_verdict(self, verdict) -> None:
         """The target kept `num_accepted` drafts: keep their K/V, drop the rest."""
@@ -115,7 +124,7 @@ class DraftModel:
         the step budget), each later one the previous round's drafts."""
         live = []
         for st, k in items:
-            st.drafts, st.want = [], k
+            st.drafts, st.tops, st.want = [], [], k
             if self._sync(st, k):
                 live.append(st)
         while live:
@@ -135,11 +144,15 @@ class DraftModel:
             for s in sched:
                 s.seq.num_computed_tokens = s.start + s.num_tokens
             done = set()
+            lps = out.logprobs_host if batch is not None and batch.max_logprobs else None
             for r, (st, tok) in enumerate(zip(rows, out.tokens)):
                 if not is_legal(batch, r, tok):     # every token masked: nothing to draft
                     done.add(id(st))
                     continue
                 st.drafts.append(tok)
+                if lps is not None and st.seq.watch is not None:
+                    st.tops.append((tuple(int(i) for i in lps[1][r]),
+                                    tuple(round(math.exp(float(v)), 6) for v in lps[2][r])))
                 if len(st.drafts) < st.want and tok not in st.stop_ids():
                     st.token_ids.append(tok)        # fed in the next round
                 else:
@@ -149,7 +162,7 @@ class DraftModel:
             # blocks for the K/V held: the context and every draft but the last (fewer when
             # drafting stopped early)
             self.block_manager.truncate(st, st.num_computed_tokens)
-            st.prefetched = (len(st.seq.token_ids), st.drafts)
+            st.prefetched = (len(st.seq.token_ids), st.drafts, st.tops)
 
     def _sync(self, st: DraftSeq, k: int) -> bool:
         """Cut st's cache back to the longest prefix it shares with its request (always

@@ -17,6 +17,8 @@ from ..penalties import PenaltyBatch, needs_counts
 from ..step_inputs import SamplingBatch
 from .grammar import DraftedGrammar
 
+DRAFT_TOP_K = 5     # the draft's top guesses kept per drafted position of a watched request
+
 
 def draft_batch(rows, eos_token_ids, masks) -> SamplingBatch:
     """The greedy SamplingBatch of the draft's sampled rows (DraftSeq, each at its newest fed
@@ -33,8 +35,11 @@ def draft_batch(rows, eos_token_ids, masks) -> SamplingBatch:
                         else None)
         f = seq.token_filter
         allowed.append(f.allowed if f is not None else None)
+    # a watched request's drafts carry the draft's top guesses (the Layers tab shows them
+    # beside the target's at a rejection): logprobs only when one is watched
+    top = DRAFT_TOP_K if any(st.seq.watch is not None for st in rows) else 0
     batch = SamplingBatch([0.0] * n, [0] * n, [1.0] * n, [0.0] * n, [0] * n,
-                          [len(st.token_ids) for st in rows], banned, 0)
+                          [len(st.token_ids) for st in rows], banned, top)
     if any(g is not None for g in grammars) or any(a is not None for a in allowed):
         batch.grammar_mask = masks.fill(grammars, allowed)
     if any(st.seq.params.uses_penalties for st in rows):
