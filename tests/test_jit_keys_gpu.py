@@ -25,7 +25,6 @@ def _compiled(kernel) -> int:
 
 def test_sampling_compiles_once_across_batches_and_staging_offsets():
     from engine.kernels import sampling_kernel as sk
-    from kernel_refs import gumbel_argmax_ref
     g = torch.Generator(device="cuda").manual_seed(3)
     V = 1000
     temp = torch.rand(300, device="cuda", generator=g) + 0.5
@@ -38,7 +37,7 @@ def test_sampling_compiles_once_across_batches_and_staging_offsets():
         for off in (0, 1, 3, 5):     # slices at odd element offsets: 4- or 8-byte aligned
             got = sk.gumbel_argmax(logits[:b], temp[off:off + b], seeds[off:off + b],
                                    pos[off:off + b], block=256)
-            want = gumbel_argmax_ref(logits[:b], temp[off:off + b], seeds[off:off + b],
+            want = sk.gumbel_argmax_ref(logits[:b], temp[off:off + b], seeds[off:off + b],
                                         pos[off:off + b])
             assert torch.equal(got, want)
     assert (_compiled(sk._partial_kernel), _compiled(sk._reduce_kernel)) == before

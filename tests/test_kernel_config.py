@@ -164,8 +164,8 @@ def test_launchers_with_pdl_off_match_their_references(triton_interpreter):
     """pdl=False (KernelConfig.pdl off) through every launcher that takes it."""
     from engine.kernels.activation import silu_and_mul, silu_and_mul_ref
     from engine.kernels.rmsnorm import fused_add_rms_norm, fused_add_rms_norm_ref
-    from engine.kernels.skinny_gemm import rms_norm_linear, skinny_linear, skinny_linear_ref
-    from kernel_refs import rms_norm_linear_ref
+    from engine.kernels.skinny_gemm import (rms_norm_linear, rms_norm_linear_ref, skinny_linear,
+                                            skinny_linear_ref)
     g = torch.Generator().manual_seed(0)
     x, r = torch.randn(2, 64, generator=g), torch.randn(2, 64, generator=g)
     nw, w = torch.randn(64, generator=g) + 1, torch.randn(48, 64, generator=g) / 8

@@ -23,7 +23,6 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 from engine.kernels import activation, rmsnorm as norm, rotary, store_kvcache as kvstore
 from engine.kernels import qk_norm_rope_store as fused
 from engine.kernels import attention_probe as probe, decode_attention as decode, prefill_attention as prefill
-from kernel_refs import qk_norm_rope_store_ref
 
 # If triton was imported with the interpreter off on a CPU-only machine (TRITON_INTERPRET=0 given
 # by hand), triton's own library (tl.sum, ...) and our kernels are compiled-only and cannot be
@@ -307,7 +306,7 @@ def test_qk_norm_rope_store_kernel_matches_ref(dtype, hq, hkv, qk_norm):
     got_kv = torch.full((2, *cache_shape), NAN, dtype=dtype)
     want_kv = got_kv.clone()
     q = fused.qk_norm_rope_store(qkv, positions, cache, got_kv[0], got_kv[1], slots, hq, hkv, q_w, k_w, 1e-6)
-    want_q = qk_norm_rope_store_ref(qkv, positions, cache, want_kv[0], want_kv[1], slots, hq, hkv,
+    want_q = fused.qk_norm_rope_store_ref(qkv, positions, cache, want_kv[0], want_kv[1], slots, hq, hkv,
                                           q_w, k_w, 1e-6)
     if qk_norm:  # the norm's fp32 sum of squares adds in another order than torch's mean
         torch.testing.assert_close(q, want_q, **TOL[dtype])
@@ -323,7 +322,7 @@ def test_qk_norm_rope_store_ref_equals_hf_norm_and_rotary_with_a_dense_store(qk_
     n, hq, hkv, d, eps = 7, 4, 2, 32, 1e-6
     qkv, positions, slots, (q_w, k_w), cache, cache_shape = _fused_inputs(n, hq, hkv, d, torch.float32, qk_norm)
     kv = torch.full((2, *cache_shape), NAN)
-    q = qk_norm_rope_store_ref(qkv, positions, cache, kv[0], kv[1], slots, hq, hkv, q_w, k_w, eps)
+    q = fused.qk_norm_rope_store_ref(qkv, positions, cache, kv[0], kv[1], slots, hq, hkv, q_w, k_w, eps)
     hf_q = qkv[:, :hq * d].reshape(n, hq, d)
     hf_k = qkv[:, hq * d:(hq + hkv) * d].reshape(n, hkv, d)
     if qk_norm:
@@ -360,7 +359,7 @@ def test_qk_norm_rope_store_copies_the_probe_rows_from_a_device_index(qk_norm):
         ref_probe_q = probe_q.clone()
         q = fused.qk_norm_rope_store(qkv, positions, cache, kv[0], kv[1], slots, hq, hkv, q_w, k_w, 1e-6,
                                      probe_rows=probe_rows, probe_q=probe_q)
-        qk_norm_rope_store_ref(qkv, positions, cache, kv[0].clone(), kv[1].clone(), slots, hq, hkv,
+        fused.qk_norm_rope_store_ref(qkv, positions, cache, kv[0].clone(), kv[1].clone(), slots, hq, hkv,
                                      q_w, k_w, 1e-6, probe_rows=probe_rows, probe_q=ref_probe_q)
         assert torch.equal(q, plain)
         for i, r in enumerate(rows):

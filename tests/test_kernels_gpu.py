@@ -9,11 +9,10 @@ from engine.kernels.activation import silu_and_mul, silu_and_mul_ref
 from engine.kernels.attention_probe import attention_probs, attention_probs_ref
 from engine.kernels.decode_attention import paged_decode_attention, paged_decode_attention_ref
 from engine.kernels.prefill_attention import paged_prefill_attention, paged_prefill_attention_ref
-from engine.kernels.qk_norm_rope_store import qk_norm_rope_store
+from engine.kernels.qk_norm_rope_store import qk_norm_rope_store, qk_norm_rope_store_ref
 from engine.kernels.rmsnorm import fused_add_rms_norm, fused_add_rms_norm_ref, rms_norm, rms_norm_ref
 from engine.kernels.rotary import apply_rotary, apply_rotary_ref, build_cos_sin_cache
 from engine.kernels.store_kvcache import store_kvcache, store_kvcache_ref
-from kernel_refs import qk_norm_rope_store_ref
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

@@ -14,9 +14,8 @@ from engine.kernels.fused_moe import (fused_moe, fused_moe_ref, grouped_w13_silu
                                       moe_sum, w13_silu_ref, w2_weighted_ref)
 from engine.kernels.moe_configs import KernelTile, MoEGemvConfig, MoEKernelConfig
 from engine.kernels.moe_gemv import fused_moe_gemv, gemv_w13_silu, gemv_w2_sum
-from engine.kernels.moe_align import _moe_align_torch, _moe_align_triton, moe_align
+from engine.kernels.moe_align import _moe_align_torch, _moe_align_triton, moe_align, moe_align_ref
 from engine.kernels.moe_routing import FUSED_MAX_TOKENS, _route_triton, route, route_counts, route_hidden, route_ref
-from kernel_refs import moe_align_ref
 
 E, K, H, I = 8, 2, 32, 16
 TOKENS = [1, 7, 33]

@@ -20,11 +20,10 @@ if not torch.cuda.is_available():
 
 from engine.kernels import moe_configs as mc  # noqa: E402
 from engine.kernels.fused_moe import fused_moe, fused_moe_ref, pick_config, w13_silu_ref, w2_weighted_ref  # noqa: E402
-from engine.kernels.moe_align import _moe_align_torch, _moe_align_triton  # noqa: E402
+from engine.kernels.moe_align import _moe_align_torch, _moe_align_triton, moe_align_ref  # noqa: E402
 from engine.kernels.moe_gemv import fused_moe_gemv  # noqa: E402
 from engine.kernels.moe_routing import route, route_counts, route_hidden, route_ref  # noqa: E402
 from engine.layers.moe import fused_experts  # noqa: E402
-from kernel_refs import moe_align_ref  # noqa: E402
 
 E, K, H, I = 128, 8, 2048, 768  # Qwen3-30B-A3B
 BUCKETS = [1, 2, 4, 8, 16, 32, 48, 64, 128, 256, 512, 1024]  # decode-graph batch sizes (cuda_graphs.py)

@@ -7,9 +7,8 @@ stay small: each (row, vocabulary chunk) is one program."""
 import pytest
 import torch
 
-from engine.kernels.sampling_kernel import gumbel_argmax, uniform_debug
+from engine.kernels.sampling_kernel import gumbel_argmax, gumbel_argmax_ref, uniform_debug
 from engine.sampling import SamplingParams, SamplingTensors, sample, uniform_noise
-from kernel_refs import gumbel_argmax_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 I64 = dict(dtype=torch.int64, device=DEVICE)

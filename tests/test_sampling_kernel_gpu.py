@@ -4,9 +4,8 @@ import pytest
 import torch
 
 from engine.kernels import sampling_kernel
-from engine.kernels.sampling_kernel import gumbel_argmax, uniform_debug
+from engine.kernels.sampling_kernel import gumbel_argmax, gumbel_argmax_ref, uniform_debug
 from engine.sampling import SamplingParams, SamplingTensors, sample, uniform_noise
-from kernel_refs import gumbel_argmax_ref
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

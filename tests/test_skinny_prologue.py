@@ -5,8 +5,7 @@ over both inner products, split-K and ragged K."""
 import pytest
 import torch
 
-from engine.kernels.skinny_gemm import rms_norm_linear
-from kernel_refs import rms_norm_linear_ref
+from engine.kernels.skinny_gemm import rms_norm_linear, rms_norm_linear_ref
 from test_skinny_gemm import CONFIGS, DEVICE  # one config of each kernel path, small for the interpreter
 
 TOL = {torch.float32: dict(rtol=1e-4, atol=1e-4), torch.float16: dict(rtol=4e-3, atol=4e-3)}

@@ -214,3 +214,25 @@ def moe_align(
     if on_triton and topk_ids.numel() > 0:
         return _moe_align_triton(topk_ids, num_experts, block_m)
     return _moe_align_torch(topk_ids, num_experts, block_m)
+
+
+def moe_align_ref(
+    topk_ids: torch.Tensor, num_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Plain-torch reference with a loop over experts (host syncs; tests only)."""
+    flat = topk_ids.reshape(-1).long()
+    num_pairs = flat.numel()
+    max_padded, num_blocks = align_sizes(num_pairs, num_experts, block_m)
+    sorted_token_ids = torch.full((max_padded,), num_pairs, dtype=torch.int32)
+    expert_ids = torch.full((num_blocks,), -1, dtype=torch.int32)
+    pos = 0
+    for e in range(num_experts):
+        idx = torch.nonzero(flat.cpu() == e).flatten()
+        if idx.numel() == 0:
+            continue
+        sorted_token_ids[pos:pos + idx.numel()] = idx.to(torch.int32)
+        nblk = -(-idx.numel() // block_m)
+        expert_ids[pos // block_m: pos // block_m + nblk] = e
+        pos += nblk * block_m
+    dev = topk_ids.device
+    return sorted_token_ids.to(dev), expert_ids.to(dev), torch.tensor([pos], dtype=torch.int32, device=dev)

@@ -12,6 +12,10 @@ import triton.language as tl
 
 from .pdl import use_pdl, wait_prior
 
+from .rmsnorm import rms_norm_ref
+from .rotary import apply_rotary_ref
+from .store_kvcache import store_kvcache_ref
+
 
 @triton.jit
 def _norm_rotate(base, num_heads, pos_cos, pos_sin, w1, w2, eps, norm_size,
@@ -177,4 +181,32 @@ def qk_norm_rope_store(
         BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_HALF=triton.next_power_of_2(half),
         USE_PDL=pdl, num_warps=4 if num_q_heads * head_dim >= 2048 else 2, launch_pdl=pdl,
     )
+    return q_out
+
+
+def qk_norm_rope_store_ref(
+    qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    num_q_heads: int, num_kv_heads: int,
+    q_norm_weight: torch.Tensor | None = None, k_norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6, probe_rows: torch.Tensor | None = None,
+    probe_q: torch.Tensor | None = None, q_out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Torch reference: the unfused CPU sequence of QwenAttention (split, q/k norm, rotary,
+    store), step for step, plus the probe copy."""
+    n, d = qkv.shape[0], cos_sin_cache.shape[-1]
+    q, k, v = qkv.split([num_q_heads * d, num_kv_heads * d, num_kv_heads * d], -1)
+    q, k, v = q.reshape(n, num_q_heads, d), k.reshape(n, num_kv_heads, d), v.reshape(n, num_kv_heads, d)
+    if q_norm_weight is not None:
+        q = rms_norm_ref(q, q_norm_weight, eps)
+        k = rms_norm_ref(k, k_norm_weight, eps)
+    q, k = apply_rotary_ref(q.clone(), k.clone(), positions, cos_sin_cache)
+    store_kvcache_ref(k, v, k_cache, v_cache, slot_mapping)
+    if probe_rows is not None:
+        rows = probe_rows.reshape(-1).long()
+        hit = (rows >= 0) & (rows < n)
+        probe_q[hit] = q[rows[hit]].to(probe_q.dtype)
+    if q_out is None:
+        return q
+    q_out.copy_(q)
     return q_out

@@ -12,6 +12,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from engine.kernels.jit_keys import varying
+from engine.sampling_noise import uniform_noise
 
 # splitmix64 constants (golden-ratio increment and the two finaliser multipliers), as unsigned;
 # tl.constexpr(...) objects, which Triton lets a kernel read as globals
@@ -112,6 +113,17 @@ def gumbel_argmax(
     _reduce_kernel[(B,)](vals, idxs, out, num_chunks,
                          BLOCK_C=max(16, triton.next_power_of_2(num_chunks)), num_warps=1)
     return out
+
+
+def gumbel_argmax_ref(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor,
+                      positions: torch.Tensor) -> torch.Tensor:
+    """Torch reference: the same formula over uniform_noise's [B, V] uniforms."""
+    x = logits.float()
+    t = temperature.float()[:, None]
+    u = uniform_noise(seeds, positions, x.shape[-1])
+    score = torch.where(t == 0, x, x / t - torch.log(-torch.log(u)))
+    score = score.masked_fill(score.isnan(), float("-inf"))
+    return score.argmax(dim=-1)
 
 
 def uniform_debug(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:

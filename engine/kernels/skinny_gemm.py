@@ -487,3 +487,17 @@ def rms_norm_linear(
 def skinny_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """Reference: the same product in fp32, rounded once to x.dtype."""
     return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
+
+
+def rms_norm_linear_ref(x, weight, norm_weight, eps, residual=None, bias=None, sumsq=None,
+                        gated=False):
+    """Reference: the unfused torch ops (HF's norm, then the fp32 product, then HF's SwiGLU)."""
+    from .activation import silu_and_mul_ref
+    from .rmsnorm import fused_add_rms_norm_ref, rms_norm_ref
+    if residual is None:
+        h, residual_out = rms_norm_ref(x, norm_weight, eps, sumsq), x
+    else:
+        h, residual_out = fused_add_rms_norm_ref(x, residual, norm_weight, eps, sumsq)
+    out = skinny_linear_ref(h, weight, bias)
+    return (silu_and_mul_ref(out) if gated else out), residual_out
+
