@@ -323,6 +323,20 @@ def test_norms_chart_is_layer_by_token_with_prompt_colour_range(rng):
     # put while tokens stream in
     assert spec["x_end"] == (16 if t <= 16 else 32)
     assert F.norms_figure(tr, token=t)["col_outlines"] == []
+    # a finished reply's axis ends on its last token: nothing more will stream in
+    tr.finished = True
+    assert F.norms_figure(tr, token=token)["x_end"] == t
+
+
+def test_attention_heads_key_axis_ends_on_the_context_once_the_reply_is_finished(rng):
+    tr = trace(rng)
+    step = F.attention_step_for(tr, None)
+    ctx = step.position + 1
+    streaming = F.attention_heads_figure(step, step.layers[0], tr.token_texts, 0, "r")
+    assert streaming["x_end"] >= ctx and streaming["x_end"] % 16 == 0
+    done = F.attention_heads_figure(step, step.layers[0], tr.token_texts, 0, "r",
+                                    streaming=False)
+    assert done["x_end"] == ctx
 
 
 def test_norms_chart_marks_prefix_cached_tokens_and_ignores_their_nan_rows(rng):

@@ -36,8 +36,11 @@ def prob_ceiling(peak: float) -> float:
     return 1.0
 
 
-def _stepped(n: int) -> int:
-    """An axis end that moves in steps (32 tokens, 64 past 128), not with every new token."""
+def _stepped(n: int, streaming: bool = True) -> int:
+    """An axis end that moves in steps (32 tokens, 64 past 128), not with every new token,
+    while a reply streams; once it is finished, the axis ends on its last token."""
+    if not streaming:
+        return n
     step = 32 if n <= 128 else 64
     return 16 if n <= 16 else -(-n // step) * step
 
@@ -137,7 +140,7 @@ def norms_figure(trace: RequestTrace, token: int | None = None) -> Chart:
     return {
         "kind": "heatmap", "title": title, "height": max(240, 16 * len(y) + 130),
         "z": norms.T, "zmin": zmin, "zmax": zmax, "colorscale": VIRIDIS,
-        "y_labels": y, "x_start": 0, "x_end": _stepped(t),
+        "y_labels": y, "x_start": 0, "x_end": _stepped(t, not trace.finished),
         "x_labels": [f"{i}:{s}" for i, s in enumerate(texts)] if t <= MAX_LABELLED_TOKENS
         else None,
         "col_text": texts, "x_name": "token", "value_name": "‖resid‖", "x_title": "token position",
@@ -284,9 +287,11 @@ def _key_hovers(request_id: str, token_texts: Sequence[str], ctx: int) -> list[s
 
 
 def attention_heads_figure(step: AttentionStep, layer: int, token_texts: Sequence[str],
-                           head: int | None = None, request_id: str = "") -> Chart:
+                           head: int | None = None, request_id: str = "",
+                           streaming: bool = True) -> Chart:
     """One row per head: the query token's attention over its context, colour = sqrt(p) so
-    small weights show; clicking a row picks that head."""
+    small weights show; clicking a row picks that head. `streaming`: the reply is still
+    growing (the key axis ends on a step, so it stays put meanwhile)."""
     qtext = _text(token_texts, step.position)
     title = f"Layer {layer}: attention of token {step.position} “{qtext}” · click a head"
     if layer not in step.layers:
@@ -298,7 +303,7 @@ def attention_heads_figure(step: AttentionStep, layer: int, token_texts: Sequenc
         "kind": "heatmap", "title": title, "height": max(220, 22 * h + 130),
         "z": np.sqrt(probs), "zmin": 0.0, "zmax": 1.0, "colorscale": MAGMA_R,
         "value_fmt": "p", "y_labels": [f"h{i}" for i in range(h)], "x_start": 0,
-        "x_end": _stepped(ctx),
+        "x_end": _stepped(ctx, streaming),
         "x_labels": [f"{i}:{s}" for i, s in enumerate(texts)] if ctx <= MAX_LABELLED_TOKENS
         else None,
         "col_text": texts, "x_name": "key", "value_name": "p", "x_title": "key position",

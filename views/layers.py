@@ -195,11 +195,11 @@ def build(hub: EngineHub) -> LiveTab:
             out[status] = keys["msg"] = msg
         # each figure is rebuilt (and sent) only when what it shows changed
         parts = {
-            "norms": ((rid, t, tok), lambda: F.norms_figure(tr, tok)),
+            "norms": ((rid, t, tok, tr.finished), lambda: F.norms_figure(tr, tok)),
             "lens": ((rid, len(tr.lens), tok), lambda: F.logit_lens_figure(tr, hub.decode, tok)),
-            "heads": ((rid, tok, layer_id, head_id, step is not None),
+            "heads": ((rid, tok, layer_id, head_id, step is not None, tr.finished),
                       lambda: F.attention_heads_figure(step, layer_id, tr.token_texts, head_id,
-                                                       rid) if step is not None else
+                                                       rid, not tr.finished) if step is not None else
                       empty_chart(f"No attention recorded for token {tok}", "Attention heads")),
             "row": ((rid, tok, layer_id, head_id, step is not None),
                     lambda: F.attention_row_figure(step, layer_id, head_id, tr.token_texts, rid)
