@@ -234,7 +234,10 @@ function drawBars(ctx, s, width, height) {
         text(ctx, l, 0, 0, 'right'); ctx.restore();
       });
     } else if (p.tick_labels) {
-      const step = Math.max(1, Math.ceil(n / Math.max(2, Math.floor(pw / 60))));
+      // as many ticks as the widest one fits with a gap, so long ids never crowd
+      const longest = p.tick_labels.reduce((a, l) => (l.length > a.length ? l : a), '');
+      const tw = ctx.measureText(longest).width;
+      const step = Math.max(1, Math.ceil(n / Math.max(2, Math.floor(pw / Math.max(60, tw + 24)))));
       for (let i = 0; i < n; i += step) text(ctx, p.tick_labels[i], px + (i + 0.5) * bw, py + ph + 12, 'center');
     }
     if (p.x_title) axisTitle(ctx, p.x_title, px, px + pw, height - 9, width);

@@ -4,6 +4,7 @@ diagram is in figures_anatomy_path.py). Inline styles only: the tab needs no sty
 from __future__ import annotations
 
 import html
+import re
 from typing import Callable, Sequence
 
 from engine.anatomy import (CodeRef, KVDataPlane, ModelAnatomy, ShapeRow, TokenPiece, TPPlan,
@@ -21,6 +22,12 @@ LIVE = "background:#e6f4ea;color:#1e6b34;border-radius:4px;padding:0 4px;" + MON
 
 def esc(x) -> str:
     return html.escape(str(x), quote=True)
+
+
+def esc_code(x) -> str:
+    """A code path or symbol, escaped, with a line-break opportunity after each `/`, `.`, `_`
+    and `:`: a long name wraps between its parts, never mid-word."""
+    return re.sub(r"([/._:])", r"\1<wbr>", esc(x))
 
 
 def _table(head: Sequence[str], rows: Sequence[Sequence[str]], elem: str = "",
@@ -98,10 +105,10 @@ def _kernel_list(refs) -> str:
     """Kernels grouped per file: `kernels/rmsnorm.py: rms_norm_ref, fused_add_rms_norm_ref`."""
     files: dict[str, list[str]] = {}
     for k in refs:
-        files.setdefault(k.path, []).append(f"{esc(k.function)} <span style='{MUTED}'>"
+        files.setdefault(k.path, []).append(f"{esc_code(k.function)} <span style='{MUTED}'>"
                                             f"({k.kind})</span>")
     return "<br>".join(f'<span style="{MONO}" title="{esc(path)}">'
-                       f'{esc(path.replace("engine/", "", 1))}</span>: ' + ", ".join(fns)
+                       f'{esc_code(path.replace("engine/", "", 1))}</span>: ' + ", ".join(fns)
                        for path, fns in files.items())
 
 
@@ -113,14 +120,14 @@ def code_table_html(code: Sequence[CodeRef], device: str) -> str:
         other = [k for k in c.kernels if k not in here]
         run = _kernel_list(here) or (f'<span style="{MONO}">{esc(", ".join(c.torch_ops))}</span>'
                                      if c.torch_ops else f'<span style="{MUTED}">torch ops in '
-                                     f'{esc(c.path)}</span>')
+                                     f'{esc_code(c.path)}</span>')
         if here and c.torch_ops:
             run += f'<br><span style="{MONO}">{esc(", ".join(c.torch_ops))}</span>'
         via = "".join(f'<br><span style="{MUTED}">via {esc(h)}</span>' for h in c.helpers)
         coll = (f'<br><span style="color:#d62728">then {c.collective} across ranks (TP &gt; 1)'
                 f'</span>' if c.collective else "")
         rows.append([f"<b>{esc(c.key)}</b><br><span style='{MUTED}'>{esc(c.stage)}</span>",
-                     f'<span style="{MONO}">{esc(c.path)}</span><br>{esc(c.symbol)}{via}{coll}',
+                     f'<span style="{MONO}">{esc_code(c.path)}</span><br>{esc_code(c.symbol)}{via}{coll}',
                      run, _kernel_list(other) or "—"])
     dev = "GPU" if device.startswith("cuda") else "CPU"
     return _table(["stage", "engine code", f"runs here ({dev})", "on the other device"], rows,
@@ -201,7 +208,7 @@ def tp_table_html(plan: TPPlan, a: ModelAnatomy) -> str:
            f"for {plan.kv_tokens_that_fit:,} tokens of KV cache" if plan.fits else
            f"<b style='color:#d62728'>does not fit</b>: {fmt_bytes(plan.weight_bytes_per_rank)}"
            f" per rank > {fmt_bytes(plan.budget_bytes)}")
-    coll = "".join(f"<li><span style='{MONO}'>{esc(c.where)}</span> ({esc(c.symbol)}): "
+    coll = "".join(f"<li><span style='{MONO}'>{esc_code(c.where)}</span> ({esc_code(c.symbol)}): "
                    f"<b>{c.op}</b>{' in each of ' + str(c.count) + ' layers' if c.layers else ''}"
                    f"</li>" for c in plan.collectives)
     return (_table(head, rows, "anat-tp-table")

@@ -8,7 +8,7 @@ from typing import Sequence
 
 from engine.anatomy import CodeRef, ModelAnatomy, PathStage
 from views.figures_anatomy import LiveToken
-from views.figures_anatomy_html import LIVE, MONO, MUTED, esc
+from views.figures_anatomy_html import LIVE, MONO, MUTED, esc, esc_code
 from views.figures_common import PALETTE, short_text
 
 
@@ -18,9 +18,9 @@ def _box(stage: PathStage, code: CodeRef | None, device: str, live: str = "",
     if code is not None:
         ks = code.kernels_on(device)
         what = ", ".join(k.function for k in ks) or ", ".join(code.torch_ops) or code.symbol
-        kern = (f'<div style="font-size:10px;{MUTED};{MONO};overflow-wrap:anywhere" '
+        kern = (f'<div style="font-size:10px;{MUTED};{MONO};overflow-wrap:break-word" '
                 f'title="{esc(code.path)}">'
-                f'{esc(code.path.split("/")[-1])} · {esc(what)}</div>')
+                f'{esc_code(code.path.split("/")[-1])} · {esc_code(what)}</div>')
     note = f'<div style="font-size:11px;{MUTED}">{esc(stage.note)}</div>' if stage.note else ""
     live_html = f'<div style="margin-top:2px"><span style="{LIVE}">{live}</span></div>' \
         if live else ""
