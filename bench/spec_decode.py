@@ -8,7 +8,8 @@ token with probability 1 - alpha, alpha chosen so the acceptance rate (vLLM's: a
 drafted tokens; a draft after a wrong one is never accepted) is 100 % / 80 % / 50 %, and 0 %:
 every draft wrong, where the adaptive back-off must make speculation cost almost nothing. Each
 speculative run's tokens are checked against the plain run's (`exact`): speculation must not
-change greedy output. Then the many-request workload (bench/throughput.py's: 256 requests,
+change greedy output beyond the rounding of a 1 + k-row step against a 1-row one (bf16 on dummy
+weights: see oracle_run, which settles the oracle's reference before timing). Then the many-request workload (bench/throughput.py's: 256 requests,
 seeded sampling at temperature 0.6) with n-gram speculation on and off: output tok/s, and the
 share of requests whose tokens are plain decoding's (seeded: all, up to batch numerics).
 Per run: tok/s, the measured acceptance (accepted / drafted draft tokens) and tokens per decode
@@ -93,6 +94,33 @@ def timed_stream(llm, prompt: list[int], new_tokens: int, k: int) -> dict:
             "verifies": len(drafts)}
 
 
+def oracle_run(llm, prompt, plain_tokens, prompt_len, new_tokens, alpha, vocab, seed,
+               max_runs: int = 64) -> dict:
+    """A timed oracle run whose drafts are the speculative run's own greedy tokens.
+
+    In bf16 a verify step (1 + k rows) and a plain decode step (1 row) round differently, and on
+    dummy weights the top two logits are often closer than that rounding, so the speculative run
+    can leave plain decoding's tokens; from there every replayed draft is wrong and the measured
+    acceptance falls far below the target. So the reference settles first: run, and replay the
+    run's own tokens, until a run gives the tokens it was fed (each run fixes at least the first
+    token where the last one left its reference). The settled run is the timed one; `exact`
+    reports whether the first run, fed plain decoding's tokens, gave them back."""
+    ref, first = plain_tokens, None
+    for n in range(1, max_runs + 1):
+        llm.core.proposer_for = (lambda seq, r=ref: OracleProposer(prompt_len, r, alpha, vocab,
+                                                                   seed=seed))
+        try:
+            got = timed_stream(llm, prompt, new_tokens, K)
+        finally:
+            llm.core.proposer_for = None
+        if first is None:
+            first = got["tokens"] == plain_tokens
+        if got["tokens"] == ref:
+            return {**got, "exact": first, "settle_runs": n}
+        ref = got["tokens"]
+    raise RuntimeError(f"the oracle reference did not settle in {max_runs} runs")
+
+
 def run(llm, id_high: int, vocab: int, prompt_len: int, new_tokens: int, repeats: int,
         bench: str, model: str) -> list[dict]:
     rows: list[dict] = []
@@ -113,7 +141,7 @@ def run(llm, id_high: int, vocab: int, prompt_len: int, new_tokens: int, repeats
 
     def report(system: str, runs: list[dict], extra: str = ""):
         tok_s = median([r["tok_s"] for r in runs])
-        exact = all(r["tokens"] == p["tokens"] for r, p in zip(runs, plain))
+        exact = all(r.get("exact", r["tokens"] == p["tokens"]) for r, p in zip(runs, plain))
         acc = [r["acceptance"] for r in runs if r["acceptance"] is not None]
         tps = [r["tokens_per_step"] for r in runs if r["tokens_per_step"] is not None]
         log(f"{system}: {tok_s:,.1f} tok/s ({tok_s / base:.2f}x), acceptance "
@@ -135,15 +163,11 @@ def run(llm, id_high: int, vocab: int, prompt_len: int, new_tokens: int, repeats
     report("ngram-random", [timed_stream(llm, p, new_tokens, K) for p in prompts])
     for rate in RATES:
         alpha = alpha_for(rate)
-        runs = []
-        for i, p in enumerate(prompts):
-            llm.core.proposer_for = (lambda seq, ref=plain[i]["tokens"], a=alpha, s=i:
-                                     OracleProposer(prompt_len, ref, a, vocab, seed=s))
-            try:
-                runs.append(timed_stream(llm, p, new_tokens, K))
-            finally:
-                llm.core.proposer_for = None
-        report(f"oracle-{int(rate * 100)}", runs, f" (target {rate:.0%}, alpha {alpha:.3f})")
+        runs = [oracle_run(llm, p, plain[i]["tokens"], prompt_len, new_tokens, alpha, vocab, i)
+                for i, p in enumerate(prompts)]
+        report(f"oracle-{int(rate * 100)}", runs,
+               f" (target {rate:.0%}, alpha {alpha:.3f}; oracle reference settled in "
+               f"{max(r['settle_runs'] for r in runs)} runs)")
     return rows
 
 

@@ -10,7 +10,8 @@ group's waiting choices are not admitted and its running ones are preempted firs
 caller's n=64 cannot fill the cache and preempt everyone else. Alone, a group may use it all.
 
 Speculative decoding (engine/spec_decode): a decoding request whose SpecState proposes drafts
-feeds its newest token and the drafts as one chunk; its blocks for the drafts are taken only
+feeds its newest token and the drafts as one chunk (not while more requests run than its
+config's disable_by_batch_size: a large batch gains nothing from verify rows); its blocks for the drafts are taken only
 when free (drafts never preempt anyone), and such entries go last in the batch, so every plain
 row keeps the index it would have without them. on_result keeps the accepted drafts and the
 target's token after them, one token at a time (the stop rules apply after each, as in plain
@@ -131,7 +132,8 @@ class Scheduler:
             if seq.pending and self._reached_limit(seq):
                 i += 1                               # its last token is in flight: it is done
                 continue
-            if self.may_draft(seq):
+            if self.may_draft(seq) and \
+                    len(self.running) <= seq.spec.config.disable_by_batch_size:
                 k = self._draft(seq, length, budget)
                 if k:
                     out.append(ScheduledSeq(seq, 1 + k, length - 1, k))

@@ -87,6 +87,7 @@ def test_config_parses_vllm_json():
     ({"model": "  ", "num_speculative_tokens": 3}, "speculative_config.model"),
     ({"model": "m", "draft_tensor_parallel_size": 2}, "speculative_config.draft_tensor_parallel_size"),
     ({"method": "ngram", "lookahead": 3}, "speculative_config.lookahead"),
+    ({"method": "ngram", "disable_by_batch_size": 0}, "speculative_config.disable_by_batch_size"),
     ("{not json", "speculative_config"),
     ([1, 2], "speculative_config"),
 ])
@@ -503,7 +504,7 @@ def _target(i: int) -> int:
     return (i * 7) % 50 + 3
 
 
-def _spec_seq(rid, n, max_tokens, k, alpha, seed):
+def _spec_seq(rid, n, max_tokens, k, alpha, seed, **config):
     import random
     from engine.sequence import Sequence
     rng = random.Random(seed)
@@ -512,8 +513,32 @@ def _spec_seq(rid, n, max_tokens, k, alpha, seed):
         return [_target(len(ids) + j) if rng.random() < alpha else 1 for j in range(kk)]
     seq = Sequence(rid, list(range(100, 100 + n)),
                    SamplingParams(max_tokens=max_tokens, ignore_eos=True), 0)
-    seq.spec = SpecState(SpeculativeConfig(adaptive_min_acceptance=0.0), k, proposer)
+    seq.spec = SpecState(SpeculativeConfig(adaptive_min_acceptance=0.0, **config), k, proposer)
     return seq
+
+
+def test_no_request_drafts_while_more_run_than_disable_by_batch_size():
+    """vLLM's disable_by_batch_size: with 3 running and a limit of 2 no step verifies drafts;
+    once one request has finished the other two draft again, and every token is the target's."""
+    from engine.block_manager import BlockManager
+    from engine.scheduler import Scheduler
+    bm = BlockManager(64, 4)
+    sched = Scheduler(bm, 8, 256, 256, set())
+    seqs = [_spec_seq(f"s{i}", 4, 6 if i == 0 else 30, 3, 1.0, i, disable_by_batch_size=2)
+            for i in range(3)]
+    for s in seqs:
+        sched.add(s)
+    drafted_at = []
+    while sched.has_work():
+        running = len(sched.running)
+        out = sched.schedule()
+        if any(e.num_draft for e in out):
+            drafted_at.append(running)
+        sched.postprocess(out, _fake_tokens(out))
+    assert drafted_at and max(drafted_at) <= 2
+    for s in seqs:
+        n = s.params.max_tokens
+        assert s.output_token_ids == [_target(i) for i in range(4, 4 + n)]
 
 
 def _fake_tokens(out) -> list[int]:

@@ -42,6 +42,10 @@ class SpeculativeConfig:
     # (plain decoding costs less then)
     adaptive_min_acceptance: float = 0.3
     adaptive_window: int = 32
+    # vLLM's key: no request drafts in a step while more than this many run. A verify row costs
+    # a full token of compute, and a large batch is past the bandwidth floor that speculation
+    # beats: there the extra rows (and the plain rows' lost overlap) only slow every request
+    disable_by_batch_size: int = 32
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -64,6 +68,7 @@ class SpeculativeConfig:
             raise InvalidArgumentError(f"{_field('adaptive_min_acceptance')} must be in [0, 1], "
                                        f"got {a!r}", _field("adaptive_min_acceptance"))
         _positive_int("adaptive_window", self.adaptive_window)
+        _positive_int("disable_by_batch_size", self.disable_by_batch_size)
         if self.method == "draft_model":
             if not isinstance(self.model, str) or not self.model.strip():
                 raise InvalidArgumentError(
