@@ -509,8 +509,9 @@ def test_decode_kernel_with_the_wide_serving_tiles_matches_ref(monkeypatch, dtyp
 
 
 def test_decode_launch_choice_by_programs_and_context_bound(monkeypatch):
-    """One wave of programs and 128-token tiles from WIDE_FROM_PROGRAMS pairs on; below it the
-    choice of before (WAVES waves, 32-token split tiles, 64-token direct tiles)."""
+    """One wave of programs and 128-token tiles from WIDE_FROM_PROGRAMS pairs on; below it
+    WAVES waves, no split longer than LONG_SPLIT_TOKENS, 32-token split tiles in splits shorter
+    than SPLIT_WIDE_MIN_TOKENS, 64-token direct tiles."""
     monkeypatch.setattr(decode, "num_sms", lambda device: 132)
     dev = torch.device("cpu")
     wide = decode.WIDE_FROM_PROGRAMS
@@ -520,7 +521,14 @@ def test_decode_launch_choice_by_programs_and_context_bound(monkeypatch):
     assert decode.launch_config(wide, 1, 4096)["BLOCK_N"] == 128
     assert decode.launch_config(wide, 2, 4096) == decode.SPLIT_WIDE_LAUNCH
     assert decode.launch_config(wide, 2, 2 * decode.SPLIT_WIDE_MIN_TOKENS - 16) == decode.SPLIT_LAUNCH
-    assert decode.launch_config(wide - 1, 2, 4096) == decode.SPLIT_LAUNCH
+    assert decode.launch_config(wide - 1, 2, 4096) == decode.SPLIT_WIDE_LAUNCH
+    assert decode.launch_config(wide - 1, 32, 4096) == decode.SPLIT_LAUNCH        # 128 a split
+    assert decode.launch_config(1 * 8, 32, 8192) == decode.SPLIT_WIDE_LAUNCH       # 256 a split
+    long = decode.LONG_SPLIT_TOKENS
+    assert decode.choose_num_splits(4, 8, 4096, dev) == -(-2 * 132 // 32)          # the waves
+    assert decode.choose_num_splits(4, 8, 16 * long, dev) == 16                    # the context
+    assert decode.choose_num_splits(4, 8, 1 << 20, dev) == decode.MAX_SPLITS
+    assert decode.choose_num_splits(wide // 8, 8, 1 << 20, dev) == -(-132 // wide)  # not past wide
     assert decode.launch_config(wide - 1, 1, 4096) == decode.DIRECT_LAUNCH
 
 

@@ -387,7 +387,7 @@ def test_cascade_decode_attention_matches_plain_kernel(num_q_heads, num_kv_heads
     from test_cascade_attention import shared_batch
     bs = 16
     g = torch.Generator().manual_seed(batch)
-    ctxs = [prefix_blocks * bs + int(torch.randint(1, own, (1,), generator=g))
+    ctxs = [prefix_blocks * bs + int(torch.randint(1, own, (1,), generator=g, device="cpu"))
             for _ in range(batch)]
     grouped = set(range(batch)) - {batch // 2}            # one row outside the group
     with torch.device("cpu"):

@@ -44,7 +44,14 @@ WAVES = 2           # choose_num_splits: programs for about this many waves of t
 # Qwen3-0.6B batch 32, 46.3 -> 38.0. Below it (batch 1..) nothing changes.
 WIDE_FROM_PROGRAMS = 128
 SPLIT_WIDE_LAUNCH = dict(BLOCK_N=128, num_warps=4, num_stages=3)
-SPLIT_WIDE_MIN_TOKENS = 512     # context bound per split from which a split takes SPLIT_WIDE_LAUNCH
+# Long contexts below WIDE_FROM_PROGRAMS: splits of at most LONG_SPLIT_TOKENS tokens (more than
+# the waves ask for), and 128-token tiles from SPLIT_WIDE_MIN_TOKENS a split. One H100, Qwen3-0.6B
+# shapes (16/8 heads), 2026-12-05 (bench/diagnostics/attention_tune.py, bench/RESULTS.md "Long
+# contexts"): batch 1 at 8,192 / 30,720 tokens 12.0 / 34.3 -> 10.3 / 28.7 us a layer (32 splits,
+# 32 -> 128-token tiles); batch 4 55.9 / 213 -> 47.6 / 158 us (9 -> 16 / 32 splits). 64 splits
+# at batch 1 and 8k gave 9.9 us: within 4 %, not worth a larger workspace.
+LONG_SPLIT_TOKENS = 512
+SPLIT_WIDE_MIN_TOKENS = 256     # context bound per split from which a split takes SPLIT_WIDE_LAUNCH
 # A split holds at least one split tile (32 tokens; 64 before 2026-12-03's fourth session,
 # where the context-bounded graphs came in: bench/RESULTS.md, "Decode graphs bounded to a
 # shorter context").
@@ -243,12 +250,14 @@ def combine_splits(part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Te
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
-    """Enough programs for ~2 waves on the GPU (one from WIDE_FROM_PROGRAMS pairs), but no split
-    shorter than MIN_SPLIT_TOKENS.
+    """Enough programs for ~2 waves on the GPU (one from WIDE_FROM_PROGRAMS pairs; below them
+    also no split longer than LONG_SPLIT_TOKENS), but no split shorter than MIN_SPLIT_TOKENS.
     max_context bounds every row's context: the block table's width, or a graph's context cap."""
     programs = max(1, batch * num_kv_heads)
     waves = 1 if programs >= WIDE_FROM_PROGRAMS else WAVES
     want = triton.cdiv(waves * num_sms(device), programs)
+    if programs < WIDE_FROM_PROGRAMS:
+        want = max(want, triton.cdiv(max_context, LONG_SPLIT_TOKENS))
     return max(1, min(want, MAX_SPLITS, triton.cdiv(max_context, MIN_SPLIT_TOKENS)))
 
 
@@ -259,7 +268,7 @@ def launch_config(programs: int, num_splits: int, bound: int) -> dict:
         if programs >= min(WIDE_FROM_PROGRAMS, DIRECT_WIDE_PROGRAMS):
             return {**DIRECT_LAUNCH, "BLOCK_N": DIRECT_WIDE_BLOCK_N}
         return dict(DIRECT_LAUNCH)
-    if programs >= WIDE_FROM_PROGRAMS and bound // num_splits >= SPLIT_WIDE_MIN_TOKENS:
+    if bound // num_splits >= SPLIT_WIDE_MIN_TOKENS:
         return dict(SPLIT_WIDE_LAUNCH)
     return dict(SPLIT_LAUNCH)
 

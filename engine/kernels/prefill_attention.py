@@ -25,8 +25,12 @@ SPLIT_MAX_TOKENS = 512  # above this many query tokens the grid fills the GPU an
 # pairs of one KV head's group. Short chunks keep small tiles (more programs for the SMs);
 # a long chunk is compute-bound and wants the larger tiles.
 SHORT_LAUNCH = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)
-LONG_LAUNCH = dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
-LONG_FROM_TOKENS = 2048
+# One H100, Qwen3-0.6B shapes, 2026-12-05 (bench/diagnostics/prefill_tune.py, bench/RESULTS.md
+# "Long contexts"): a 4,096-token chunk runs fastest in SHORT_LAUNCH (0.241 ms, 285 TFLOP/s;
+# 128x64 tiles 0.273), an 8,192-token chunk after 8k / 24k tokens in 256x64 tiles (2.48 -> 2.04
+# ms, 5.60 -> 4.40 ms; 128x64 tiles, the launch before, 332 / 344 TFLOP/s -> 405 / 438).
+LONG_LAUNCH = dict(BLOCK_M=256, BLOCK_N=64, num_warps=8, num_stages=3)
+LONG_FROM_TOKENS = 8192
 
 
 def choose_launch(num_tokens: int) -> dict:
