@@ -432,6 +432,31 @@ def test_speculation_with_overlap_scheduling_equals_plain(qwen3_dir):
     assert b[0].drafts
 
 
+def test_a_batch_past_disable_by_batch_size_keeps_overlap_scheduling(qwen3_dir):
+    """While more requests run than disable_by_batch_size nobody drafts, so the engine keeps
+    overlapping steps (no drain for speculation); once few enough run they draft again, and
+    every reply is plain decoding's."""
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    prompts = _prompts(3)
+    short = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    with _engine(qwen3_dir, async_scheduling=True) as plain:
+        a = plain.generate(prompts, [short, params, params])
+    with _engine(qwen3_dir, {**NGRAM, "disable_by_batch_size": 2}, async_scheduling=True) as spec:
+        core, drains = spec.core, []
+        drain = core.drain
+
+        def spy():
+            drains.append(len(core.scheduler.running))
+            return drain()
+        core.drain = spy
+        b = spec.generate(prompts, [short, params, params])
+        core.drain = drain
+        _drain_check(spec)
+    _same(a, b)
+    assert not [n for n in drains if n > 2], drains
+    assert b[1].drafts or b[2].drafts
+
+
 def test_step_traces_record_drafts_and_acceptance(engines):
     _, spec = engines
     spec.generate(_prompts(2), SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
