@@ -9,9 +9,9 @@ drafted tokens; a draft after a wrong one is never accepted) is 100 % / 80 % / 5
 every draft wrong, where the adaptive back-off must make speculation cost almost nothing. Each
 speculative run's tokens are checked against the plain run's (`exact`): speculation must not
 change greedy output beyond the rounding of a 1 + k-row step against a 1-row one (bf16 on dummy
-weights: see oracle_run, which settles the oracle's reference before timing). Then the many-request workload (bench/throughput.py's: 256 requests,
-seeded sampling at temperature 0.6) with n-gram speculation on and off: output tok/s, and the
-share of requests whose tokens are plain decoding's (seeded: all, up to batch numerics).
+weights: see oracle_run, which settles the oracle's reference before timing). Then the
+many-request workload (bench/throughput.py's: 256 requests, seeded sampling at temperature
+0.6) with n-gram speculation on and off: output tok/s, and the share of requests whose tokens are plain decoding's (seeded: all, up to batch numerics).
 Per run: tok/s, the measured acceptance (accepted / drafted draft tokens) and tokens per decode
 step (the step cost model: speculation wins when tokens per step beats the verify step's cost
 over a plain step's)."""

@@ -206,9 +206,7 @@ class EngineCore:
             # a multi-token bad word is banned by the newest tokens: no overlap this step
             res.extend(self.drain())
         elif self.speculating and self.overlap and self.inflight is not None and any(
-                s.seq.spec is not None and s.seq.spec.active
-                and len(self.scheduler.running) <= s.seq.spec.config.disable_by_batch_size
-                for s in self.inflight.scheduled):
+                self.scheduler.speculates_now(s.seq) for s in self.inflight.scheduled):
             # drafts continue the newest token, which must be on the host: no overlap (a batch
             # past disable_by_batch_size drafts nothing, so it keeps overlapping)
             res.extend(self.drain())

@@ -11,11 +11,11 @@ caller's n=64 cannot fill the cache and preempt everyone else. Alone, a group ma
 
 Speculative decoding (engine/spec_decode): a decoding request whose SpecState proposes drafts
 feeds its newest token and the drafts as one chunk (not while more requests run than its
-config's disable_by_batch_size: a large batch gains nothing from verify rows); its blocks for the drafts are taken only
-when free (drafts never preempt anyone), and such entries go last in the batch, so every plain
-row keeps the index it would have without them. on_result keeps the accepted drafts and the
-target's token after them, one token at a time (the stop rules apply after each, as in plain
-decoding), then frees the blocks that only rejected drafts used.
+config's disable_by_batch_size: a large batch gains nothing from verify rows); its blocks for
+the drafts are taken only when free (drafts never preempt anyone), and such entries go last in
+the batch, so every plain row keeps the index it would have without them. on_result keeps the
+accepted drafts and the target's token after them, one token at a time (the stop rules apply
+after each, as in plain decoding), then frees the blocks that only rejected drafts used.
 
 With overlap scheduling the batch of step N+1 is chosen while step N runs: a token sampled by
 step N is already in the sequence as PENDING (appended by `on_launch`), so lengths, block
@@ -132,8 +132,7 @@ class Scheduler:
             if seq.pending and self._reached_limit(seq):
                 i += 1                               # its last token is in flight: it is done
                 continue
-            if self.may_draft(seq) and \
-                    len(self.running) <= seq.spec.config.disable_by_batch_size:
+            if self.may_draft(seq):
                 k = self._draft(seq, length, budget)
                 if k:
                     out.append(ScheduledSeq(seq, 1 + k, length - 1, k))
@@ -190,11 +189,15 @@ class Scheduler:
             out = [o for o in out if not o.num_draft] + [o for o in out if o.num_draft]
         return out
 
-    @staticmethod
-    def may_draft(seq: Sequence) -> bool:
-        """A speculating request whose every token but the newest has its K/V: it may verify
-        drafts this step (engine_core asks too, to batch a draft model's proposals)."""
-        return seq.spec is not None and seq.spec.active and not seq.pending and \
+    def speculates_now(self, seq: Sequence) -> bool:
+        """seq speculates, and no more requests run than its config's disable_by_batch_size."""
+        return seq.spec is not None and seq.spec.active and \
+            len(self.running) <= seq.spec.config.disable_by_batch_size
+
+    def may_draft(self, seq: Sequence) -> bool:
+        """A request speculating now whose every token but the newest has its K/V: it may
+        verify drafts this step (a draft model's prefetch asks too, to batch its proposals)."""
+        return self.speculates_now(seq) and not seq.pending and \
             seq.num_computed_tokens == len(seq.token_ids) - 1
 
     def draft_limit(self, seq: Sequence, budget: int) -> int:

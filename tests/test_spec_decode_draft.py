@@ -273,6 +273,27 @@ def test_proposals_are_batched_across_requests_and_timed_as_proposing(drafted):
     assert verify and all(0 < t.t_propose <= t.t_schedule for t in verify)
 
 
+def test_a_draft_model_runs_no_forward_while_the_batch_is_past_disable_by_batch_size(
+        qwen3_dir, near_draft, plain):
+    """disable_by_batch_size=2 with three requests: the draft model's batched proposals (and
+    its forwards) wait until one request has finished; the replies are plain decoding's."""
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (3, 20, 20)]
+    spec = _spec(near_draft, adaptive_min_acceptance=0.0, disable_by_batch_size=2)
+    with _engine(qwen3_dir, spec) as llm:
+        running = []
+        propose = llm.draft.propose
+
+        def spy(items):
+            running.append(len(llm.scheduler.running))
+            return propose(items)
+        llm.draft.propose = spy
+        got = llm.generate(_prompts(), params)
+        _all_free(llm)
+    _same(plain.generate(_prompts(), params), got)
+    assert running and max(running) <= 2, running
+    assert sum(len(o.drafts) for o in got[1:]) > 0
+
+
 def test_a_draft_that_never_agrees_backs_off_and_returns_its_blocks(model_factory, qwen3_dir):
     """A random draft for a random MoE target: every request stops speculating after a few
     proposals (adaptive back-off) and gives its draft blocks back while it still decodes."""
