@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.kernels.activation import silu_and_mul, silu_and_mul_ref  # noqa: E402
 from engine.kernels.attention_probe import attention_probs, attention_probs_ref  # noqa: E402
+from engine.kernels.lens_stats import lens_stats, lens_stats_ref  # noqa: E402
 from engine.kernels.decode_attention import paged_decode_attention, paged_decode_attention_ref  # noqa: E402
 from engine.kernels.prefill_attention import paged_prefill_attention, paged_prefill_attention_ref  # noqa: E402
 from engine.kernels.rmsnorm import fused_add_rms_norm, fused_add_rms_norm_ref, rms_norm, rms_norm_ref  # noqa: E402
@@ -160,6 +161,11 @@ def cases():
                context * HKV * D * E + 3 * probs.numel() * 4, 2 * HQ * context * D)
 
 
+    # the logit lens of one watched token: 28 layers' rows through the LM head, top-10
+    lens_logits = torch.randn(28, VOCAB, device=dev).to(BF16)
+    yield ("lens_stats", f"R=28 V={VOCAB} bf16 k=10", lambda x=lens_logits: lens_stats(x, 10),
+           lambda x=lens_logits: lens_stats_ref(x, 10), lens_logits.numel() * E, 0)
+
     for batch in (1, 128, 256):  # the sampler at decode: fp32 logits, half the rows greedy
         logits = torch.randn(batch, VOCAB, device=dev)
         temp = (torch.arange(batch, device=dev) % 2).float() * 0.8
@@ -170,7 +176,7 @@ def cases():
                lambda a=args: _torch_race(*a), batch * VOCAB * 4, 0)
 
 
-def main(out_json: str | None = None) -> list[dict]:
+def main(out_json: str | None = None, only: str | None = None) -> list[dict]:
     if not torch.cuda.is_available():
         raise SystemExit("bench/kernels.py needs a CUDA GPU")
     floors = measure_floors()
@@ -184,6 +190,8 @@ def main(out_json: str | None = None) -> list[dict]:
     print("-" * len(header))
     rows = []
     for name, shape, fn, ref, nbytes, flops in cases():
+        if only and only not in name:
+            continue
         fn()  # compile outside the timing
         t_us = median_us(fn)
         g_us = graph_us(fn)
@@ -210,4 +218,6 @@ def main(out_json: str | None = None) -> list[dict]:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", default=None, help="also write the rows to this JSON file")
-    main(parser.parse_args().json)
+    parser.add_argument("--only", default=None, help="only the kernels whose name holds this")
+    a = parser.parse_args()
+    main(a.json, a.only)

@@ -64,6 +64,19 @@ def latency_overhead(llm, device, id_high: int, shape: dict, repeats: int,
     return {k: (median(ms[k]), median(ttft[k])) for k in configs}
 
 
+def _throughput_rows(llm, model: str, num_requests: int, repeats: int, tiny: bool, dev,
+                     spec) -> list[dict]:
+    try:
+        off, on = throughput_overhead(llm, model, num_requests, repeats, tiny, dev, spec)
+    except Exception as exc:
+        return [error_row(BENCH, model, "glassbox", exc)]
+    note = f"{num_requests} req, request 0 watched, median of {repeats}"
+    return [row(BENCH, model, "glassbox", "output_tok_s[off]", off, "tok/s", note),
+            row(BENCH, model, "glassbox", "output_tok_s[norms+routing]", on, "tok/s", note),
+            row(BENCH, model, "glassbox", "throughput_slowdown_pct[norms+routing]",
+                _pct(off, on), "%", note)]
+
+
 def _pct(slow: float, fast: float) -> float:
     return 100.0 * (slow / fast - 1.0)
 
@@ -83,17 +96,9 @@ def main(model: str = "qwen3-0.6b", device: str | None = None, dtype=None,
             llm = build_engine(model, dev, dtype, max_model_len=4096 if not tiny else 256,
                                **(engine_kwargs or {}))
         warmup_glassbox(llm, model, tiny, dev)
-        try:
-            off, on = throughput_overhead(llm, model, num_requests, tput_repeats, tiny, dev,
-                                          specs["norms+routing"])
-            note = f"{num_requests} req, request 0 watched, median of {tput_repeats}"
-            rows += [row(BENCH, model, "glassbox", "output_tok_s[off]", off, "tok/s", note),
-                     row(BENCH, model, "glassbox", "output_tok_s[norms+routing]", on, "tok/s",
-                         note),
-                     row(BENCH, model, "glassbox", "throughput_slowdown_pct[norms+routing]",
-                         _pct(off, on), "%", note)]
-        except Exception as exc:
-            rows.append(error_row(BENCH, model, "glassbox", exc))
+        if num_requests > 0:
+            rows += _throughput_rows(llm, model, num_requests, tput_repeats, tiny, dev,
+                                     specs["norms+routing"])
         lat = latency_overhead(llm, dev, id_high, shape, lat_repeats, specs)
         base_ms, base_ttft = lat.pop("off")
         note = f"batch 1, {shape['new_tokens']} new tok, median of {lat_repeats}"
@@ -116,7 +121,8 @@ def main(model: str = "qwen3-0.6b", device: str | None = None, dtype=None,
 
 def cli(argv=None) -> list[dict]:
     p = base_parser(__doc__)
-    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--num-requests", type=int, default=64,
+                   help="the throughput half's size (0: skip it)")
     p.add_argument("--repeats", type=int, default=3)
     a = p.parse_args(argv)
     if a.tiny:

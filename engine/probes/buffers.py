@@ -10,6 +10,7 @@ import torch
 
 from ..context import get_context
 from ..kernels import attention_probe
+from ..kernels.lens_stats import lens_stats, lens_stats_ref, sampled_stats
 from .plan import ProbePlan
 
 
@@ -201,15 +202,14 @@ class ProbeBuffers:
         if self.lens_resid is not None:
             L1, W, H = self.lens_resid.shape
             x = model.model.norm(self.lens_resid[1:].reshape(-1, H))
-            logits = model.compute_logits(x).float()            # [L * W, V]
-            probs = torch.softmax(logits, dim=-1)
+            logits = model.compute_logits(x)                    # [L * W, V]
             k = self.plan.lens_top_k
-            top_p, top_i = probs.topk(k, dim=-1)
-            ent = -(probs * torch.log(probs.clamp_min(1e-30))).sum(-1)
-            self.lens_out = dict(probs=probs.view(L1 - 1, W, -1), top_p=top_p.view(L1 - 1, W, k),
-                                 top_i=top_i.view(L1 - 1, W, k), entropy=ent.view(L1 - 1, W))
-            parts.update(lens_top_i=self.lens_out["top_i"], lens_top_p=self.lens_out["top_p"],
-                         lens_entropy=self.lens_out["entropy"])
+            st = (lens_stats if logits.is_cuda else lens_stats_ref)(logits, k)
+            # the sampled token's probability and rank wait for sampling (finish)
+            self.lens_out = dict(logits=logits.view(L1 - 1, W, -1), lse=st["lse"].view(L1 - 1, W))
+            parts.update(lens_top_i=st["top_i"].view(L1 - 1, W, k),
+                         lens_top_p=st["top_p"].view(L1 - 1, W, k),
+                         lens_entropy=st["entropy"].view(L1 - 1, W))
         tp = model.lm_head.tp
         if self.q_rows is not None:
             self._attention_all_layers(model, tp)
@@ -280,10 +280,9 @@ class ProbeBuffers:
         lo = self.lens_out
         if lo is not None and sampled is not None and len(sample_index):
             t = _rows_of(sampled, sample_index)                             # [W]
-            probs = lo["probs"]                                             # [L, W, V]
-            p = probs.gather(-1, t[None, :, None].expand(probs.shape[0], -1, 1))[..., 0]
-            named.append(("lens_sampled_prob", p))                          # [L, W]
-            named.append(("lens_sampled_rank", (probs > p[..., None]).sum(-1)))
+            prob, rank = sampled_stats(lo["logits"], lo["lse"], t)          # [L, W] each
+            named.append(("lens_sampled_prob", prob))
+            named.append(("lens_sampled_rank", rank))
         for (layer, start), t in self.patterns.items():
             named.append((f"pat{layer}_{start}", t))
         # the step's plan, not self.plan: a CUDA graph's buffers keep the template they were
