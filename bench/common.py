@@ -32,6 +32,12 @@ MODEL_SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
         num_key_value_heads=8, head_dim=128, tie_word_embeddings=True, rms_norm_eps=1e-6,
         rope_parameters={"rope_type": "default", "rope_theta": 1e6},
         max_position_embeddings=40960, bos_token_id=151643, eos_token_id=151645)),
+    "qwen3-8b": ("Qwen3Config", dict(
+        architectures=["Qwen3ForCausalLM"], vocab_size=151936, hidden_size=4096,
+        intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, tie_word_embeddings=False, rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+        max_position_embeddings=40960, bos_token_id=151643, eos_token_id=151645)),
     "qwen3-30b-a3b": ("Qwen3MoeConfig", dict(
         architectures=["Qwen3MoeForCausalLM"], vocab_size=151936, hidden_size=2048,
         intermediate_size=6144, num_hidden_layers=48, num_attention_heads=32,
@@ -69,7 +75,7 @@ MODEL_SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
         rope_parameters={"rope_type": "default", "rope_theta": 1e6},
         max_position_embeddings=4096, bos_token_id=1, eos_token_id=2)),
 }
-TINY_OF = {"qwen3-0.6b": "tiny", "qwen3-30b-a3b": "tiny-moe", "demo": "tiny",
+TINY_OF = {"qwen3-0.6b": "tiny", "qwen3-8b": "tiny", "qwen3-30b-a3b": "tiny-moe", "demo": "tiny",
            "qwen2.5-72b": "tiny", "qwen3-235b-a22b": "tiny-moe"}
 
 _MODEL_DIRS: dict[str, Path] = {}

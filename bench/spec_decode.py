@@ -206,10 +206,81 @@ def workload(llm, model: str, num_requests: int, tiny: bool, dev, bench: str) ->
     return rows
 
 
+def draft_cost(target: str, drafter: str, dev, dtype, repeats: int, tiny: bool,
+               bench: str) -> list[dict]:
+    """A draft model for a larger target, measured with the step cost model: a speculative
+    step costs k draft forwards (propose) and one 1 + k-row target forward (verify), so it beats
+    plain decoding when its tokens per step exceed step_ms / plain_ms — and with i.i.d. draft
+    tokens, tokens per step = 1 + k * acceptance. Dummy weights accept a draft by chance only
+    (acceptance ~0: the adaptive back-off is off here so every step drafts), so this measures
+    the costs and the acceptance needed to win, not a speedup. The verify alone is the oracle at
+    100 % (its drafts cost nothing)."""
+    from bench.common import TINY_OF, model_dir
+    if tiny:
+        target, drafter = TINY_OF.get(target, target), TINY_OF.get(drafter, drafter)
+    shape = dict(TINY if tiny else FULL)
+    prompt_len, new_tokens = shape["prompt_len"], shape["new_tokens"]
+    vocab = vocab_size(target)
+    id_high = min(10000, vocab)
+    name = f"{target}+{drafter}-draft"
+    note = f"batch 1, {prompt_len}-tok random prompt, {new_tokens} greedy tokens, k={K}"
+    rows, llm = [], None
+    try:
+        llm = build_engine(target, dev, dtype, max_model_len=4096 if not tiny else 256,
+                           speculative_config=dict(model=str(model_dir(drafter)),
+                                                   num_speculative_tokens=K,
+                                                   adaptive_min_acceptance=0.0))
+        warm = random_prompt(prompt_len, id_high, 999)
+        timed_stream(llm, warm, 8, 0)
+        timed_stream(llm, warm, 8, K)
+        prompts = [random_prompt(prompt_len, id_high, 10 * r) for r in range(repeats)]
+        plain = [timed_stream(llm, p, new_tokens, 0) for p in prompts]
+        drafted = [timed_stream(llm, p, new_tokens, K) for p in prompts]
+        verify = [oracle_run(llm, p, plain[i]["tokens"], prompt_len, new_tokens, 1.0, vocab, i)
+                  for i, p in enumerate(prompts)]
+
+        def step_ms(runs):     # ms per decode step = ms per token x tokens per step
+            return median([1e3 * (r["tokens_per_step"] or 1.0) / r["tok_s"] for r in runs])
+
+        plain_ms, spec_ms, verify_ms = step_ms(plain), step_ms(drafted), step_ms(verify)
+        need = spec_ms / plain_ms
+        acc = [r["acceptance"] for r in drafted if r["acceptance"] is not None]
+        log(f"{name}: plain {plain_ms:.3f} ms/step, drafted step {spec_ms:.3f} ms (verify "
+            f"{verify_ms:.3f}, propose {spec_ms - verify_ms:.3f}); wins above {need:.2f} tokens "
+            f"a step = acceptance {(need - 1) / K:.0%}")
+        rows += [
+            row(bench, name, "plain", "decode_tok_s", median([r["tok_s"] for r in plain]),
+                "tok/s", note),
+            row(bench, name, "plain", "step_ms", plain_ms, "ms", "a plain decode step"),
+            row(bench, name, "draft", "decode_tok_s", median([r["tok_s"] for r in drafted]),
+                "tok/s", note + ", the draft's own acceptance"),
+            row(bench, name, "draft", "acceptance", median(acc) if acc else None, "ratio",
+                "accepted / drafted draft tokens (dummy weights)"),
+            row(bench, name, "draft", "step_ms", spec_ms, "ms", "propose (k draft forwards) + "
+                "verify"),
+            row(bench, name, "draft", "verify_ms", verify_ms, "ms", "the 1 + k-row target step "
+                "alone (oracle at 100 %, whose drafts cost nothing)"),
+            row(bench, name, "draft", "propose_ms", spec_ms - verify_ms, "ms",
+                f"{K} draft forwards"),
+            row(bench, name, "draft", "break_even_tokens_per_step", need, "tok",
+                "speculation wins above this (step_ms / plain step_ms)"),
+            row(bench, name, "draft", "break_even_acceptance", (need - 1) / K, "ratio",
+                "the acceptance that gives it: 1 + k * acceptance tokens a step"),
+        ]
+    except Exception as exc:
+        rows.append(error_row(bench, name, "glassbox", exc))
+    finally:
+        shutdown_engine(llm)
+        free_memory(dev)
+    return rows
+
+
 def main(model: str = "qwen3-0.6b", device: str | None = None, dtype=None, repeats: int = 3,
          tiny: bool = False, floors: bool = True, bench: str = "spec_decode",
-         engine_kwargs: dict | None = None, num_requests: int | None = 256) -> list[dict]:
-    """num_requests: the many-request workload's size (None or 0: skip it; tiny: 4)."""
+         engine_kwargs: dict | None = None, num_requests: int | None = 256,
+         draft_target: str | None = None) -> list[dict]:
+    """num_requests: the many-request workload's size (None or 0: skip it; tiny: 4).
+    draft_target: also measure `model` as the draft of this larger target (draft_cost)."""
     model, dev, dtype = bench_setup(model, device, dtype, tiny)
     shape = dict(TINY if tiny else FULL)
     vocab = vocab_size(model)
@@ -227,6 +298,8 @@ def main(model: str = "qwen3-0.6b", device: str | None = None, dtype=None, repea
     finally:
         shutdown_engine(llm)
         free_memory(dev)
+    if draft_target:
+        rows += draft_cost(draft_target, model, dev, dtype, repeats, tiny, bench)
     return rows
 
 
@@ -235,11 +308,19 @@ def cli(argv=None) -> list[dict]:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--num-requests", type=int, default=256,
                    help="the many-request workload's size (0: skip it)")
+    p.add_argument("--draft-target", default="qwen3-8b",
+                   help="measure --model as the draft model of this target ('': skip)")
+    p.add_argument("--only-draft", action="store_true",
+                   help="only the draft-model measurement")
     a = p.parse_args(argv)
     if a.tiny:
         a.repeats = min(a.repeats, 2)
-    rows = main(a.model, a.device, a.dtype, a.repeats, a.tiny, not a.no_floors,
-                num_requests=a.num_requests)
+    if a.only_draft:
+        model, dev, dtype = bench_setup(a.model, a.device, a.dtype, a.tiny)
+        rows = draft_cost(a.draft_target, model, dev, dtype, a.repeats, a.tiny, "spec_decode")
+    else:
+        rows = main(a.model, a.device, a.dtype, a.repeats, a.tiny, not a.no_floors,
+                    num_requests=a.num_requests, draft_target=a.draft_target or None)
     finish_cli(rows, "spec_decode", a.json)
     return rows
 

@@ -141,6 +141,24 @@ def test_spec_decode_runs_tiny_on_cpu_and_speculation_is_exact():
     assert many["exact_share"] == 1.0           # seeded sampling: plain decoding's tokens
 
 
+def test_spec_decode_draft_cost_runs_tiny_on_cpu():
+    """The draft-model cost model: the tiny draft of the tiny target is the target itself, so it
+    drafts the target's own greedy tokens (acceptance 1) and each step's costs add up."""
+    import torch
+
+    from bench import spec_decode
+    rows = spec_decode.draft_cost("qwen3-8b", "qwen3-0.6b", torch.device("cpu"), None,
+                                  repeats=1, tiny=True, bench="spec_decode")
+    _assert_no_errors(rows)
+    draft = _by_metric(rows, "draft")
+    _assert_positive(draft, ["decode_tok_s", "step_ms", "verify_ms",
+                             "break_even_tokens_per_step"])
+    assert draft["acceptance"] == 1.0
+    plain = _by_metric(rows, "plain")
+    assert abs(draft["break_even_tokens_per_step"] - draft["step_ms"] / plain["step_ms"]) < 1e-9
+    assert abs(draft["propose_ms"] - (draft["step_ms"] - draft["verify_ms"])) < 1e-9
+
+
 def test_spec_decode_oracle_alpha_gives_the_target_acceptance_rate():
     from bench.spec_decode import alpha_for
     assert alpha_for(1.0) > 0.999 and alpha_for(0.0) < 1e-6
