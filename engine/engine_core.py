@@ -148,7 +148,9 @@ class EngineCore:
             proposer = self.draft.proposer(seq)
         else:
             proposer = None                 # n-gram prompt lookup
-        seq.spec = SpecState(cfg if cfg is not None else SpeculativeConfig(), k, proposer)
+        # an empty lookup costs a drained step only when steps overlap: rest only then
+        seq.spec = SpecState(cfg if cfg is not None else SpeculativeConfig(), k, proposer,
+                             rest_when_empty=self.overlap)
         self.speculating = True
 
     def has_work(self) -> bool:

@@ -190,8 +190,9 @@ class Scheduler:
         return out
 
     def speculates_now(self, seq: Sequence) -> bool:
-        """seq speculates, and no more requests run than its config's disable_by_batch_size."""
-        return seq.spec is not None and seq.spec.active and \
+        """seq speculates (active, not resting after empty proposals), and no more requests run
+        than its config's disable_by_batch_size."""
+        return seq.spec is not None and seq.spec.speculating_at(len(seq.token_ids)) and \
             len(self.running) <= seq.spec.config.disable_by_batch_size
 
     def may_draft(self, seq: Sequence) -> bool:

@@ -76,15 +76,16 @@ def qwen2_dir(model_factory):
 
 # ---- a machine without the playground's packages (the GPU machine has no Gradio) ---------------
 def pytest_ignore_collect(collection_path, config):
-    """Without Gradio installed, modules that test the playground (or import its views) are not
-    collected, so `pytest -m gpu` runs on a GPU machine that has only the engine's packages.
+    """Without Gradio installed, modules that test the playground (or import its views, the API
+    or the API's client libraries) are not collected, so `pytest -m gpu` runs on a GPU machine
+    that has only the engine's packages.
     Where Gradio is installed (CI, laptops) every module is collected as usual."""
     import importlib.util
     if collection_path.suffix != ".py" or importlib.util.find_spec("gradio") is not None:
         return None
     import re
     text = collection_path.read_text(errors="ignore")
-    if re.search(r"^\s*(import|from)\s+(gradio|views|app|api|ui_helpers|figure_helpers)\b",
-                 text, re.M):
+    if re.search(r"^\s*(import|from)\s+(gradio|views|app|api|api_served|ui_helpers|"
+                 r"figure_helpers|pydantic|openai)\b", text, re.M):
         return True
     return None

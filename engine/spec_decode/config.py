@@ -37,9 +37,10 @@ class SpeculativeConfig:
     draft_tensor_parallel_size: int = 1
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
-    # adaptive back-off: a request whose drafts were accepted at less than this rate over its
-    # last `adaptive_window` proposals (judged from its 8th on) stops speculating for good
-    # (plain decoding costs less then)
+    # adaptive back-off (spec_decode/state.py): a request whose verifies accepted fewer than
+    # this share of their k draft slots over its last `adaptive_window` proposals (judged from
+    # its 8th on, beyond noise) stops speculating for good: a verify costs ~2 plain steps
+    # (bench/RESULTS.md 2026-12-06), so below ~1 + 0.3 k tokens a verify plain decoding is faster
     adaptive_min_acceptance: float = 0.3
     adaptive_window: int = 32
     # vLLM's key: no request drafts in a step while more than this many run. A verify row costs

@@ -3,6 +3,7 @@ every verify (what was drafted, how much the target accepted, the token it chose
 the request's output and the chat read."""
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass
 
@@ -32,11 +33,23 @@ class DraftVerdict:
         return self.drafted[self.num_accepted:]
 
 
+# with overlap scheduling, a request whose proposer found nothing this many times in a row rests
+# (no proposals, so no drained step: overlap goes on) for REST_FIRST tokens, twice as long each
+# time after (without overlap a lookup that finds nothing costs microseconds: no rest)
+EMPTY_BEFORE_REST = 4
+REST_FIRST, REST_MAX = 8, 256
+# the back-off stops a request only when its acceptance is below the bar beyond this many
+# standard errors (one-sided 95 %): a 50 % acceptance is not stopped by a bad first window
+Z_BACKOFF = 1.645
+
+
 class SpecState:
     """One request's speculation: k drafts per step while its acceptance stays high enough."""
 
-    def __init__(self, config: SpeculativeConfig, k: int, proposer=None):
+    def __init__(self, config: SpeculativeConfig, k: int, proposer=None,
+                 rest_when_empty: bool = True):
         self.config = config
+        self.rest_when_empty = rest_when_empty
         # (token_ids, k) -> up to k drafts; None: n-gram prompt lookup. A draft model's
         # (spec_decode/draft_model.DraftSeq) also takes each verdict (`on_verdict`: roll its
         # cache back) and `release` (return its cache blocks); bench/spec_decode.py plugs in
@@ -55,6 +68,13 @@ class SpecState:
         # and only ever grew since the last one, so only the new tail is copied (not O(length))
         self._ids = np.zeros(0, np.int64)
         self._n = 0
+        self.rest_until = 0             # no proposals before the request holds this many tokens
+        self._empty = 0                 # proposals in a row that found nothing
+        self._rest = REST_FIRST
+
+    def speculating_at(self, num_tokens: int) -> bool:
+        """Active, and not resting after proposals that found nothing."""
+        return self.active and num_tokens >= self.rest_until
 
     def _token_array(self, token_ids) -> np.ndarray:
         n = len(token_ids)
@@ -73,10 +93,25 @@ class SpecState:
         if not self.active or k < 1:
             return []
         if self.proposer is not None:
-            return list(self.proposer(token_ids, k))[:k]
-        c = self.config
-        return propose_ngram(self._token_array(token_ids), k, c.prompt_lookup_min,
-                             c.prompt_lookup_max)
+            drafts = list(self.proposer(token_ids, k))[:k]
+        else:
+            c = self.config
+            drafts = propose_ngram(self._token_array(token_ids), k, c.prompt_lookup_min,
+                                   c.prompt_lookup_max)
+        self._after_proposal(len(token_ids), bool(drafts))
+        return drafts
+
+    def _after_proposal(self, num_tokens: int, found: bool) -> None:
+        """Nothing to find costs a drained step each time (the newest token must reach the
+        host before a lookup): after a few empty proposals, rest, longer each time."""
+        if found or not self.rest_when_empty:
+            self._empty, self._rest = 0, REST_FIRST
+            return
+        self._empty += 1
+        if self._empty >= EMPTY_BEFORE_REST:
+            self.rest_until = num_tokens + self._rest
+            self._rest = min(2 * self._rest, REST_MAX)
+            self._empty = 0
 
     def record(self, verdict: DraftVerdict) -> None:
         """Count one verify; back off for good when the recent acceptance rate is too low."""
@@ -89,14 +124,25 @@ class SpecState:
         self.num_draft_tokens += n
         self.num_accepted_tokens += verdict.num_accepted
         self._window.append((n, verdict.num_accepted))
-        # judged from min(8, window) proposals on: a request with nothing to find stops paying
-        # for verifies after a few steps, not after a whole window of them
-        if len(self._window) >= min(8, self._window.maxlen):
-            drafted = sum(d for d, _ in self._window)
-            accepted = sum(a for _, a in self._window)
-            if accepted < self.config.adaptive_min_acceptance * drafted:
-                self.active = False
-                self.release()
+        if self._below_break_even():
+            self.active = False
+            self.release()
+
+    def _below_break_even(self) -> bool:
+        """The step cost model: a verify costs about as much whatever its drafts' number (one
+        forward over 1 + k rows, no overlap), so it pays when it emits enough tokens; the bar is
+        adaptive_min_acceptance of the k draft slots accepted per verify (a short draft leaves
+        slots empty and counts as rejected there). Judged from min(8, window) proposals on (a
+        request whose drafts all fail stops after a few steps), and only when the window's mean
+        is below the bar by Z_BACKOFF standard errors, so noise does not stop a good request."""
+        w = self._window
+        n = len(w)
+        if n < min(8, w.maxlen):
+            return False
+        acc = [a for _, a in w]
+        mean = sum(acc) / n
+        var = sum((a - mean) ** 2 for a in acc) / (n - 1)
+        return mean + Z_BACKOFF * math.sqrt(var / n) < self.config.adaptive_min_acceptance * self.k
 
     def release(self) -> None:
         """The request finished, was preempted or stopped speculating: a proposer with state
