@@ -418,6 +418,15 @@ def test_first_run_reports_each_repeat_with_its_compiles_on_cpu():
     assert gc.isenabled()
 
 
+def test_spec_steps_splits_verify_and_plain_steps_on_cpu(capsys):
+    from bench.diagnostics import spec_steps
+    spec_steps.main(["--tiny", "--device", "cpu"])
+    out = capsys.readouterr().out
+    for run in ("plain:", "oracle-100:", "oracle-50:", "ngram:"):
+        assert run in out, out
+    assert "verify" in out and "propose" in out and "forward" in out
+
+
 def test_moe_chain_runs_every_family_of_variants_tiny_and_restores_its_shapes(capsys, triton_interpreter):
     from bench.diagnostics import moe_chain
     before = (moe_chain.LAYERS, moe_chain.HIDDEN, moe_chain.EXPERTS)
