@@ -251,14 +251,21 @@ def test_noise_does_not_stop_a_request_at_fifty_percent_acceptance():
 
 
 def test_short_drafts_that_never_pay_for_their_verify_stop():
-    """One-token drafts, every one accepted: a 100 % acceptance rate, but 2 tokens a verify,
-    and a verify costs about as much as a full k-token one: below the break-even of 1 + 0.3 k."""
-    st = SpecState(SpeculativeConfig(), 4)
-    for i in range(8):
-        st.record(DraftVerdict(i, (7,), 1, 5))
-    assert not st.active
-    full = SpecState(SpeculativeConfig(), 4)
+    """One-token drafts where 4 slots were offered, every one accepted: a 100 % acceptance rate,
+    but 2 tokens a verify, and a verify costs about as much as a full k-token one: below the
+    break-even of 1 + 0.3 k. Where the budget or max_tokens offered one slot, the same drafts
+    fill it and pay."""
+    def run(limit: int, verifies: int) -> SpecState:
+        st = SpecState(SpeculativeConfig(), 4, proposer=lambda ids, k: [7])
+        for i in range(verifies):
+            assert st.propose([1, 2, 3], limit) == [7]
+            st.record(DraftVerdict(i, (7,), 1, 5))
+        return st
+    assert not run(4, 8).active
+    assert run(1, 40).active
+    full = SpecState(SpeculativeConfig(), 4, proposer=lambda ids, k: [7, 8])
     for i in range(40):
+        full.propose([1, 2, 3], 4)
         full.record(DraftVerdict(i, (7, 8), 2, 5))     # 3 tokens a verify: pays
     assert full.active
 

@@ -59,7 +59,9 @@ class SpecState:
         self.active = k > 0
         self.drafts: list[int] = []     # in flight: token_ids[position:position + len] hold them
         self.position = 0
+        # (draft slots offered, drafts accepted) of the last proposals
         self._window: deque[tuple[int, int]] = deque(maxlen=config.adaptive_window)
+        self._offered = 0               # slots of the proposal in flight: min(k, limit)
         self.log: list[DraftVerdict] = []
         self.num_drafts = 0
         self.num_draft_tokens = 0
@@ -92,6 +94,7 @@ class SpecState:
         k = min(self.k, limit)
         if not self.active or k < 1:
             return []
+        self._offered = k
         if self.proposer is not None:
             drafts = list(self.proposer(token_ids, k))[:k]
         else:
@@ -123,7 +126,7 @@ class SpecState:
         self.num_drafts += 1
         self.num_draft_tokens += n
         self.num_accepted_tokens += verdict.num_accepted
-        self._window.append((n, verdict.num_accepted))
+        self._window.append((max(self._offered, n), verdict.num_accepted))
         if self._below_break_even():
             self.active = False
             self.release()
@@ -131,8 +134,9 @@ class SpecState:
     def _below_break_even(self) -> bool:
         """The step cost model: a verify costs about as much whatever its drafts' number (one
         forward over 1 + k rows, no overlap), so it pays when it emits enough tokens; the bar is
-        adaptive_min_acceptance of the k draft slots accepted per verify (a short draft leaves
-        slots empty and counts as rejected there). Judged from min(8, window) proposals on (a
+        adaptive_min_acceptance of the draft slots offered accepted per verify (k, fewer where
+        max_tokens or the step's budget allowed fewer; a shorter draft leaves slots empty, and
+        they count as rejected). Judged from min(8, window) proposals on (a
         request whose drafts all fail stops after a few steps), and only when the window's mean
         is below the bar by Z_BACKOFF standard errors, so noise does not stop a good request."""
         w = self._window
@@ -142,7 +146,8 @@ class SpecState:
         acc = [a for _, a in w]
         mean = sum(acc) / n
         var = sum((a - mean) ** 2 for a in acc) / (n - 1)
-        return mean + Z_BACKOFF * math.sqrt(var / n) < self.config.adaptive_min_acceptance * self.k
+        slots = sum(k for k, _ in w) / n     # k, fewer where max_tokens or the budget cut it
+        return mean + Z_BACKOFF * math.sqrt(var / n) < self.config.adaptive_min_acceptance * slots
 
     def release(self) -> None:
         """The request finished, was preempted or stopped speculating: a proposer with state
