@@ -47,9 +47,20 @@ def test_top_k_across_chunks_and_ties_go_to_the_lowest_id(triton_interpreter):
     torch.testing.assert_close(got["top_p"][1, 0], got["top_p"][1, 2])
 
 
-def test_large_k_takes_the_reference():
+def test_large_k_takes_the_reference_not_the_unrolled_kernel(monkeypatch):
+    """k past MAX_K would unroll the top-k loop k times: the torch path serves it."""
+    from engine.kernels import lens_stats as mod
+
+    class Refuse:
+        def __getitem__(self, grid):
+            raise AssertionError("the kernel ran for k > MAX_K")
+    monkeypatch.setattr(mod, "_chunk_kernel", Refuse())
     x = _logits(2, 300, torch.float32)
-    _check(x, lens_stats(x, MAX_K + 1), lens_stats_ref(x, MAX_K + 1), MAX_K + 1)
+    got = lens_stats(x, MAX_K + 1)
+    assert got["top_i"].shape == (2, MAX_K + 1)
+    _check(x, got, lens_stats_ref(x, MAX_K + 1), MAX_K + 1)
+    with pytest.raises(AssertionError, match="kernel ran"):
+        lens_stats(x, MAX_K)
 
 
 def test_reference_is_softmax_top_k_and_entropy():
