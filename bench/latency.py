@@ -1,21 +1,35 @@
 """Batch-1 latency: decode tok/s and ms/token (128-token prompt, 256 greedy tokens) and TTFT of a
-1,024-token prompt, glassbox vs HF `model.generate` (eager) in the same run."""
+1,024-token prompt, glassbox vs HF `model.generate` (eager) in the same run.
+
+--cpu: batch-1 decode on the CPU in fp32, the demo checkpoint (when present) and Qwen3-0.6B shapes
+with dummy weights (--models), each on a protocol scaled to what 2 cores finish in about a minute
+(tok/s and the ratio to HF); the CPU target is stated for 2 cores, so --threads 2."""
 from __future__ import annotations
 
 import sys
 import time
 from pathlib import Path
 
+import torch
+
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import (base_parser, bench_setup, build_engine, error_row, finish_cli,
-                          free_memory, hf_generate, hf_peer, log, measure_floors, median,
-                          random_prompt, ratio_row, row, sampling, shutdown_engine, timed,
-                          vocab_size)
+from bench.common import (DEMO_DIR, base_parser, bench_setup, build_engine, cpu_threads,
+                          error_row, finish_cli, free_memory, hf_generate, hf_peer, log,
+                          measure_floors, median, parse_dtype, random_prompt, ratio_row,
+                          resolve_device, row, sampling, shutdown_engine, timed, vocab_size)
 
 FULL = dict(prompt_len=128, new_tokens=256, ttft_prompt_len=1024)
 TINY = dict(prompt_len=16, new_tokens=8, ttft_prompt_len=32)
+# --cpu, per model: the protocol scaled to what 2 cores finish in about a minute each, and the
+# (glassbox, HF) repeats
+CPU_SHAPES = {
+    "demo": dict(prompt_len=128, new_tokens=128, ttft_prompt_len=128),
+    "qwen3-0.6b": dict(prompt_len=32, new_tokens=8, ttft_prompt_len=32),
+    "tiny": TINY,
+}
+CPU_REPEATS = {"demo": (3, 2), "qwen3-0.6b": (1, 1), "tiny": (1, 1)}
 
 
 def _greedy(n: int):
@@ -122,19 +136,24 @@ def compare_rows(bench: str, model: str, ours: list[dict], peer: list[dict]) -> 
 def main(model: str = "qwen3-0.6b", device: str | None = None, dtype=None, repeats: int = 3,
          hf: bool = True, hf_repeats: int = 2, tiny: bool = False, floors: bool = True,
          bench: str = "latency", hf_new_tokens: int | None = None,
-         engine_kwargs: dict | None = None, llm=None) -> list[dict]:
-    """`llm`: an engine already built for this model (run_all shares one); else one is built."""
+         engine_kwargs: dict | None = None, llm=None, shape: dict | None = None,
+         ttft_repeats: int = 5, hf_ttft_repeats: int = 3,
+         max_model_len: int | None = None) -> list[dict]:
+    """`llm`: an engine already built for this model (run_all shares one); else one is built.
+    `shape`: prompt_len, new_tokens, ttft_prompt_len (default: the protocol, or TINY)."""
     model, dev, dtype = bench_setup(model, device, dtype, tiny)
-    shape = dict(TINY if tiny else FULL)
+    shape = dict(shape or (TINY if tiny else FULL))
     id_high = min(10000, vocab_size(model))
     rows: list[dict] = measure_floors(dev) if floors else []
     ours: list[dict] = []
     own = llm is None
     try:
         if own:
-            llm = build_engine(model, dev, dtype, max_model_len=4096 if not tiny else 256,
+            llm = build_engine(model, dev, dtype,
+                               max_model_len=max_model_len or (4096 if not tiny else 256),
                                **(engine_kwargs or {}))
-        res = glassbox_latency(llm, dev, id_high, repeats=repeats, **shape)
+        res = glassbox_latency(llm, dev, id_high, repeats=repeats, ttft_repeats=ttft_repeats,
+                               **shape)
         log(f"glassbox {model}: {res['decode_tok_s']:,.1f} tok/s, TTFT {res['ttft_ms']:.2f} ms")
         ours = latency_rows(bench, model, "glassbox", res, shape)
         rows += ours
@@ -149,7 +168,8 @@ def main(model: str = "qwen3-0.6b", device: str | None = None, dtype=None, repea
         hf_shape = dict(shape, new_tokens=hf_new_tokens or shape["new_tokens"])
 
         def peer_figures(hf_model) -> list[dict]:
-            res = hf_latency(hf_model, dev, id_high, repeats=hf_repeats, **hf_shape)
+            res = hf_latency(hf_model, dev, id_high, repeats=hf_repeats,
+                             ttft_repeats=hf_ttft_repeats, **hf_shape)
             log(f"HF {model}: {res['decode_tok_s']:,.1f} tok/s, TTFT {res['ttft_ms']:.2f} ms")
             peer = latency_rows(bench, model, "hf-generate", res, hf_shape)
             rows.extend(peer)
@@ -159,11 +179,62 @@ def main(model: str = "qwen3-0.6b", device: str | None = None, dtype=None, repea
     return rows
 
 
+def cpu_models(tiny: bool) -> list[str]:
+    if tiny:
+        return ["tiny"]
+    models = ["qwen3-0.6b"]
+    if (DEMO_DIR / "config.json").exists():
+        models.insert(0, "demo")
+    else:
+        log(f"no demo checkpoint at {DEMO_DIR}: measuring Qwen3-0.6B shapes only")
+    return models
+
+
+def cpu_main(models: list[str] | None = None, dtype=None, hf: bool = True, tiny: bool = False,
+             floors: bool = True, threads: int | None = None) -> list[dict]:
+    """--cpu: each model on its CPU_SHAPES protocol, rows under the bench "cpu"."""
+    threads = threads or cpu_threads()
+    torch.set_num_threads(threads)
+    log(f"CPU bench with {threads} torch threads")
+    dtype = parse_dtype(dtype) or torch.float32
+    rows: list[dict] = []
+    if floors:
+        rows += [dict(r, bench="cpu-floors") for r in measure_floors(resolve_device("cpu"))]
+    for model in models or cpu_models(tiny):
+        shape = CPU_SHAPES[model]
+        ours_rep, hf_rep = CPU_REPEATS[model]
+        # twice the longest request, not main's 4096: the demo checkpoint holds 512 positions
+        longest = max(shape["prompt_len"] + shape["new_tokens"], shape["ttft_prompt_len"] + 2)
+        try:
+            rows += main(model, "cpu", dtype, repeats=ours_rep, hf=hf, hf_repeats=hf_rep,
+                         floors=False, bench="cpu", shape=shape, ttft_repeats=1,
+                         hf_ttft_repeats=1, max_model_len=2 * longest)
+        except Exception as exc:
+            rows.append(error_row("cpu", model, "-", exc))
+    for r in rows:  # the CPU target is stated for 2 cores: say how many this run had
+        if r["bench"] == "cpu" and r["metric"] != "error":
+            r["note"] = f"{r['note']}, {threads} threads".lstrip(", ")
+    return rows
+
+
 def cli(argv=None) -> list[dict]:
     p = base_parser(__doc__)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--hf-repeats", type=int, default=2)
+    p.add_argument("--cpu", action="store_true",
+                   help="the CPU bench: --models on the CPU in fp32, each on its own protocol "
+                        "and repeats (--model, --device and the repeats above are not used)")
+    p.add_argument("--models", default=None,
+                   help="--cpu: comma list from demo,qwen3-0.6b,tiny (default: demo if present "
+                        "+ 0.6b)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="--cpu: torch threads (default: all cores)")
     a = p.parse_args(argv)
+    if a.cpu:
+        models = a.models.split(",") if a.models else None
+        rows = cpu_main(models, a.dtype, not a.no_hf, a.tiny, not a.no_floors, a.threads)
+        finish_cli(rows, "cpu latency", a.json)
+        return rows
     if a.tiny:
         a.repeats, a.hf_repeats = min(a.repeats, 2), 1
     rows = main(a.model, a.device, a.dtype, a.repeats, not a.no_hf, a.hf_repeats, a.tiny,

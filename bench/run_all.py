@@ -96,8 +96,7 @@ def _kernel_section(module: str) -> Callable[[], list[dict]]:
 
 def build_sections(a: argparse.Namespace, shared: SharedEngine) -> list[Section]:
     """In priority order: what matters most runs first, the 60 GB MoE last."""
-    from bench import (cpu_latency, latency, long_context, moe, probes, shared_prefix,
-                       throughput, watched)
+    from bench import latency, long_context, moe, probes, shared_prefix, throughput, watched
     dev, hf, tiny = a.device, not a.skip_hf, a.tiny
     sections = [
         Section("latency", 75, lambda: latency.main(
@@ -128,7 +127,7 @@ def build_sections(a: argparse.Namespace, shared: SharedEngine) -> list[Section]
         sections += [Section("kernels", 60, _kernel_section("kernels")),
                      Section("moe_kernels", 60, _kernel_section("moe_kernels"))]
     if not a.skip_cpu:
-        sections.append(Section("cpu", 100, lambda: cpu_latency.main(None, hf=hf, tiny=tiny,
+        sections.append(Section("cpu", 100, lambda: latency.cpu_main(None, hf=hf, tiny=tiny,
                                                                      floors=False)))
     if not a.skip_moe:
         # 256 requests (the dense workload) take ~25 s more than the 128 of before

@@ -2,9 +2,13 @@
 the server's overhead in % of output throughput and in ms of TTFT (BENCH.md `serve`).
 
 One process holds the engine and serves the API (uvicorn, the API routes only: no Gradio) from
-a thread, as `python app.py` does; the HTTP client is a separate process (bench/serve_client.py)
-so its parsing does not compete with the server for the GIL. Repeats alternate the two paths and
-use fresh token ids each time (no prefix-cache hits across runs).
+a thread, as `python app.py` does; the HTTP client is this script in another process, so its
+parsing does not compete with the server for the GIL:
+    python bench/serve.py client URL REQUESTS.json OUT.json [--sequential] [--api-key KEY]
+fires REQUESTS.json ({"model", "sampling", "requests": [{"prompt": [ids], "max_tokens": n}]}) at
+URL's /v1/completions with streaming, all at once (--sequential: one after another) and writes
+each request's TTFT and output tokens and the wall time to OUT.json. Repeats alternate the two
+paths and use fresh token ids each time (no prefix-cache hits across runs).
 
 - throughput: every request of the workload at once; output tok/s over wall time.
 - TTFT: one request at a time on an idle engine, max_tokens=1: in-process, `llm.stream` call ->
@@ -16,6 +20,8 @@ checkpoint and a small workload. Needs fastapi, uvicorn and httpx (imported only
 """
 from __future__ import annotations
 
+import argparse
+import asyncio
 import json
 import subprocess
 import sys
@@ -23,14 +29,95 @@ import tempfile
 import time
 from pathlib import Path
 
+# ---------------------------------------------------------------- the HTTP client (its own process)
+
+async def _one(client, url: str, body: dict) -> dict:
+    """One streamed completion: TTFT (first chunk with a choice), output tokens (usage)."""
+    t0 = time.perf_counter()
+    ttft, usage = None, None
+    async with client.stream("POST", url, json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread()).decode()[:300]}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            data = line[6:]
+            if data == "[DONE]":
+                break
+            if ttft is None and '"choices":[{' in data:
+                ttft = time.perf_counter() - t0
+            elif '"error":' in data and '"choices"' not in data:
+                raise RuntimeError(f"stream error: {data[:300]}")
+            elif '"usage":{' in data:
+                usage = json.loads(data)["usage"]
+    if usage is None:
+        raise RuntimeError("the stream ended without a usage chunk")
+    return {"ttft_s": ttft, "output_tokens": usage["completion_tokens"],
+            "prompt_tokens": usage["prompt_tokens"], "latency_s": time.perf_counter() - t0}
+
+
+async def client_run(url: str, requests: list[dict], sampling: dict, model: str,
+                     sequential: bool, api_key: str | None) -> dict:
+    import httpx
+    n = max(1, len(requests))
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    limits = httpx.Limits(max_connections=n + 8, max_keepalive_connections=n + 8)
+    bodies = [{"model": model, "prompt": r["prompt"], "max_tokens": r["max_tokens"],
+               "stream": True, "stream_options": {"include_usage": True}, **sampling}
+              for r in requests]
+    endpoint = url.rstrip("/") + "/v1/completions"
+    async with httpx.AsyncClient(limits=limits, timeout=None, headers=headers) as client:
+        await client.get(url.rstrip("/") + "/v1/models")      # connect once before the clock
+        t0 = time.perf_counter()
+        if sequential:
+            results = [await _one(client, endpoint, b) for b in bodies]
+        else:
+            results = await asyncio.gather(*(_one(client, endpoint, b) for b in bodies))
+        wall = time.perf_counter() - t0
+    return {"wall_s": wall, "results": results}
+
+
+def client_cmd(url: str, spec: Path, out: Path, sequential: bool = False,
+               api_key: str | None = None) -> list[str]:
+    """The command line of the client process: this script in client mode."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), "client", url, str(spec), str(out)]
+    cmd += ["--sequential"] if sequential else []
+    return cmd + (["--api-key", api_key] if api_key else [])
+
+
+def client_main(argv: list[str]) -> None:
+    p = argparse.ArgumentParser(prog="serve.py client",
+                                description="the HTTP client process of bench/serve.py")
+    p.add_argument("url")
+    p.add_argument("requests")
+    p.add_argument("out")
+    p.add_argument("--sequential", action="store_true", help="one request at a time (TTFT)")
+    p.add_argument("--api-key")
+    a = p.parse_args(argv)
+    spec = json.loads(open(a.requests).read())
+    out = asyncio.run(client_run(a.url, spec["requests"], spec.get("sampling", {}), spec["model"],
+                                 a.sequential, a.api_key))
+    with open(a.out, "w") as f:
+        json.dump(out, f)
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["client"]:
+    # here, before bench.common imports torch: the client needs only httpx, and torch's import
+    # (~1.5 s of a busy core) would compete with the server inside the time that
+    # bench/diagnostics/serve_host.py measures
+    client_main(sys.argv[2:])
+    sys.exit()
+
+# ---------------------------------------------------------------- the server and the measurement
+
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import (TINY_OF, base_parser, build_engine, error_row, finish_cli, free_memory,
-                          log, make_workload, median, parse_dtype, random_prompt, resolve_device,
-                          row, sampling, shutdown_engine, timed, vocab_size)
+from bench.common import (TINY_OF, base_parser, build_engine, error_row,  # noqa: E402
+                          finish_cli, free_memory, log, make_workload, median, parse_dtype,
+                          random_prompt, resolve_device, row, sampling, shutdown_engine, timed,
+                          vocab_size)
 
-CLIENT = Path(__file__).resolve().parent / "serve_client.py"
 TEMPERATURE = 0.6
 # (prompt lengths, output lengths, TTFT prompt length) per scale
 SCALES = {"gpu": ((100, 1024), (100, 1024), 1024),
@@ -40,16 +127,14 @@ SCALES = {"gpu": ((100, 1024), (100, 1024), 1024),
 
 def http_run(server_url: str, model: str, requests, sequential: bool = False,
              api_key: str | None = None) -> dict:
-    """The workload through bench/serve_client.py in a child process."""
+    """The workload through the client process."""
     with tempfile.TemporaryDirectory(prefix="glassbox-serve-") as tmp:
         spec, out = Path(tmp) / "requests.json", Path(tmp) / "out.json"
         spec.write_text(json.dumps({
             "model": model, "sampling": {"temperature": TEMPERATURE, "ignore_eos": True},
             "requests": [{"prompt": r.prompt, "max_tokens": r.max_tokens} for r in requests]}))
-        cmd = [sys.executable, str(CLIENT), server_url, str(spec), str(out)]
-        cmd += ["--sequential"] if sequential else []
-        cmd += ["--api-key", api_key] if api_key else []
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+        proc = subprocess.run(client_cmd(server_url, spec, out, sequential, api_key),
+                              capture_output=True, text=True, timeout=1800)
         if proc.returncode != 0:
             raise RuntimeError(f"HTTP client failed: {proc.stderr.strip()[-800:]}")
         return json.loads(out.read_text())

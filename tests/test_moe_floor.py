@@ -1,10 +1,11 @@
-"""bench/moe_floor.py: the bytes a MoE run's steps must read, from step traces (no engine)."""
+"""bench/moe.py's bandwidth floor: the bytes a MoE run's steps must read, from step traces
+(no engine)."""
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-from bench.moe_floor import ModelBytes, expected_experts, run_floor, step_bytes
+from bench.moe import ModelBytes, expected_experts, run_floor, step_bytes
 
 MB = ModelBytes(expert=1000, num_experts=128, top_k=8, moe_layers=2, dense=50_000, embed_row=10,
                 kv_per_token=7)

@@ -1,6 +1,6 @@
 """The API's host cost without a GPU: a fake engine whose step holds the GIL for --busy-ms of
 Python (a real step's host work) and releases it for --wait-ms (the GPU's share), served through
-the real API routes to bench/serve_client.py in another process. The engine's steps per second
+the real API routes to bench/serve.py's client in another process. The engine's steps per second
 with the clients streaming, against the engine alone, is the share of the GIL the server takes;
 also reported: the server process's CPU time per token beyond the engine's own.
 
@@ -27,9 +27,8 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from bench.serve import client_cmd
 from engine.sequence import TokenEvent
-
-CLIENT = Path(__file__).resolve().parents[1] / "serve_client.py"   # bench/serve_client.py
 
 
 class FakeLLM:
@@ -111,8 +110,7 @@ def main(argv=None) -> dict:
                 "model": "fake", "sampling": {"temperature": 0.0, "ignore_eos": True},
                 "requests": [{"prompt": [1, 2, 3], "max_tokens": a.max_tokens}] * a.streams}))
             s0, k0, c0, t0 = llm.steps, llm.tokens, time.process_time(), time.perf_counter()
-            subprocess.run([sys.executable, str(CLIENT), server.url, str(spec), str(out)],
-                           check=True, timeout=600)
+            subprocess.run(client_cmd(server.url, spec, out), check=True, timeout=600)
             wall = time.perf_counter() - t0
             steps, tokens, cpu = llm.steps - s0, llm.tokens - k0, time.process_time() - c0
     finally:
