@@ -49,3 +49,40 @@ def test_decode_graph_cap_is_the_smallest_bound_holding_the_longest_context():
     assert cap(1, [512]) == 512 and cap(1, [513]) is None
     assert cap(2, [10, 300]) is None and cap(2, [300, 10][1:]) == 256   # the longest row decides
     assert cap(8, [5]) is None and cap(1, []) is None
+
+
+def test_verify_entries_as_decode_rows_keep_the_chunk_rows_with_causal_context_lengths():
+    """A verify entry (newest token + k drafts) becomes 1 + k decode rows of its sequence: the
+    same flat ids, positions, slots and sampled rows as the prefill-chunk layout, each row's
+    context ending at its own token (the chunk's causal mask), the table row repeated. A step
+    with a prefill chunk keeps the chunk layout."""
+    rng = np.random.default_rng()
+    bs = 4
+    seqs = []
+    for i, length in enumerate(rng.integers(6, 30, 3)):
+        s = Sequence(f"r{i}", rng.integers(3, 100, int(length)).tolist(), SamplingParams(), 0)
+        seqs.append(s)
+    k = int(rng.integers(1, 5))
+    seqs[1].token_ids += rng.integers(3, 100, k).tolist()        # its drafts, fed after it
+    for s in seqs:
+        s.block_table = rng.permutation(60)[:(len(s) + bs - 1) // bs].tolist()
+    start1 = len(seqs[1]) - 1 - k
+    sched = [ScheduledSeq(seqs[0], 1, len(seqs[0]) - 1), ScheduledSeq(seqs[2], 1, len(seqs[2]) - 1),
+             ScheduledSeq(seqs[1], 1 + k, start1, num_draft=k)]     # verify entries last
+    chunk = build_step_inputs(3, sched, bs, None)
+    rows = build_step_inputs(3, sched, bs, None, verify_as_decode=True)
+    assert not chunk.is_decode and rows.is_decode and rows.max_seqlen_q == 1
+    for f in ("input_ids", "positions", "slot_mapping", "sample_rows"):
+        assert getattr(rows, f).tolist() == getattr(chunk, f).tolist(), f
+    assert rows.sample_rows.tolist() == list(range(3 + k))
+    assert rows.context_lens.tolist() == [len(seqs[0]), len(seqs[2])] + \
+        [start1 + 1 + j for j in range(1 + k)]
+    assert rows.cu_seqlens_q.tolist() == list(range(4 + k))
+    for r in range(2, 3 + k):
+        assert rows.block_tables[r, :len(seqs[1].block_table)].tolist() == seqs[1].block_table
+    # a prefill chunk in the step: the chunk layout stays
+    fresh = Sequence("p", rng.integers(3, 100, 9).tolist(), SamplingParams(), 0)
+    fresh.block_table = [59, 58, 57]
+    mixed = build_step_inputs(4, [ScheduledSeq(fresh, 9, 0)] + sched, bs, None,
+                              verify_as_decode=True)
+    assert not mixed.is_decode and mixed.num_seqs == 4
