@@ -443,6 +443,24 @@ def test_skinny_gemm_smoke_checks_its_configs_against_f_linear(capsys, triton_in
     assert "smoke ok" in capsys.readouterr().out
 
 
+def test_serve_host_streams_its_fake_engine_through_the_api(capsys):
+    """bench/diagnostics/serve_host.py: its fake engine is a whole EngineClient (the API may
+    come to read any member of the protocol: checked here, not at the next run), and every
+    stream gets all its tokens over HTTP."""
+    from bench.diagnostics import serve_host
+    from engine.client import EngineClient
+    llm = serve_host.FakeLLM(busy_ms=0.1, wait_ms=0.1)
+    llm.shutdown()
+    members = set(EngineClient.__annotations__) | {n for n in vars(EngineClient)
+                                                   if not n.startswith("_")}
+    assert not [n for n in sorted(members) if not hasattr(llm, n)]
+    res = serve_host.main(["--streams", "4", "--max-tokens", "20", "--alone-s", "0.3"])
+    assert res["streamed_tokens"] == 4 * 20
+    _assert_positive(res, ["alone_steps_s", "served_steps_s", "tok_s"])
+    assert math.isfinite(res["server_us_per_token"])
+    assert "4 streams x 20 tokens: engine alone" in capsys.readouterr().out
+
+
 def test_the_suite_stays_small_and_every_diagnostic_is_listed_in_the_readme():
     """bench/ holds the suite (what run_all runs and the few scripts run standalone, at most 15
     files: a helper lives in the script it serves); bench/diagnostics/ the rest, each with its
