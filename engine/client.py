@@ -68,7 +68,8 @@ class EngineClient(Protocol):
 
     def stats(self) -> dict:
         """Cheap counters: num_running, num_waiting, kv_usage, prefix_hits, prefix_queries,
-        num_preemptions, block_size, alive."""
+        num_preemptions, block_size, alive; and spec_decode (draft and accepted token counts)
+        where the engine speculates."""
 
     # ---- the glass ----------------------------------------------------------------------------
     def inspect(self) -> EngineSnapshot:
@@ -83,7 +84,7 @@ class EngineClient(Protocol):
     def steps_since(self, cursor: int = 0) -> tuple[tuple, int]:
         ...
 
-    def block_info(self, block_id: int) -> BlockInfo:
+    def block_info(self, block_id: int, viewer_salt: str | None = None) -> BlockInfo:
         ...
 
     def read_kv_block(self, block_id: int, layer: int, head: int, which: str = "k"):
