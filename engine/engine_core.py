@@ -281,14 +281,9 @@ class EngineCore:
             if any(s.seq.grammar is not None or _allowed(s.seq) is not None
                    for s in sampling):
                 self._grammar_mask(batch, sampling, prev_step_id)
-        kc = self.runner.kernel_config
-        intervened = self.interventions is not None and self.interventions.active
-        # verify rows as decode rows only where no probe or intervention plan indexes entries
         inp = build_step_inputs(step_id, scheduled, self.bm.block_size, batch, plan,
-                                prev_step_id, kc.cascade_min_saved_tokens,
-                                verify_as_decode=kc.verify_as_decode and plan is None
-                                and not intervened)
-        if intervened:
+                                prev_step_id, self.runner.kernel_config.cascade_min_saved_tokens)
+        if self.interventions is not None and self.interventions.active:
             inp.interventions = self.interventions.plan(scheduled)
         return inp
 

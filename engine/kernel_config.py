@@ -85,11 +85,6 @@ class KernelConfig:
         "step whose rows share prefix blocks when it saves this many token reads per KV head "
         "and layer: ~8k tokens' K/V is the cost of its extra launch; 0 turns it off",
         _parse_count))
-    verify_as_decode: bool = field(default=True, metadata=_choice(
-        "GLASSBOX_VERIFY_AS_DECODE", "A/B while measured: a speculative verify's 1 + k tokens "
-        "run as decode rows (a decode graph; row j's context ends at its token) instead of a "
-        "prefill chunk (a 16-token prefill graph: 1.53 ms of device time at batch 1 against a "
-        "plain step's 0.77 on an H100)", _parse_bool))
     moe_config_dir: str | None = field(default=None, metadata=_choice(
         "GLASSBOX_MOE_CONFIG_DIR", "where the tuned MoE launch tables are read (None: "
         "engine/kernels/configs/); a table from bench/tune_moe.py can be tried without copying "

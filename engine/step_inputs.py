@@ -93,47 +93,19 @@ def prompt_logprob_rows(scheduled):
         total += s.num_tokens
 
 
-def verify_rows_as_decode(scheduled) -> bool:
-    """Whether this step's verify entries can run as decode rows: every other entry decodes
-    one token (a prefill chunk keeps the step on the prefill path)."""
-    return any(s.num_draft for s in scheduled) and \
-        all(s.num_tokens == 1 or s.num_draft for s in scheduled)
-
-
-def _as_decode_rows(scheduled):
-    """A verify entry's 1 + k tokens as 1 + k one-token rows of its sequence, row j attending
-    to the context up to its own token (start + j + 1): the causal mask a prefill chunk would
-    apply, written as context lengths. The rows write their K/V before any row's attention
-    reads it, as a decode row's own token does, so row j sees the step's tokens 0..j. The
-    flat rows (and so the sampled rows) are the prefill layout's, in the same order."""
-    for s in scheduled:
-        if s.num_draft:
-            for j in range(s.num_tokens):
-                yield s.seq, 1, s.start + j, s.samples, 0
-        else:
-            yield s.seq, s.num_tokens, s.start, s.samples, 0
-
-
 def build_step_inputs(step_id: int, scheduled, block_size: int, sampling: SamplingBatch | None,
                       probe_plan=None, prev_step_id: int = -1,
-                      cascade_min_saved: int = 0, verify_as_decode: bool = False) -> StepInputs:
+                      cascade_min_saved: int = 0) -> StepInputs:
     """Flatten a scheduled batch. Plain Python lists and one numpy block table: this runs on
-    every step, serial with the host side of the step, so per-row tensor work is avoided.
-
-    verify_as_decode: a step of decode rows and speculative verify entries runs each verify
-    token as a decode row (_as_decode_rows), so it replays a decode graph; the caller passes
-    it only when no probe or intervention plan refers to the entries' rows."""
-    if verify_as_decode and verify_rows_as_decode(scheduled):
-        entries = list(_as_decode_rows(scheduled))
-    else:
-        entries = [(s.seq, s.num_tokens, s.start, s.samples, s.num_draft) for s in scheduled]
+    every step, serial with the host side of the step, so per-row tensor work is avoided."""
     ids, pos, slots, ctx_lens, cu, rows = [], [], [], [], [0], []
     pend_rows, pend_src = [], []
     max_q = 0
     max_blocks = max((len(s.seq.block_table) for s in scheduled), default=1) or 1
-    table = np.zeros((len(entries), max_blocks), dtype=np.int32)
+    table = np.zeros((len(scheduled), max_blocks), dtype=np.int32)
     total = 0
-    for i, (seq, n, start, samples, num_draft) in enumerate(entries):
+    for i, s in enumerate(scheduled):
+        seq, n, start = s.seq, s.num_tokens, s.start
         bt = seq.block_table
         table[i, :len(bt)] = bt
         if n == 1:                                   # decode: no per-token ranges
@@ -154,9 +126,9 @@ def build_step_inputs(step_id: int, scheduled, block_size: int, sampling: Sampli
         cu.append(total)
         if n > max_q:
             max_q = n
-        if samples:
-            if num_draft and n > 1:                  # a verify chunk: every row samples
-                rows.extend(range(total - 1 - num_draft, total))
+        if s.samples:
+            if s.num_draft:                          # a verify: every row of the chunk samples
+                rows.extend(range(total - 1 - s.num_draft, total))
             else:
                 rows.append(total - 1)
     ctx = np.array(ctx_lens, dtype=np.int32)

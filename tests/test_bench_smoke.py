@@ -427,6 +427,13 @@ def test_spec_steps_splits_verify_and_plain_steps_on_cpu(capsys):
     assert "verify" in out and "propose" in out and "forward" in out
 
 
+def test_step_profile_verify_profiles_plain_and_verify_steps_on_cpu(capsys):
+    from bench.diagnostics import step_profile
+    step_profile.main(["--tiny", "--device", "cpu", "--verify"])
+    out = capsys.readouterr().out
+    assert "== plain:" in out and "== verify (oracle 100 %):" in out, out
+
+
 def test_moe_chain_runs_every_family_of_variants_tiny_and_restores_its_shapes(capsys, triton_interpreter):
     from bench.diagnostics import moe_chain
     before = (moe_chain.LAYERS, moe_chain.HIDDEN, moe_chain.EXPERTS)

@@ -391,35 +391,6 @@ def test_mixed_batch_of_speculating_and_plain_requests_equals_plain(engines):
     _drain_check(spec)
 
 
-@pytest.mark.parametrize("as_decode", [True, False], ids=["decode-rows", "prefill-chunk"])
-def test_verify_as_decode_rows_or_as_a_prefill_chunk_equals_plain(qwen3_dir, engines, as_decode):
-    """KernelConfig.verify_as_decode: a verify step's rows run as decode rows (a decode graph on
-    the GPU) or as a prefill chunk; both give plain decoding's tokens and logprobs."""
-    plain, _ = engines
-    prompts = _prompts(4)
-    params = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=2),
-              SamplingParams(temperature=0.8, seed=5, max_tokens=30, ignore_eos=True),
-              SamplingParams(temperature=0, max_tokens=30, ignore_eos=True,
-                             num_speculative_tokens=0),
-              SamplingParams(temperature=0, max_tokens=30, ignore_eos=True,
-                             repetition_penalty=1.2)]
-    with _engine(qwen3_dir, NGRAM, kernels={"verify_as_decode": as_decode}) as spec:
-        seen = []
-        execute = spec.runner.execute_step
-
-        def spy(inp):
-            if len(inp.sample_rows) > len(inp.context_lens) or inp.is_decode:
-                seen.append((inp.is_decode, len(inp.sample_rows), inp.num_seqs))
-            return execute(inp)
-        spec.runner.execute_step = spy
-        _same(plain.generate(prompts, params), spec.generate(prompts, params), logprobs_atol=1e-4)
-        verify_steps = [x for x in seen if x[1] > len(prompts)]
-        assert verify_steps, "no step verified drafts: the test does not exercise the switch"
-        # decode rows: one sequence row per sampled row; a chunk: one row per request
-        assert all(d == as_decode and (rows == n) == as_decode for d, rows, n in verify_steps)
-        _drain_check(spec)
-
-
 def test_per_request_speculation_without_a_server_setting(engines):
     plain, _ = engines
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)

@@ -1,6 +1,8 @@
 """Where a step's time goes, on the GPU: per-kernel CUDA time of one batch-1 decode step and of a
 full-batch decode step (torch profiler), and, for the `throughput` workload, the engine's own
 StepTraces grouped by step kind (graph-replayed decode, eager decode, mixed, prefill-only).
+`--probes-only`: batch-1 decode with each probe set watched; `--verify`: plain decode steps
+against speculative verify steps.
 
     python bench/diagnostics/step_profile.py [--model qwen3-0.6b] [--num-requests 256]
 
@@ -70,6 +72,38 @@ def kernel_table(llm, prompts: list[list[int]], new_tokens: int, top: int = 25,
     print(f"{'us/step':>9} {'calls/step':>10}  kernel")
     for us, cnt, key in rows[:top]:
         print(f"{us / steps:9.1f} {cnt / steps:10.1f}  {key[:110]}")
+
+
+def verify_table(llm, model: str, tiny: bool, top: int = 25) -> None:
+    """Per-kernel CUDA time per step of batch-1 plain decoding and of speculative verify steps
+    (bench/spec_decode.py's oracle at 100 % acceptance, k = 4): which kernels a verify's extra
+    rows cost."""
+    from torch.profiler import ProfilerActivity, profile
+    from bench.common import vocab_size
+    from bench.spec_decode import FULL, TINY, oracle_run, timed_stream
+    shape = TINY if tiny else FULL
+    P, N, vocab = shape["prompt_len"], shape["new_tokens"], vocab_size(model)
+    prompt = random_prompt(P, min(10000, vocab), 5)
+    timed_stream(llm, random_prompt(P, min(10000, vocab), 999), 8, 0)      # warm-up
+    settled = oracle_run(llm, prompt, timed_stream(llm, prompt, N, 0)["tokens"], P, N, 1.0,
+                         vocab, 0)["tokens"]
+    for name, run in (("plain", lambda: timed_stream(llm, prompt, N, 0)),
+                      ("verify (oracle 100 %)",
+                       lambda: oracle_run(llm, prompt, settled, P, N, 1.0, vocab, 0))):
+        _, cursor = llm.steps_since(0)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            r = run()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+        steps, _ = llm.steps_since(cursor)
+        n = max(len(steps), 1)
+        rows = cuda_kernel_rows(prof)
+        print(f"\n== {name}: {r['tok_s']:,.0f} tok/s, {n} steps (graph buckets "
+              f"{sorted({s.graph_bucket for s in steps}, key=str)}); CUDA kernels "
+              f"{sum(x[0] for x in rows) / n / 1e3:.3f} ms a step, "
+              f"{sum(x[1] for x in rows) / n:.0f} launches a step")
+        for us, cnt, key in rows[:top]:
+            print(f"{us / n:9.1f} {cnt / n:7.1f}  {key[:110]}")
 
 
 def prefill_table(llm, prompt: list[int], id_high: int, top: int = 20) -> None:
@@ -175,6 +209,8 @@ def main(argv=None) -> None:
     p.add_argument("--probes-only", action="store_true",
                    help="batch-1 decode with each probe spec watched, nothing else")
     p.add_argument("--ttft", action="store_true", help="the 1,024-token prefill only")
+    p.add_argument("--verify", action="store_true",
+                   help="batch-1 plain decode steps against speculative verify steps only")
     a = p.parse_args(argv)
     dev = resolve_device(a.device)
     model = TINY_OF.get(a.model, a.model) if a.tiny else a.model
@@ -186,6 +222,9 @@ def main(argv=None) -> None:
         id_high = workload_kwargs(model, a.tiny)["id_high"]
         if a.ttft:
             prefill_table(llm, random_prompt(32 if a.tiny else 1024, id_high, 5), id_high)
+            return
+        if a.verify:
+            verify_table(llm, model, a.tiny)
             return
         if a.probes_only:
             from bench.probes import probe_specs
