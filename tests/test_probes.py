@@ -173,6 +173,23 @@ def test_logit_lens_matches_hf_final_norm_and_head(watched, hf_dense):
         assert step.sampled_rank[-1] == 0
 
 
+def test_the_lens_takes_the_same_rows_copied_per_layer_or_stacked_once(llm, watched,
+                                                                       monkeypatch):
+    """Small steps keep each hook's residual and take the lens' rows in one launch at the end;
+    big ones copy a row per layer (probes/buffers.py STACK_RESID_ROWS): the same lens."""
+    import engine.probes.buffers as pb
+    out, trace, _ = watched
+    monkeypatch.setattr(pb, "STACK_RESID_ROWS", 0)          # every step copies per layer
+    again = llm.generate([out.prompt_token_ids], greedy(len(out.token_ids)),
+                         watch=ProbeSpec(prefill_pattern_layers=(0, 1)))[0]
+    assert again.token_ids == out.token_ids
+    # the repeat hits the prefix cache: its prefill is shorter, so fp32 sums round differently
+    for a, b in zip(trace.lens, llm.trace(again.request_id).lens, strict=True):
+        np.testing.assert_array_equal(a.top_ids, b.top_ids)
+        np.testing.assert_allclose(a.top_probs, b.top_probs, rtol=1e-5)
+        np.testing.assert_allclose(a.entropy, b.entropy, rtol=1e-5)
+
+
 def test_attention_rows_match_hf_eager_across_block_boundaries(watched):
     out, trace, ref = watched
     assert_attention_matches(trace, ref, len(out.token_ids))

@@ -17,14 +17,20 @@ from .plan import ProbePlan
 # steps with at most this many rows record routing for every row into stacked per-layer
 # buffers the router writes directly (no launch per layer); bigger eager steps select rows
 STACK_ROUTING_ROWS = 1024
+# steps with at most this many rows keep each hook's residual (a new tensor every layer) and
+# take the lens' rows from all of them at once in on_final: two launches instead of one copy
+# per layer (29 at Qwen3-0.6B, 53 us a decode step on an H100: bench/RESULTS.md 2026-12-06
+# day). Holding them costs (L + 1) x rows x hidden, so big prefills still copy per layer.
+STACK_RESID_ROWS = 64
 
 
 class ProbeBuffers:
     """Device-side outputs of one step's probes on one rank.
 
     Per layer, recording costs at most one launch: residual norms come from the norm kernel's
-    own sum of squares, routing is written by the router into stacked buffers, the lens copies
-    one residual row, attention copies one query row. The reductions over all layers run once
+    own sum of squares, routing is written by the router into stacked buffers, the lens keeps a
+    reference to each residual (or, in a big step, copies one row of it), attention copies one
+    query row. The reductions over all layers run once
     in `on_final`, which also packs the small results into one flat buffer (`packed`) so the
     host reads them with a single non-blocking copy."""
 
@@ -45,6 +51,9 @@ class ProbeBuffers:
         self.norms = None                                   # [L + 1, R], set by on_final
         self.lens_resid = (torch.zeros(num_layers + 1, W, hidden, device=device, dtype=dtype)
                            if plan.lens and W else None)
+        # hook index -> that hook's residual [N, H], while the lens stacks them (on_resid)
+        self.resid_at: dict[int, torch.Tensor] | None = (
+            {} if self.lens_resid is not None and num_rows <= STACK_RESID_ROWS else None)
         self.attn_layers = list(plan.attention_layers) if W else []
         self.attn_slot = {layer: i for i, layer in enumerate(self.attn_layers)}
         self.attn_layer_ids = _to_device(torch.tensor(self.attn_layers, dtype=torch.int32),
@@ -114,7 +123,9 @@ class ProbeBuffers:
 
     def on_resid(self, index: int, residual: torch.Tensor) -> None:
         """index 0 = hook_embed, index l + 1 = blocks.l.hook_resid_post. residual [N, H]."""
-        if self.lens_resid is not None:
+        if self.resid_at is not None and residual.shape[0] == self.num_rows:
+            self.resid_at[index] = residual             # a reference: no launch (on_final)
+        elif self.lens_resid is not None:
             torch.index_select(residual, 0, self.last_rows, out=self.lens_resid[index])
 
     def q_row_out(self, layer: int, num_heads: int, head_dim: int, dtype, device):
@@ -199,6 +210,14 @@ class ProbeBuffers:
                 parts["shared_gate"] = self.shared_gate
         if self.expert_load is not None:
             parts["expert_load"] = self.expert_load
+        if self.resid_at:
+            idx = sorted(self.resid_at)
+            rows = torch.stack([self.resid_at[i] for i in idx]).index_select(1, self.last_rows)
+            if len(idx) == self.lens_resid.shape[0]:
+                self.lens_resid.copy_(rows)
+            else:                   # a hook that saw other rows copied its own already
+                self.lens_resid[idx] = rows
+            self.resid_at.clear()   # a graph's warm-up forward runs before its capture
         if self.lens_resid is not None:
             L1, W, H = self.lens_resid.shape
             x = model.model.norm(self.lens_resid[1:].reshape(-1, H))
