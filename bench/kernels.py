@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.kernels.activation import silu_and_mul, silu_and_mul_ref  # noqa: E402
 from engine.kernels.attention_probe import attention_probs, attention_probs_ref  # noqa: E402
-from engine.kernels.lens_stats import lens_stats, lens_stats_ref  # noqa: E402
+from engine.kernels.lens_stats import lens_stats, lens_stats_ref, sampled_stats, sampled_stats_ref  # noqa: E402
 from engine.kernels.decode_attention import paged_decode_attention, paged_decode_attention_ref  # noqa: E402
 from engine.kernels.prefill_attention import paged_prefill_attention, paged_prefill_attention_ref  # noqa: E402
 from engine.kernels.rmsnorm import fused_add_rms_norm, fused_add_rms_norm_ref, rms_norm, rms_norm_ref  # noqa: E402
@@ -165,6 +165,12 @@ def cases():
     lens_logits = torch.randn(28, VOCAB, device=dev).to(BF16)
     yield ("lens_stats", f"R=28 V={VOCAB} bf16 k=10", lambda x=lens_logits: lens_stats(x, 10),
            lambda x=lens_logits: lens_stats_ref(x, 10), lens_logits.numel() * E, 0)
+    # after sampling: the sampled token's probability and rank in each lens row
+    lens_lse = torch.logsumexp(lens_logits.float(), -1).view(28, 1)
+    sampled = torch.tensor([123], device=dev)
+    args = (lens_logits.view(28, 1, VOCAB), lens_lse, sampled)
+    yield ("sampled_stats", f"L=28 W=1 V={VOCAB} bf16", lambda a=args: sampled_stats(*a),
+           lambda a=args: sampled_stats_ref(*a), lens_logits.numel() * E, 0)
 
     for batch in (1, 128, 256):  # the sampler at decode: fp32 logits, half the rows greedy
         logits = torch.randn(batch, VOCAB, device=dev)

@@ -4,7 +4,8 @@ Shapes stay small: each (row, vocabulary chunk) is one interpreted program."""
 import pytest
 import torch
 
-from engine.kernels.lens_stats import BLOCK_V, MAX_K, lens_stats, lens_stats_ref, sampled_stats
+from engine.kernels.lens_stats import (BLOCK_V, MAX_K, lens_stats, lens_stats_ref, sampled_stats,
+                                       sampled_stats_ref)
 
 
 def _logits(rows: int, vocab: int, dtype, scale: float = 3.0) -> torch.Tensor:
@@ -80,7 +81,7 @@ def test_sampled_stats_are_the_sampled_tokens_probability_and_rank():
     x = torch.randn(L, W, V) * 2
     tokens = torch.tensor([17, 400])
     lse = torch.logsumexp(x, -1)
-    prob, rank = sampled_stats(x, lse, tokens)
+    prob, rank = sampled_stats_ref(x, lse, tokens)
     p = x.softmax(-1)
     for l in range(L):
         for w in range(W):
@@ -89,5 +90,23 @@ def test_sampled_stats_are_the_sampled_tokens_probability_and_rank():
             # rank 0 = the lens' top guess: how many tokens the lens puts above the sampled one
             assert int(rank[l, w]) == int((p[l, w] > p[l, w, t]).sum())
     top = x.argmax(-1)
-    _, rank = sampled_stats(x, lse, top[0])
+    _, rank = sampled_stats_ref(x, lse, top[0])
     assert rank[0].tolist() == [0, 0]
+
+
+@pytest.mark.parametrize("L,W,V,dtype", [
+    (3, 2, 1000, torch.float32),                 # one partial chunk
+    (2, 3, 2 * BLOCK_V + 77, torch.float16),     # three chunks; fp16 ties the sampled logit often
+])
+def test_sampled_stats_kernel_equals_the_reference(triton_interpreter, L, W, V, dtype):
+    """One pass over the logits, each chunk adding its count of larger logits to the row's
+    rank: the reference's probability, and its rank exactly (ties do not count as larger)."""
+    x = (torch.randn(L, W, V) * 3).to(dtype)
+    x[:, :, 5] = x[:, :, 9]                      # a tie with the sampled token in every row
+    tokens = torch.tensor([9] + torch.randint(0, V, (W - 1,)).tolist())
+    lse = torch.logsumexp(x.float(), -1)
+    prob, rank = sampled_stats(x, lse, tokens)
+    want_p, want_r = sampled_stats_ref(x, lse, tokens)
+    assert prob.dtype == rank.dtype == torch.float32 and prob.shape == rank.shape == (L, W)
+    assert torch.equal(rank, want_r)
+    torch.testing.assert_close(prob, want_p, rtol=1e-6, atol=1e-8)

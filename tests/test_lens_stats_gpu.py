@@ -37,4 +37,4 @@ def test_replays_in_a_cuda_graph_and_feeds_sampled_stats():
         prob, rank = sampled_stats(x.view(28, 1, -1), out["lse"].view(28, 1), tokens)
         p = x.float().softmax(-1)[:, 123]
         torch.testing.assert_close(prob[:, 0], p, rtol=1e-4, atol=1e-7)
-        assert torch.equal(rank[:, 0], (x > x[:, 123:124]).sum(-1))
+        assert torch.equal(rank[:, 0], (x > x[:, 123:124]).sum(-1).float())

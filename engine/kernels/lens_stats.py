@@ -9,7 +9,7 @@ for the sampled token's rank — ~150 µs of a watched batch-1 decode step of ~7
 maximum, its sum of exp(x - max) and of exp(x - max) * (x - max) (the entropy's term), and its k
 largest logits; a second launch merges each row's chunks. The sampled token, known only after
 sampling (outside a captured graph), needs the log-sum-exp and one compare pass
-(`sampled_stats`). Measured at 28 x 151,936 bf16, k = 10, on an H100: 272.6 µs for the torch
+(`sampled_stats`, one launch after a zeroed output). Measured at 28 x 151,936 bf16, k = 10, on an H100: 272.6 µs for the torch
 sequence, 43.4 µs here (bench/RESULTS.md, 2026-12-06 morning).
 
 Entropy from chunk partials: with p = exp(x - M) / S over the row, H = log S - (1/S) * sum
@@ -118,13 +118,45 @@ def lens_stats_ref(logits: torch.Tensor, k: int) -> dict[str, torch.Tensor]:
     return dict(top_i=top_i.to(torch.int32), top_p=top_p, entropy=entropy, lse=lse)
 
 
+@triton.jit
+def _sampled_kernel(logits_ptr, stride_l, stride_w, lse_ptr, tokens_ptr, out_ptr, W, vocab,
+                    rows, BLOCK: tl.constexpr):
+    # out: prob [rows] | rank [rows], fp32, zeroed: each chunk adds its count of larger logits
+    # (whole numbers: the float sum is exact and independent of the order)
+    row = tl.program_id(0)
+    chunk = tl.program_id(1)
+    w = row % W
+    base = logits_ptr + (row // W).to(tl.int64) * stride_l + w.to(tl.int64) * stride_w
+    x = tl.load(base + tl.load(tokens_ptr + w)).to(tl.float32)
+    ids = chunk * BLOCK + tl.arange(0, BLOCK)
+    v = tl.load(base + ids, mask=ids < vocab, other=float("-inf")).to(tl.float32)
+    tl.atomic_add(out_ptr + rows + row, tl.sum((v > x).to(tl.float32), axis=0))
+    if chunk == 0:
+        tl.store(out_ptr + row, tl.exp(x - tl.load(lse_ptr + row)))
+
+
 def sampled_stats(logits: torch.Tensor, lse: torch.Tensor, tokens: torch.Tensor):
     """Each lens row's probability of the token the step sampled and its rank (how many tokens
-    have a larger logit; 0 = the lens' top guess). logits [L, W, V], lse [L, W], tokens [W]."""
+    have a larger logit; 0 = the lens' top guess), both fp32 (they travel in the probes' flat
+    buffer): logits [L, W, V], lse [L, W], tokens [W] -> prob [L, W], rank [L, W]. Two launches
+    (a zeroed output and one pass over the logits) where torch took six."""
+    L, W, V = logits.shape
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    out = torch.zeros(2, L, W, dtype=torch.float32, device=logits.device)
+    if L * W:
+        _sampled_kernel[(L * W, triton.cdiv(V, BLOCK_V))](
+            logits, logits.stride(0), logits.stride(1), lse.contiguous(), tokens, out, W, V,
+            L * W, BLOCK=BLOCK_V, num_warps=8)
+    return out[0], out[1]
+
+
+def sampled_stats_ref(logits: torch.Tensor, lse: torch.Tensor, tokens: torch.Tensor):
+    """Torch reference (and the engine's CPU path) of `sampled_stats`."""
     x = logits.gather(-1, tokens[None, :, None].expand(logits.shape[0], -1, 1))     # [L, W, 1]
     prob = torch.exp(x[..., 0].float() - lse)
-    rank = (logits > x).sum(-1)
+    rank = (logits > x).sum(-1).float()
     return prob, rank
 
 
-__all__ = ["lens_stats", "lens_stats_ref", "sampled_stats", "MAX_K"]
+__all__ = ["lens_stats", "lens_stats_ref", "sampled_stats", "sampled_stats_ref", "MAX_K"]

@@ -10,7 +10,7 @@ import torch
 
 from ..context import get_context
 from ..kernels import attention_probe
-from ..kernels.lens_stats import lens_stats, lens_stats_ref, sampled_stats
+from ..kernels.lens_stats import lens_stats, lens_stats_ref, sampled_stats, sampled_stats_ref
 from .plan import ProbePlan
 
 
@@ -299,7 +299,8 @@ class ProbeBuffers:
         lo = self.lens_out
         if lo is not None and sampled is not None and len(sample_index):
             t = _rows_of(sampled, sample_index)                             # [W]
-            prob, rank = sampled_stats(lo["logits"], lo["lse"], t)          # [L, W] each
+            stats = sampled_stats if t.is_cuda else sampled_stats_ref
+            prob, rank = stats(lo["logits"], lo["lse"], t)                  # [L, W] each
             named.append(("lens_sampled_prob", prob))
             named.append(("lens_sampled_rank", rank))
         for (layer, start), t in self.patterns.items():
