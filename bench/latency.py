@@ -232,6 +232,9 @@ def cli(argv=None) -> list[dict]:
     a = p.parse_args(argv)
     if a.cpu:
         models = a.models.split(",") if a.models else None
+        unknown = sorted(set(models or ()) - set(CPU_SHAPES))
+        if unknown:
+            p.error(f"--models: {', '.join(unknown)} unknown; choose from {', '.join(CPU_SHAPES)}")
         rows = cpu_main(models, a.dtype, not a.no_hf, a.tiny, not a.no_floors, a.threads)
         finish_cli(rows, "cpu latency", a.json)
         return rows
