@@ -13,10 +13,10 @@ from .spec_decode import DraftVerdict, SpeculativeConfig
 from .records import EngineSnapshot
 from .probes.trace import RequestTrace
 
-__all__ = ["LLM", "Intervention", "SamplingParams", "ProbeSpec", "RequestOutput", "TokenEvent", "EngineSnapshot",
-           "SpeculativeConfig", "DraftVerdict",
-           "RequestTrace", "PromptTooLongError", "UnsupportedArchitectureError",
-           "CheckpointMismatchError", "CheckpointFormatError", "ModelNotFoundError",
-           "WorkerDiedError", "GlassboxError", "InvalidArgumentError", "OutOfCapacityError",
-           "EngineUnavailableError", "EngineShutdownError", "ModelSwitchingError",
-           "EngineFailedError", "RequestFailedError", "ModelLoadError"]
+__all__ = ["LLM", "Intervention", "SamplingParams", "ProbeSpec", "RequestOutput", "TokenEvent",
+           "EngineSnapshot", "SpeculativeConfig", "DraftVerdict", "RequestTrace",
+           "PromptTooLongError", "UnsupportedArchitectureError", "CheckpointMismatchError",
+           "CheckpointFormatError", "ModelNotFoundError", "WorkerDiedError", "GlassboxError",
+           "InvalidArgumentError", "OutOfCapacityError", "EngineUnavailableError",
+           "EngineShutdownError", "ModelSwitchingError", "EngineFailedError",
+           "RequestFailedError", "ModelLoadError"]

@@ -1,13 +1,10 @@
 """KV control plane: which physical block holds which tokens of which request.
 
-Blocks are reference counted. A full block whose K/V are computed gets a prefix hash from a
-chain (parent hash + its token ids), so a later request with the same prefix reuses it. A block
-whose ref count drops to 0 keeps its hash and stays "cached but free" (evictable) until the
-allocator needs it; free blocks form an LRU queue (OrderedDict, O(1) everywhere).
-
-Per-block state that readers look at (ref count, cached-prefix flag) lives in numpy arrays
-updated in place as blocks change, so a snapshot is one array copy, never a walk over Python
-objects (a GPU cache has ~65k blocks; the engine lock is held while the snapshot is taken).
+Blocks are reference counted. A full, computed block gets a prefix hash chained from its parent
+block's, so a later request with the same prefix reuses it; at ref count 0 it keeps its hash
+and stays cached but free (evictable) in an LRU free queue (OrderedDict, O(1) everywhere).
+Per-block state readers look at lives in numpy arrays updated in place, so a snapshot under
+the engine lock is one array copy, never a walk over ~65k Python objects.
 """
 from __future__ import annotations
 
@@ -98,8 +95,8 @@ class BlockManager:
         if block.prefix_hash is not None:          # evict: its cached prefix is gone
             if self.hash_to_block.get(block.prefix_hash) == bid:
                 del self.hash_to_block[block.prefix_hash]
-            block.prefix_hash, block.parent_hash, block.token_ids = None, None, ()
-            block.salt_tag = None
+            block.prefix_hash, block.parent_hash, block.token_ids, block.salt_tag = (
+                None, None, (), None)
             self.hashed[bid] = False
             self.evictions += 1
         self.ref_count[bid] = 1
@@ -112,18 +109,13 @@ class BlockManager:
         if self.enable_prefix_caching:
             self.prefix_queries += (len(seq) - 1) // self.block_size
             self.prefix_hits += len(hits)
-        table, hashes = [], []
         for bid in hits:
-            block = self.blocks[bid]
             if self.ref_count[bid] == 0:
                 del self.free_queue[bid]
             self.ref_count[bid] += 1
-            table.append(bid)
-            hashes.append(block.prefix_hash)
-        for _ in range(self.blocks_for(len(seq)) - len(hits)):
-            table.append(self._take_free().block_id)
-        seq.block_table = table
-        self.hashes[seq.request_id] = hashes
+        seq.block_table = hits + [self._take_free().block_id
+                                  for _ in range(self.blocks_for(len(seq)) - len(hits))]
+        self.hashes[seq.request_id] = [self.blocks[bid].prefix_hash for bid in hits]
         seq.num_cached_tokens = len(hits) * self.block_size
         seq.num_computed_tokens = seq.num_cached_tokens
         seq.prefix_cached_blocks += len(hits)
@@ -163,12 +155,10 @@ class BlockManager:
         """Share parent's full blocks with child (ref += 1). A partial last block cannot be
         shared (both would append into it): child gets a fresh one, and the caller must copy
         K/V from the returned (src, dst) block pair."""
-        bs = self.block_size
-        full = len(parent) // bs
-        child.block_table = []
-        for bid in parent.block_table[:full]:
+        full = len(parent) // self.block_size
+        child.block_table = parent.block_table[:full]
+        for bid in child.block_table:
             self.ref_count[bid] += 1
-            child.block_table.append(bid)
         self.hashes[child.request_id] = list(self.hashes.get(parent.request_id, []))
         child.num_computed_tokens = parent.num_computed_tokens
         if len(parent.block_table) > full:
@@ -217,7 +207,7 @@ class BlockManager:
                 if len(ids) > len(best):
                     best = ids
         if not best and self.blocks[block_id].prefix_hash is not None:
-            best = list(self.blocks[block_id].token_ids)
+            best = self.blocks[block_id].token_ids
         return list(best)
 
     # ---- invariants (tests and debugging) ------------------------------------------------

@@ -1,11 +1,10 @@
 """The root of a request's prefix-cache chain: who may share whose cached prompt blocks.
 
-A KV block is found in the prefix cache by a hash chained from the first block of the prompt;
-the chain's root is 0 for a plain request. A request whose forward differs (interventions:
-interventions/spec.cache_salt) roots its chain elsewhere, so it never reuses blocks computed by
-another forward. vLLM's `cache_salt` does the same for users: requests salted differently never
-share blocks, so nobody can learn from a faster first token that someone else sent the same
-prompt (the timing side channel of a shared prefix cache). Both salts combine into one root.
+A request whose forward differs (interventions: interventions/spec.cache_salt) roots its block
+hash chain elsewhere, so it never reuses blocks computed by another forward. vLLM's
+`cache_salt` does the same for users: requests salted differently never share blocks, so nobody
+learns from a faster first token that someone sent the same prompt (the prefix cache's timing
+side channel). Both salts combine into one root.
 """
 from __future__ import annotations
 
@@ -26,14 +25,17 @@ def check_salt(salt) -> str | None:
     return salt
 
 
+def _digest63(*parts: bytes) -> int:
+    """A stable 63-bit digest (the same in every process, never negative)."""
+    return int.from_bytes(hashlib.blake2b(b"".join(parts), digest_size=8).digest(), "little") >> 1
+
+
 def salt_tag(salt: str | None) -> int | None:
     """Who may read a salted block's text (the KV tab): a digest of the salt alone, so the
     session or key that sent it can be matched without keeping the salt (None: unsalted)."""
     if salt is None:
         return None
-    h = hashlib.blake2b(b"glassbox-salt-tag", digest_size=8)
-    h.update(salt.encode("utf-8", "surrogatepass"))
-    return int.from_bytes(h.digest(), "little") >> 1
+    return _digest63(b"glassbox-salt-tag", salt.encode("utf-8", "surrogatepass"))
 
 
 def chain_root(interventions_salt: int | None, salt: str | None) -> int | None:
@@ -41,7 +43,5 @@ def chain_root(interventions_salt: int | None, salt: str | None) -> int | None:
     never collides with the plain root by construction and is the same in every process."""
     if salt is None:
         return interventions_salt
-    h = hashlib.blake2b(b"glassbox-cache-salt", digest_size=8)
-    h.update((interventions_salt or 0).to_bytes(8, "little"))
-    h.update(salt.encode("utf-8", "surrogatepass"))
-    return int.from_bytes(h.digest(), "little") >> 1
+    return _digest63(b"glassbox-cache-salt", (interventions_salt or 0).to_bytes(8, "little"),
+                     salt.encode("utf-8", "surrogatepass"))

@@ -1,12 +1,11 @@
 """The per-step cascade decision: do enough rows of a decode batch share prefix blocks that
 reading those once (kernels/cascade_attention.py) beats reading them once per row?
 
-Decided from the block tables the scheduler already built (prefix caching makes a shared prompt
-prefix the same physical blocks in every table): the largest set of rows whose tables start
-with the same block, and the longest run of blocks they all share from there. A block counts
-only when it is full and holds no row's newest token (that token is the step's own K/V, written
-by this step). The cascade pays when the reads it saves outweigh one more launch per layer:
-(rows - 1) x shared tokens at least KernelConfig.cascade_min_saved_tokens (0: never).
+From the block tables (prefix caching makes a shared prefix the same physical blocks): the
+largest set of rows whose tables start with the same block, and the run of blocks they all
+share from there, counting only full blocks before every row's newest token (written by this
+step). It pays when the reads saved outweigh one more launch per layer: (rows - 1) x shared
+tokens at least KernelConfig.cascade_min_saved_tokens (0: never).
 """
 from __future__ import annotations
 

@@ -27,10 +27,6 @@ class Checkpoint:
         tokenizer = load_tokenizer(path)
         return cls(path, hf_config, tokenizer, frozenset(eos_ids(path, hf_config, tokenizer)))
 
-    @property
-    def name(self) -> str:
-        return os.path.basename(os.path.normpath(self.path))
-
     def max_model_len(self, asked: int | None) -> int:
         """The context length: `asked`, at most the model's max_position_embeddings."""
         limit = getattr(self.hf_config, "max_position_embeddings", None) or 4096

@@ -1,18 +1,13 @@
 """EngineClient: what the front ends (api/, views/) may use of an engine, and nothing more.
-
-The serving hub (engine/serving.py) hands one out; `LLM` implements it, and so do the tests'
-stand-ins (tests/scripted_engine.py). A front end never probes an engine for what it has: if a
-front end needs something, it is declared here.
-
-Requests go in one way: `processor.process(...)` (or `process`) turns what a user sends into an
-EngineRequest, checked once; `submit(request, on_event=...)` queues it. The glass is read
-through the rest: immutable records, never a live engine structure.
+`LLM` implements it, and so do the tests' stand-ins (tests/scripted_engine.py): a front end
+never probes an engine for what it has. Requests go in through `processor.process(...)` then
+`submit`; the glass is read as immutable records, never a live engine structure.
 """
 from __future__ import annotations
 
 from typing import Callable, Protocol, runtime_checkable
 
-from .processor import EngineRequest, Processor
+from .processor import Processor
 from .records import BlockInfo, EngineSnapshot
 from .sequence import TokenEvent
 
@@ -101,6 +96,3 @@ class EngineClient(Protocol):
 
     def shutdown(self) -> None:
         ...
-
-
-__all__ = ["EngineClient", "EngineRequest"]

@@ -1,27 +1,19 @@
-"""CUDA graphs for decode: one graph per batch-size bucket, captured with and without probes.
+"""CUDA graphs for decode: one graph per batch-size bucket, per variant.
 
-The probe-free graphs are captured at start-up. Probe-capturing variants — (lens, attention)
-on top of norms and routing, see probes/buffers.graph_variant — are captured the first time a watched
-request needs one at that bucket: start-up stays as fast as with probes off, and a watch for
-norms never pays for the logit lens or the attention rows.
+Probe-free graphs are captured at start-up; probe-capturing variants (probes/buffers.
+graph_variant), cascade graphs (engine/cascade.py) and intervention variants (one per plan key,
+interventions/buffers.py, tables refilled before each replay) are captured at first use, so
+start-up stays as fast as with probes off. Small buckets also get probe-free graphs bounded to
+a shorter context (decode_attention.context_caps): a graph's attention grid is fixed, and a
+short context replays one with fewer splits.
 
-Graph inputs are static device buffers sized for max_num_seqs rows and max_model_len plus one
-block of context, so any decode batch up to the largest bucket replays (padded rows get
-context_len 0 and slot -1); larger batches run eagerly. They are views into two device
-buffers (int64: ids, positions, slots; int32: context lens, block tables), each filled by one
-non-blocking copy from pinned memory allocated for that step: with overlap scheduling the host
-prepares step N+1 before step N's copies have run, so a reused staging buffer would race.
-Pending input ids (sampled by the step before, still on the device) are written after the
-copy. Small buckets also get probe-free graphs bounded to a shorter context
-(decode_attention.context_caps): a graph's attention grid is fixed, and a short context
-replays one with fewer splits. Steps whose rows share prefix blocks replay a cascade graph
-per bucket (engine/cascade.py; captured at first use, its prefix inputs in a static buffer).
-Steps with interventions replay a variant per plan key
-(interventions/buffers.py), its tables refilled before the replay; steps without any replay the graphs they always did. With
-tensor parallelism every rank captures the same graphs in the same order, NCCL all-reduces
-inside, and replays them in lockstep. One decode step in TIMED_EVERY replays a
-"timed" copy of its graph whose collectives are bracketed by CUDA events captured with it: the
-all-reduce time per step is measured where it happens, at the cost of nothing on the others.
+Inputs are static device buffers sized for max_num_seqs rows and max_model_len plus one block,
+so any batch up to the largest bucket replays (padded rows: context 0, slot -1); larger ones
+run eagerly. Each step fills them by one non-blocking copy per dtype from pinned memory
+allocated for that step: with overlap scheduling step N+1 is prepared before step N's copies
+ran, so a reused staging buffer would race. With TP every rank captures the same graphs in the
+same order and replays them in lockstep; one decode step in TIMED_EVERY replays a "timed" copy
+whose collectives are bracketed by captured CUDA events (measured where they happen).
 """
 from __future__ import annotations
 

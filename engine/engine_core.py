@@ -1,22 +1,14 @@
 """EngineCore: the step loop. schedule -> prepare -> launch (forward + sampling on the device)
 -> postprocess (resolve tokens, stop rules, detokenize, probes, step trace).
 
-With overlap scheduling (the default on a GPU) step N+1 is scheduled, prepared and launched
-while step N still runs; step N is postprocessed after that, so the device always has the next
-step queued and the host's Python runs in its shadow. Tokens sampled by step N feed step N+1
-from the device (`StepInputs.pending_rows`). With overlap off (the CPU default) each step is
-postprocessed right after its launch: the same code, one step in flight at most.
+With overlap scheduling (the GPU default) step N+1 is launched while step N still runs, and
+step N is postprocessed after that, so the host's Python runs in the device's shadow; tokens
+sampled by step N feed step N+1 from the device (`StepInputs.pending_rows`). Without it (the
+CPU default) each step is postprocessed right after its launch. The lock is held only while
+engine state changes, never during the forward or the wait: readers never starve.
 
-The lock is held only while engine state changes (scheduling, postprocessing), not during the
-forward or while waiting for the device: inspect/abort/new requests are never starved.
-
-`step()` returns one value, a StepResult: the token events and the requests that failed on
-their own data. Nothing else carries results out; the step's trace goes to the StepHistory the
-inspector reads.
-
-A failure caused by one request's data fails that request only: an exception while building a
-batch's inputs or launching it re-runs its requests one by one, and a failure in one request's
-postprocessing stays with it. The engine goes on serving the others.
+A failure caused by one request's data fails that request only: a batch whose inputs or launch
+fail is re-run request by request, and a failure in one request's postprocessing stays with it.
 """
 from __future__ import annotations
 
@@ -68,7 +60,6 @@ class InFlight:
     scheduled: list[ScheduledSeq]
     inp: StepInputs
     out: StepOutput
-    t_start: float
     t_schedule: float
     t_prepare: float
 
@@ -169,6 +160,9 @@ class EngineCore:
             self.probes.finish_request(seq)
         res.failures.append((seq.request_id, err))
 
+    def _fail_alone(self, seq: Sequence, err: BaseException, res: StepResult) -> None:
+        self._fail(seq, RequestFailedError(f"this request failed in the engine: {err!r}"), res)
+
     def _final_event(self, seq: Sequence, token: int | None = None,
                      lp: TokenLogprobs | None = None) -> TokenEvent:
         d = self.detok.pop(seq.request_id, None)
@@ -261,7 +255,7 @@ class EngineCore:
             self.penalty_slots.invalidate([s.seq for s in scheduled])
             self._t_propose.pop(step_id, None)  # this step id is never recorded
             return PrepareFailed(scheduled, e)
-        return scheduled, inp, t0, t1 - t0, time.perf_counter() - t1
+        return scheduled, inp, t1 - t0, time.perf_counter() - t1
 
     def _inputs(self, step_id: int, scheduled, prev_step_id: int) -> StepInputs:
         plan = self.probes.plan(scheduled) if self.probes is not None else None
@@ -292,19 +286,14 @@ class EngineCore:
         the tokens at indices start + 1 .. start + 1 + k with the request's own settings and
         noise (seed, index), exactly as plain decoding would sample each of them; min_tokens
         bans apply per row. Returns the batch and each row's sequence."""
-        params, seeds, positions, banned, rows = [], [], [], [], []
-        plain = [s for s in sampling if not s.num_draft]
-        for r, t in self._banned(plain):
-            banned.append((r, t))
+        params, seeds, positions, rows = [], [], [], []
+        banned = self._banned([s for s in sampling if not s.num_draft])
         for s in sampling:
             seq = s.seq
             idx = range(s.start + 1, s.start + 2 + s.num_draft) if s.num_draft else [len(seq)]
             for i in idx:
                 if s.num_draft and i - seq.num_prompt_tokens < seq.params.min_tokens:
-                    if seq.banned_ids is None:
-                        seq.banned_ids = tuple(seq.stop_token_set | (
-                            set() if seq.params.ignore_eos else self.eos_token_ids))
-                    banned.extend((len(rows), t) for t in seq.banned_ids)
+                    banned.extend((len(rows), t) for t in self._min_tokens_bans(seq))
                 params.append(seq.params)
                 seeds.append(seq.seed)
                 positions.append(i)
@@ -332,7 +321,7 @@ class EngineCore:
         batch.grammar_mask_fn = LateMask(self.masks, self.inflight.out,
                                          self.runner.check_workers, grammars, advance, allowed)
 
-    def _launch(self, scheduled, inp: StepInputs, t0, t_sched, t_prep,
+    def _launch(self, scheduled, inp: StepInputs, t_sched, t_prep,
                 res: StepResult) -> InFlight | None:
         try:
             out = self.runner.execute_step(inp)
@@ -345,23 +334,21 @@ class EngineCore:
             return self._isolate(scheduled, e, res)
         with self.lock:
             self.scheduler.on_launch(scheduled, inp.step_id)
-        return InFlight(scheduled, inp, out, t0, t_sched, t_prep)
+        return InFlight(scheduled, inp, out, t_sched, t_prep)
 
     def _isolate(self, scheduled, err: BaseException, res: StepResult) -> None:
-        """A batch failed to build its inputs or to launch: finish the step in flight, then run each of its requests
-        alone; the ones that fail alone are failed, the others go on (their solo steps are
-        postprocessed here, into this step's result)."""
+        """A batch failed to build its inputs or to launch: finish the step in flight, then run
+        each of its requests alone; the ones that fail alone are failed, the others go on (their
+        solo steps are postprocessed here, into this step's result)."""
         res.extend(self.drain())
         if len(scheduled) == 1:
             with self.lock:
-                self._fail(scheduled[0].seq,
-                           RequestFailedError(f"this request failed in the engine: {err!r}"), res)
+                self._fail_alone(scheduled[0].seq, err, res)
             return None
         for s in scheduled:
             with self.lock:
                 if s.seq.is_finished:
                     continue
-                t0 = time.perf_counter()
                 step_id = self.step_id
                 self.step_id += 1
                 try:
@@ -370,8 +357,7 @@ class EngineCore:
                     raise
                 except Exception as e:      # noqa: BLE001 — this request's own data
                     self.penalty_slots.invalidate([s.seq])
-                    self._fail(s.seq, RequestFailedError(
-                        f"this request failed in the engine: {e!r}"), res)
+                    self._fail_alone(s.seq, e, res)
                     continue
             try:
                 out = self.runner.execute_step(inp)
@@ -380,12 +366,11 @@ class EngineCore:
             except Exception as e:          # noqa: BLE001
                 self.penalty_slots.invalidate([s.seq])
                 with self.lock:
-                    self._fail(s.seq, RequestFailedError(
-                        f"this request failed in the engine: {e!r}"), res)
+                    self._fail_alone(s.seq, e, res)
                 continue
             with self.lock:
                 self.scheduler.on_launch([s], step_id)
-            self._complete(InFlight([s], inp, out, t0, 0.0, 0.0), res)
+            self._complete(InFlight([s], inp, out, 0.0, 0.0), res)
         return None
 
     def _complete(self, f: InFlight, res: StepResult) -> None:
@@ -397,15 +382,18 @@ class EngineCore:
             self._record(f, t_wait, time.perf_counter() - t3, expert_load)
             res.step_tokens.append(sum(s.num_tokens for s in f.scheduled))
 
+    def _min_tokens_bans(self, seq: Sequence) -> tuple[int, ...]:
+        """The ids banned before min_tokens, built once per request (not per step)."""
+        if seq.banned_ids is None:
+            seq.banned_ids = tuple(seq.stop_token_set | (
+                set() if seq.params.ignore_eos else self.eos_token_ids))
+        return seq.banned_ids
+
     def _banned(self, sampling) -> list[tuple[int, int]]:
         out = []
         for row, s in enumerate(sampling):
-            p = s.seq.params
-            if s.seq.num_output_tokens < p.min_tokens:
-                if s.seq.banned_ids is None:    # built once per request, not per step
-                    s.seq.banned_ids = tuple(s.seq.stop_token_set | (
-                        set() if p.ignore_eos else self.eos_token_ids))
-                out.extend((row, t) for t in s.seq.banned_ids)
+            if s.seq.num_output_tokens < s.seq.params.min_tokens:
+                out.extend((row, t) for t in self._min_tokens_bans(s.seq))
             f = s.seq.token_filter
             if f is not None and f.bad_words is not None:     # every output token is resolved
                 out.extend((row, t) for t in f.bad_words.banned(s.seq.output_token_ids))
@@ -537,30 +525,20 @@ class EngineCore:
                 "num_accepted_tokens": sum(a for _, _, a in verifies), "verifies": verifies}
 
     def _record(self, f: InFlight, t_wait: float, t_post: float, expert_load) -> None:
-        ids, kinds, ntok, starts, n_pre, n_dec = [], [], [], [], 0, 0
-        n_draft = 0
-        for s in f.scheduled:
-            n = s.num_tokens
-            ids.append(s.seq.request_id)
-            ntok.append(n)
-            starts.append(s.start)
-            if n == 1 and s.start >= s.seq.num_prompt_tokens:
-                kinds.append("decode")
-                n_dec += 1
-            elif s.num_draft:               # a verify: the newest token and its drafts
-                kinds.append("decode")
-                n_dec += n
-                n_draft += s.num_draft
-            else:
-                kinds.append("prefill")
-                n_pre += n
-        entries = StepEntries(ids, kinds, ntok, starts)
-        out = f.out
+        sched, out = f.scheduled, f.out
+        # a verify (the newest token and its drafts) is a decode
+        kinds = ["decode" if s.num_draft or s.num_tokens == 1 and s.start >= s.seq.num_prompt_tokens
+                 else "prefill" for s in sched]
+        ntok = [s.num_tokens for s in sched]
+        n_dec = sum(n for n, kind in zip(ntok, kinds) if kind == "decode")
+        entries = StepEntries([s.seq.request_id for s in sched], kinds, ntok,
+                              [s.start for s in sched])
         used = self.bm.num_blocks - self.bm.num_free_blocks
         gpu = out.gpu_time
         trace = StepTrace(
             step_id=f.inp.step_id, wall_time=time.time(), entries=entries,
-            num_prefill_tokens=n_pre, num_decode_tokens=n_dec, t_schedule=f.t_schedule,
+            num_prefill_tokens=sum(ntok) - n_dec, num_decode_tokens=n_dec,
+            t_schedule=f.t_schedule,
             t_prepare=f.t_prepare, t_forward=gpu if gpu is not None else out.t_launch,
             t_sample=t_post, graph_bucket=out.graph_bucket,
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
@@ -568,6 +546,6 @@ class EngineCore:
             collectives=out.collectives, t_launch=out.t_launch, t_wait=t_wait,
             collective_time=out.collective_time, overlapped=self.overlap,
             t_propose=self._t_propose.pop(f.inp.step_id, 0.0) if self.speculating else 0.0,
-            **(self._spec_record(f.scheduled) if n_draft else {}),
+            **(self._spec_record(sched) if any(s.num_draft for s in sched) else {}),
             **self._cascade_record(f.inp, out))
         self.steps.append(trace)

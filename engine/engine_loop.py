@@ -2,14 +2,10 @@
 steps while there is work, and delivers each StepResult's events and failures to the requests'
 sinks (a queue's put for generate/stream, a caller's on_event for submit).
 
-Failures: a request whose own data breaks a step is failed alone by the core (StepResult's
-failures). A step that fails outside what one request's data explains fails the requests in
-flight and the loop serves on; a dead worker, or MAX_STEP_FAILURES such steps in a row (a
-broken device), ends the engine, and every later request is refused with the reason.
-
-Locking: `lock` (a GenerationLock shared with the core and the inspector) is held while engine
-state changes: adding, aborting, delivering, and the core's schedule and postprocess; never
-during a forward or while waiting for the device.
+A step that fails outside what one request's data explains fails the requests in flight and
+the loop serves on; a dead worker, or MAX_STEP_FAILURES such steps in a row (a broken device),
+ends the engine, and every later request is refused with the reason. `lock` (a GenerationLock
+shared with the core and the inspector) is held only while engine state changes.
 """
 from __future__ import annotations
 
@@ -18,7 +14,8 @@ import threading
 import time
 from typing import Callable
 
-from .errors import EngineFailedError, EngineShutdownError, RequestFailedError
+from .errors import (EngineFailedError, EngineShutdownError, InvalidArgumentError,
+                     RequestFailedError)
 from .processor import EngineRequest
 from .sequence import Sequence, TokenEvent
 
@@ -77,7 +74,6 @@ class EngineLoop:
             ids = [r.request_id for r in requests]
             taken = next((i for i in ids if i in self._seqs), None)
             if taken is not None or len(set(ids)) != len(ids):
-                from .errors import InvalidArgumentError
                 raise InvalidArgumentError(f"request id {taken or ids[0]!r} is already in use; "
                                            "give a new one (or None for a generated id)",
                                            "request_id")

@@ -30,10 +30,8 @@ class GlassboxError(Exception):
 
 # ---- a request the caller must change ----------------------------------------------------------
 class InvalidArgumentError(GlassboxError, ValueError):
-    """An argument of the Python API is wrong. `param` names it as the caller wrote it:
-    `prompt`, `sampling` / a SamplingParams field (`top_p`), `watch` / a ProbeSpec field
-    (`watch.layers`), an LLM(...) setting (`max_model_len`); None when no one argument is to
-    blame."""
+    """An argument of the Python API is wrong. `param` names it as the caller wrote it (`prompt`,
+    `top_p`, `watch.layers`, `max_model_len`); None when no one argument is to blame."""
     default_param: str | None = None
 
     def __init__(self, message: str, param: str | None = None):
@@ -93,9 +91,8 @@ class CheckpointMismatchError(ModelLoadError, RuntimeError):
 
 
 class CheckpointFormatError(ModelLoadError, ValueError):
-    """A checkpoint file cannot be used as it is: an invalid config.json, a truncated or corrupt
-    safetensors file, a shard path that leaves the checkpoint directory, a tokenizer that would
-    run code shipped in the checkpoint."""
+    """A checkpoint file cannot be used as it is (invalid config.json, corrupt safetensors, a
+    shard path leaving the directory, a tokenizer that would run code from the checkpoint)."""
 
 
 class ModelNotFoundError(ModelLoadError, FileNotFoundError):

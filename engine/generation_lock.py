@@ -1,20 +1,16 @@
-"""GenerationLock: the engine lock, counting the critical sections that may change engine state.
+"""GenerationLock: the engine lock (an RLock), counting the sections that may change state.
 
-Why: a snapshot of an idle engine is the same snapshot until something changes it. Every
-acquisition through `with lock:` (a step's schedule and postprocess, a submit, an abort, a
-note) bumps `generation` once it holds the lock; readers enter through `lock.reading()`, which
-does not. `LLM.inspect()` keeps its last copy with the generation it was taken at and hands it
-out again, holding no lock at all, while the generation has not moved: a page polling an idle
-engine never takes the lock the next request needs.
+Why: an idle engine's snapshot stays valid until something changes it. Every `with lock:` (a
+step's schedule and postprocess, a submit, an abort, a note) bumps `generation` once it holds
+the lock; readers enter through `lock.reading()`, which does not. `LLM.inspect()` hands its last
+copy out again, lock-free, while the generation has not moved: a page polling an idle engine
+never takes the lock the next request needs.
 
-Correctness: the bump happens after the acquisition, so a reader that compares generations
-either sees the bump (and copies under the lock, after the writer is done) or runs before the
-writer holds the lock (and the kept copy is the state before that writer: consistent). A
-thread that saw an event delivered inside a writer's section reads the bump (made before the
-event), so it never gets a copy older than what it saw.
-
-A reentrant lock (threading.RLock) inside; `threading.Condition(GenerationLock())` works: the
-private hooks Condition looks for are forwarded, and a wait's reacquisition counts as a writer's.
+Correctness: the bump follows the acquisition, so a reader comparing generations either sees it
+(and copies under the lock, after the writer) or ran before the writer held the lock (its copy
+is the state before that writer). A thread that saw an event delivered inside a writer's
+section reads the bump made before it, so never gets an older copy. `threading.Condition`
+works on it: its private hooks are forwarded, and a wait's reacquisition counts as a writer's.
 """
 from __future__ import annotations
 

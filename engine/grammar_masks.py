@@ -1,12 +1,10 @@
 """A step's token bitmasks for its guided rows (engine/guided.py), filled into reused host
-buffers (pinned where a GPU is present, so the copy to the device is asynchronous and no page
-is pinned per step).
+buffers (pinned where a GPU is present: the copy is asynchronous, no page is pinned per step).
 
 Under overlap scheduling a guided row's newest token is still on the device when the next step
-is prepared, and its grammar cannot say what comes next without it. Instead of draining the
-pipeline (the device then idles through the whole postprocess), the mask is filled late: the
-runner launches the next forward first, then calls `LateMask`, which waits for the step in
-flight, advances the grammars past their tokens and fills the mask while that forward runs.
+is prepared. Instead of draining the pipeline, the mask is filled late: the runner launches the
+next forward, then calls `LateMask`, which waits for the step in flight, advances the grammars
+and fills the mask while that forward runs.
 """
 from __future__ import annotations
 

@@ -1,21 +1,20 @@
-"""Grammar-guided decoding (structured output) through llguidance: a request's grammar (a JSON
-schema, a regex, a Lark grammar, in llguidance's grammar JSON) becomes a matcher on its
-Sequence; each step the host fills the token bitmask of the guided rows from their matchers,
-the sampler masks those rows' logits on the device, and each sampled token advances its matcher.
+"""Grammar-guided decoding (structured output) through llguidance: a request's grammar (JSON
+schema, regex, Lark, in llguidance's grammar JSON) becomes a matcher; each step the host fills
+the guided rows' token bitmask, the sampler masks their logits, each sampled token advances it.
 
-Why llguidance (over xgrammar): a wheel with no dependencies (xgrammar pins torch, triton and
-transformers ranges of its own), no per-schema compile step (its Earley parser with a lexer
-works lazily, so an arbitrary per-request schema costs no upfront compilation), full JSON
-schema and Lark, and both vLLM and SGLang ship it as a backend.
+Why llguidance (over xgrammar): a wheel with no dependencies, no per-schema compile step (its
+lazy Earley parser makes an arbitrary per-request schema cheap), full JSON schema and Lark, and
+both vLLM and SGLang ship it as a backend.
 """
 from __future__ import annotations
 
-from .errors import InvalidArgumentError
-
+import time
 import weakref
 
 import numpy as np
 import torch
+
+from .errors import InvalidArgumentError
 
 _TOKENIZERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
@@ -75,17 +74,6 @@ def regex_grammar(pattern: str) -> str:
     return _ll().LLMatcher.grammar_from_regex(pattern)
 
 
-def ll_tokenizer(tokenizer, vocab_size: int, eos_ids):
-    """The llguidance view of the engine's tokenizer (built once per tokenizer)."""
-    ll = _ll()
-    cached = _TOKENIZERS.get(tokenizer)
-    if cached is None:
-        cached = ll.hf.from_tokenizer(tokenizer, n_vocab=vocab_size,
-                                      eos_token=sorted(eos_ids) or None)
-        _TOKENIZERS[tokenizer] = cached
-    return cached
-
-
 class Grammar:
     """One request's matcher, the vocabulary width its masks cover, and what it has done."""
 
@@ -142,11 +130,13 @@ def make_matcher(tokenizer, vocab_size: int, eos_ids, grammar: str) -> Grammar:
     """A fresh matcher for one request, its first mask computed once as a trial (within
     GRAMMAR_LIMITS and FIRST_MASK_BUDGET_S); an InvalidArgumentError naming the problem for a
     grammar that is malformed or too costly."""
-    import time
     if tokenizer is None:
         raise InvalidArgumentError("guided decoding needs the checkpoint's tokenizer", "guided")
     ll = _ll()
-    llt = ll_tokenizer(tokenizer, vocab_size, eos_ids)
+    llt = _TOKENIZERS.get(tokenizer)        # llguidance's view of it, built once per tokenizer
+    if llt is None:
+        llt = _TOKENIZERS[tokenizer] = ll.hf.from_tokenizer(tokenizer, n_vocab=vocab_size,
+                                                            eos_token=sorted(eos_ids) or None)
     limits = ll.LLParserLimits(**GRAMMAR_LIMITS)
     err = ll.LLMatcher.validate_grammar(grammar, llt, limits=limits)
     if err:
@@ -257,4 +247,4 @@ def grammar_of(spec) -> str:
     if isinstance(spec, dict) and "regex" in spec:
         return regex_grammar(spec["regex"])
     raise InvalidArgumentError(f"guided must be a grammar string or {{'json_schema': ...}} / "
-                     f"{{'regex': ...}}, got {spec!r}", "guided")
+                               f"{{'regex': ...}}, got {spec!r}", "guided")

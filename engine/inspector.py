@@ -1,14 +1,10 @@
-"""Inspector: the glass. Every read of a live engine's state goes through it: `inspect()`
-(the snapshot every tab draws), `trace()` of a watched request, `steps_since()`, `block_info()`,
-and the KV cache's bytes. The lock rules are written here once:
+"""Inspector: the glass. Every read of a live engine's state goes through it, by these rules:
 
-- Readers never hold the engine lock for more than a copy in O(what changed): under the lock
-  only C-level copies of arrays and lists (engine/snapshot.py), references to a trace's rows;
-  records, texts and figures are built after it is released.
-- While the engine is busy a reader's snapshot is copied by the engine thread at its next step
-  boundary (engine/snapshot_handoff.py): no reader holds the lock the engine needs.
-- An idle engine's last copy is handed out again without any lock while nothing changed since
-  (engine/generation_lock.py counts the sections that may change state).
+- Under the engine lock only C-level copies in O(what changed) (engine/snapshot.py) and
+  references to a trace's rows; records, texts and figures are built after it is released.
+- While the engine is busy its own thread copies a reader's snapshot at the next step boundary
+  (engine/snapshot_handoff.py); an idle engine's last copy is handed out again, lock-free,
+  while nothing changed (engine/generation_lock.py).
 - Nothing handed out is live: snapshots and traces are immutable records.
 """
 from __future__ import annotations
@@ -116,11 +112,9 @@ class Inspector:
             h = block.prefix_hash
             tags = {s.salt_tag for s in holders} | ({block.salt_tag} if h is not None else set())
         hidden = any(t is not None and t != viewer for t in tags)
-        if hidden:
-            return BlockInfo(b, ref, [s.request_id for s in holders], len(ids), None,
-                             ref == 0 and h is not None, [], hidden=True)
-        return BlockInfo(b, ref, [s.request_id for s in holders], len(ids), h,
-                         ref == 0 and h is not None, ids)
+        return BlockInfo(b, ref, [s.request_id for s in holders], len(ids),
+                         None if hidden else h, ref == 0 and h is not None,
+                         [] if hidden else ids, hidden=hidden)
 
     def _block_id(self, block_id) -> int:
         n = self.facts["num_blocks"]

@@ -1,13 +1,9 @@
 """KernelConfig: the kernel and fusion choices still worth a switch, built once at engine start
-and passed down (runner -> model -> layers -> kernel launchers), never read from a module global.
+and passed down (runner -> model -> layers -> launchers), never read from a module global.
 
-Each choice comes from, in order: `EngineConfig(kernels={...})` (`LLM(..., kernels=...)`), the
-environment (the `GLASSBOX_*` names below, so existing scripts keep working), the default. This
-is the one module that reads the environment for kernels, and it reads it when an engine is
-built, not when `engine` is imported: a variable set after `import engine` applies to the next
-engine. TP workers receive the rank-0 object (pickled with their start-up arguments).
-
-Choices whose question bench/RESULTS.md answered are not here: the winner is the only code.
+Each choice comes from `EngineConfig(kernels={...})`, else the `GLASSBOX_*` environment variable
+(read when an engine is built, not at import), else the default. TP workers receive rank 0's
+object. Choices bench/RESULTS.md settled are not here: the winner is the only code.
 """
 from __future__ import annotations
 
@@ -132,8 +128,8 @@ class KernelConfig:
         for name, value in kernels.items():
             f = known.get(name)
             if f is None:
-                raise InvalidArgumentError(f"kernels: {name!r} is not a kernel choice; valid names: "
-                                           f"{', '.join(cls.names())}", "kernels")
+                raise InvalidArgumentError(f"kernels: {name!r} is not a kernel choice; valid "
+                                           f"names: {', '.join(cls.names())}", "kernels")
             try:
                 out[name] = f.metadata["parse"](value)
             except ValueError as exc:

@@ -1,19 +1,15 @@
-"""LLM: the public Python API, a thin facade over the three parts of the engine:
-
-    Processor   (processor.py)    checks and tokenizes a request once -> EngineRequest
-    EngineLoop  (engine_loop.py)  the engine thread: steps the EngineCore, delivers its events
-    Inspector   (inspector.py)    the glass: snapshots, traces, step history, KV reads
-
-This file loads the checkpoint, builds the model runner, the KV cache and the three parts, and
-forwards generate / stream / submit / abort / inspect / trace to them. Constructing an LLM
-changes nothing process-wide (engine/process_tuning.py is for servers to opt into).
+"""LLM: the public Python API, a thin facade over Processor (checks and tokenizes a request),
+EngineLoop (the engine thread stepping the EngineCore) and Inspector (snapshots, traces, KV reads).
+Constructing an LLM changes nothing process-wide (engine/process_tuning.py is for servers).
 """
 from __future__ import annotations
 
 import atexit
 import itertools
+import os
 import queue
 import weakref
+from functools import partial
 from typing import Callable
 
 from .block_manager import BlockManager
@@ -28,7 +24,7 @@ from .processor import EngineRequest, ModelLimits, Processor, is_conversation, i
 from .records import EngineSnapshot, KVLayout
 from .scheduler import Scheduler
 from .sequence import RequestOutput, TokenEvent
-from .snapshot import engine_facts
+from .snapshot import copy_state, engine_facts
 from .snapshot_handoff import SnapshotHandoff
 from .step_history import StepHistory
 
@@ -64,9 +60,14 @@ class LLM:
         ckpt.check_memory(cfg)                  # refuse what cannot fit before allocating
         from .runtime import build_runner
         self.runner = runner = build_runner(cfg, self.hf_config, self.model_path, max_len)
-        # a fact of the checkpoint, kept past shutdown() (which frees the weights): the app's
-        # model line still describes the old engine while a switch loads the next one
-        self._num_params = runner.num_params
+        # model facts, fixed while the engine lives; num_params is kept past shutdown() (which
+        # frees the weights): the app's model line describes the old engine during a switch
+        self.num_params = runner.num_params
+        self.model_name = os.path.basename(os.path.normpath(self.model_path))
+        self.architecture = self.hf_config.architectures[0]
+        self.dtype, self.device = cfg.torch_dtype, cfg.device
+        self.dtype_name = str(cfg.torch_dtype).replace("torch.", "")
+        self.tp_size, self.block_size = cfg.tensor_parallel_size, cfg.block_size
         # a draft model (speculative_config.model): loaded before the KV cache is sized, so the
         # target's budget sees its weights
         self.draft = self._load_draft(cfg, max_len)
@@ -82,6 +83,7 @@ class LLM:
         # a sequence can never hold more tokens than the whole cache
         self.max_model_len = min(max_len, num_blocks * cfg.block_size)
         self.block_manager = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        self.num_kv_blocks = num_blocks
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs,
                                    cfg.max_num_batched_tokens, self.max_model_len,
                                    self.eos_token_ids)
@@ -100,6 +102,7 @@ class LLM:
             self.draft.runner.capture_graphs(cfg.max_num_seqs)
         self.intervention_facts = ModelFacts.of(self.hf_config, runner.moe_layers,
                                                 self.max_model_len)
+        self.moe_layers = self.intervention_facts.moe_layers
         self.processor = Processor(self.tokenizer, self.eos_token_ids, ModelLimits(
             self.hf_config.vocab_size, L, self.max_model_len, num_blocks, cfg.block_size),
             self.intervention_facts, seed=cfg.seed)
@@ -109,7 +112,7 @@ class LLM:
                                  else bool(cfg.async_scheduling))
         # counts the sections that may change state: an idle engine's snapshot is reused
         lock, steps, handoff = GenerationLock(), StepHistory(cfg.trace_history), SnapshotHandoff()
-        copy = self._copier(steps)
+        copy = partial(copy_state, self.block_manager, self.scheduler, steps)
         self.core = EngineCore(runner, self.scheduler, self.block_manager, self.tokenizer,
                                self.eos_token_ids, steps, probes=self.probes,
                                interventions=InterventionPlanner(self.intervention_facts),
@@ -118,6 +121,10 @@ class LLM:
                                speculative_config=cfg.speculative_config, draft=self.draft)
         self.loop = EngineLoop(self.core, self.probes, lock, f"glassbox-engine-{self.engine_id}",
                                between_steps=lambda: handoff.serve_if_wanted(copy))
+        # called on the engine thread with the lock held (be quick): with every request's final
+        # TokenEvent, and with the token count of every step
+        self.finish_listeners = self.loop.finish_listeners
+        self.step_listeners = self.loop.step_listeners
         self.inspector = Inspector(self.loop, self._facts(num_blocks), self.block_manager,
                                    self.scheduler, steps, self.probes, runner, L, handoff)
         _running.add(self)
@@ -135,12 +142,6 @@ class LLM:
             self.runner.shutdown()          # the target's weights (and TP workers) go too
             raise
 
-    def _copier(self, steps):
-        from functools import partial
-
-        from .snapshot import copy_state
-        return partial(copy_state, self.block_manager, self.scheduler, steps)
-
     def _facts(self, num_blocks: int):
         kv, per_block, bs = self.runner.kv_cache, self.runner.bytes_per_block, self.block_size
         moe = None
@@ -150,64 +151,12 @@ class LLM:
                    "moe_layers": list(self.runner.moe_layers)}
         c = self.hf_config
         return engine_facts(
-            self.model_name, self.architecture, self._num_params, self.dtype_name, self.device,
+            self.model_name, self.architecture, self.num_params, self.dtype_name, self.device,
             self.tp_size, bs, num_blocks,
             KVLayout(tuple(kv.shape), str(kv.dtype).replace("torch.", ""), per_block,
                      per_block // bs, kv.numel() * kv.element_size()),
             self.runner.tp_layout(), moe, c.num_hidden_layers, c.num_attention_heads,
             c.num_key_value_heads, self.async_scheduling)
-
-    # ---- model facts ---------------------------------------------------------------------------
-    @property
-    def model_name(self) -> str:
-        import os
-        return os.path.basename(os.path.normpath(self.model_path))
-
-    @property
-    def architecture(self) -> str:
-        return self.hf_config.architectures[0]
-
-    @property
-    def num_params(self) -> int:
-        return self._num_params
-
-    @property
-    def dtype(self):
-        return self.config.torch_dtype
-
-    @property
-    def dtype_name(self) -> str:
-        return str(self.config.torch_dtype).replace("torch.", "")
-
-    @property
-    def device(self) -> str:
-        return self.config.device
-
-    @property
-    def tp_size(self) -> int:
-        return self.config.tensor_parallel_size
-
-    @property
-    def block_size(self) -> int:
-        return self.config.block_size
-
-    @property
-    def num_kv_blocks(self) -> int:
-        return self.block_manager.num_blocks
-
-    @property
-    def moe_layers(self) -> tuple[int, ...]:
-        return self.intervention_facts.moe_layers
-
-    @property
-    def finish_listeners(self) -> list[Callable[[TokenEvent], None]]:
-        """Called with every request's final TokenEvent (engine thread, lock held: be quick)."""
-        return self.loop.finish_listeners
-
-    @property
-    def step_listeners(self) -> list[Callable[[int], None]]:
-        """Called with the token count of every engine step (engine thread, lock held)."""
-        return self.loop.step_listeners
 
     # ---- requests ------------------------------------------------------------------------------
     def encode(self, prompt) -> list[int]:
@@ -224,6 +173,12 @@ class LLM:
                                       interventions=interventions, cache_salt=cache_salt,
                                       chat_options=chat_options)
 
+    def _request(self, prompt, sampling, watch, request_id, interventions, cache_salt):
+        if isinstance(prompt, EngineRequest):
+            return prompt
+        return self.process(prompt, sampling, watch, request_id, interventions=interventions,
+                            cache_salt=cache_salt)
+
     def submit(self, prompt, sampling=None, watch=None, request_id: str | None = None, *,
                on_event: Callable[[object], None], interventions=None,
                cache_salt: str | None = None) -> str:
@@ -232,18 +187,14 @@ class LLM:
         thread with each TokenEvent (the last has finished=True), or once with an exception if
         the request fails: it must return quickly and never block. A bad request raises here,
         before anything is queued. Stop it with `abort`."""
-        req = prompt if isinstance(prompt, EngineRequest) else self.process(
-            prompt, sampling, watch, request_id, interventions=interventions,
-            cache_salt=cache_salt)
+        req = self._request(prompt, sampling, watch, request_id, interventions, cache_salt)
         self.loop.add([req], [on_event])
         return req.request_id
 
     def stream(self, prompt, sampling=None, watch=None, request_id: str | None = None,
                interventions=None, cache_salt: str | None = None):
         """Yield TokenEvents as tokens are produced. Closing the generator aborts the request."""
-        req = prompt if isinstance(prompt, EngineRequest) else self.process(
-            prompt, sampling, watch, request_id, interventions=interventions,
-            cache_salt=cache_salt)
+        req = self._request(prompt, sampling, watch, request_id, interventions, cache_salt)
         q: queue.Queue = queue.Queue()
         self.loop.add([req], [q.put])
         finished = False

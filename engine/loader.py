@@ -174,15 +174,10 @@ def load_weights(model: nn.Module, path: str) -> None:
         if lacking:
             missing.append(n if lacking == set(expected) or expected == {None}
                            else f"{n} (pieces {sorted(map(str, lacking))})")
-    problems = []
-    if missing:
-        problems.append(f"missing from the checkpoint: {missing[:20]}"
-                        + (f" (+{len(missing) - 20} more)" if len(missing) > 20 else ""))
-    if unexpected:
-        problems.append(f"unexpected tensors (no parameter takes them): {unexpected[:20]}"
-                        + (f" (+{len(unexpected) - 20} more)" if len(unexpected) > 20 else ""))
-    if duplicates:
-        problems.append(f"tensors given twice: {duplicates[:20]}")
+    problems = [f"{what}: {names[:20]}" + (f" (+{len(names) - 20} more)" if len(names) > 20 else "")
+                for what, names in (("missing from the checkpoint", missing),
+                                    ("unexpected tensors (no parameter takes them)", unexpected),
+                                    ("tensors given twice", duplicates)) if names]
     if problems:
         raise CheckpointMismatchError(
             f"checkpoint {path} does not match the model built from its config.json: "
@@ -195,10 +190,8 @@ def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
     for name, p in model.named_parameters():
         if name.endswith("norm.weight"):
             p.data.fill_(1.0)
-        else:
-            cpu = torch.empty(p.shape, dtype=torch.float32).uniform_(-0.04, 0.04, generator=g) \
-                if p.numel() < (1 << 24) else None
-            if cpu is not None:
-                p.data.copy_(cpu)
-            else:     # large tensors: draw on the device, chunk by chunk
-                p.data.uniform_(-0.04, 0.04)
+        elif p.numel() < (1 << 24):
+            p.data.copy_(torch.empty(p.shape, dtype=torch.float32).uniform_(-0.04, 0.04,
+                                                                            generator=g))
+        else:     # large tensors: draw on the device, chunk by chunk
+            p.data.uniform_(-0.04, 0.04)

@@ -1,10 +1,7 @@
-"""Per rank: build the model, load weights, allocate the paged KV cache, stage one step's
-inputs (input_ids, positions, slot_mapping, block tables) on the device, run the forward
-(eagerly, or by replaying a CUDA graph for decode batches), sample, and return a StepOutput.
-
-Every rank samples: the LM head's logits are gathered on every rank, and the sampler is a
-pure function of them and the step's settings, so all ranks hold the same sampled ids on their
-device — the next step's pending input ids come from there, with no extra communication.
+"""Per rank: build the model, load weights, allocate the paged KV cache, stage a step's inputs
+on the device, run the forward (eagerly or by replaying a CUDA graph), sample, and return a
+StepOutput. Every rank samples the same ids from the gathered logits (the sampler is a pure
+function of them), so the next step's pending input ids are on every device already.
 """
 from __future__ import annotations
 
@@ -40,12 +37,11 @@ class ModelRunner:
                  tp: TPGroup | None = None, kernel_config: KernelConfig | None = None):
         self.tp = tp or TPGroup()
         rank = self.tp.rank
-        self.config, self.hf_config, self.rank = config, hf_config, rank
+        self.config, self.hf_config = config, hf_config
         # the kernel and fusion choices every layer of this rank's model runs with
         self.kernel_config = kernel_config if kernel_config is not None \
             else KernelConfig.build(config)
-        self.device = torch.device(config.device if not config.device.startswith("cuda")
-                                   else f"cuda:{rank}" if config.device == "cuda" else config.device)
+        self.device = torch.device(f"cuda:{rank}" if config.device == "cuda" else config.device)
         self.dtype = config.torch_dtype
         self.block_size = config.block_size
         self.max_model_len = max_model_len
@@ -81,7 +77,7 @@ class ModelRunner:
         self._last_sampled: tuple[int, torch.Tensor | None] = (-1, None)
         # penalised requests' output-token counts, kept on the device across steps
         self.penalty_state = PenaltyState(self.device)
-        self._events = None                 # step_events.StepEvents, made on the first GPU step
+        self._events = None                 # step_output.StepEvents, made on the first GPU step
 
     # ---- KV cache ----------------------------------------------------------------------------
     @property
@@ -176,13 +172,6 @@ class ModelRunner:
                                f"{inp.prev_step_id}, but this rank holds step {step}'s")
         return ids
 
-    def fill_pending(self, input_ids: torch.Tensor, inp: StepInputs) -> None:
-        """Write the pending input ids (sampled by the step before, still on the device)."""
-        prev = self.prev_sampled(inp)
-        if prev is not None:
-            rows = self.stage(inp.pending_rows)
-            input_ids.index_copy_(0, rows, prev.index_select(0, self.stage(inp.pending_src)))
-
     def execute(self, inp: StepInputs, probes=None, interventions=None,
                 out: StepOutput | None = None) -> torch.Tensor:
         """Run the forward eagerly; returns logits [S, vocab] of the sampled rows. With `out`
@@ -195,10 +184,11 @@ class ModelRunner:
                              is_decode=inp.is_decode, probes=probes,
                              interventions=interventions, cascade=self.cascade_inputs(inp))
         input_ids = d(inp.input_ids)
-        if len(inp.pending_rows):
+        if len(inp.pending_rows):       # sampled by the step before, still on the device
             if self.device.type == "cpu":
                 input_ids = input_ids.clone()       # from_numpy shares the message's memory
-            self.fill_pending(input_ids, inp)
+            input_ids.index_copy_(0, d(inp.pending_rows),
+                                  self.prev_sampled(inp).index_select(0, d(inp.pending_src)))
         with torch.inference_mode():
             set_context(ctx)
             try:
@@ -242,13 +232,13 @@ class ModelRunner:
         t0 = time.perf_counter()
         cuda = self.device.type == "cuda"
         plan = inp.probe_plan
-        timer = self.tp.start_step(eager=True)
+        timer = self.tp.start_step()
         out = StepOutput(step_id=inp.step_id, sampled_ids=None)
         replayed = 0
         ivs = None      # interventions' device tables (None: no request in the step has any)
         if cuda:
             if self._events is None:
-                from .step_events import StepEvents
+                from .step_output import StepEvents
                 self._events = StepEvents(self.device)
             stream = self._events.stream()
             out.gpu_start, out.gpu_end, out.done = self._events.take()
@@ -289,7 +279,7 @@ class ModelRunner:
                 if self.tp.rank == 0:       # only rank 0 reads results on the host
                     out.sampled_host = self._to_host(ids)
                     if chosen is not None:
-                        out.logprobs_host = tuple(self._to_host(x) for x in (chosen, top_ids, top_lp))
+                        out.logprobs_host = tuple(map(self._to_host, (chosen, top_ids, top_lp)))
             if bufs is not None and self.tp.rank == 0:
                 from .probes.manager import ProbeManager
                 out.probes = bufs.finish(out.sampled_ids, plan, ProbeManager.sample_index(plan),

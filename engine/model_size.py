@@ -66,19 +66,18 @@ def available_host_bytes() -> int | None:
     return None
 
 
-def check_fits_host(cfg, dtype_bytes: int, dtype_name: str, available: int | None = None,
-                    fraction: float = 0.9) -> None:
-    """Raise ValueError when the weights alone need more than `fraction` of the host memory
-    available now: a config with absurd sizes (10^6 layers) is refused in a moment, before
-    anything is allocated, instead of running for half a minute into an allocator error."""
-    available = available_host_bytes() if available is None else available
+def check_fits_host(cfg, dtype_bytes: int, dtype_name: str) -> None:
+    """Raise ValueError when the weights alone need more than 90% of the host memory available
+    now: a config with absurd sizes (10^6 layers) is refused in a moment, before anything is
+    allocated, instead of running for half a minute into an allocator error."""
+    available = available_host_bytes()
     if available is None:
         return
     try:
         total = param_count(cfg) * dtype_bytes
-    except (TypeError, AttributeError, ZeroDivisionError) as e:   # a size missing or not a number: say which
+    except (TypeError, AttributeError, ZeroDivisionError) as e:   # a size missing or not a number
         raise ValueError(f"cannot size the model from its config.json: {e}") from None
-    if total <= available * fraction:
+    if total <= available * 0.9:
         return
     gb = 1e9
     raise ValueError(

@@ -1,21 +1,15 @@
-"""Tensor parallelism across N processes: rank 0 lives in the calling process (the UI's),
-ranks 1..N-1 are spawned workers. Each engine gets its own TCPStore on a free port and its
-own process group object (gloo on CPU, NCCL on GPU), so two engines never collide.
+"""Tensor parallelism across N processes: rank 0 lives in the calling process, ranks 1..N-1
+are spawned workers. Each engine gets its own TCPStore on a free port and its own process
+group (gloo on CPU, NCCL on GPU), so two engines never collide.
 
-Rank 0 sends every command (profile, allocate, capture, step) to the workers through a
-shared-memory broadcast ring (shm_broadcast.py: no pickled queue, no feeder thread on the hot
-path) and runs it itself at the same time; the collectives inside the forward keep them in
-step. Workers get rank 0's KernelConfig with their start-up arguments, so every rank runs the
-same kernels whatever its environment. Every rank samples the same tokens from the gathered
-logits, so the next step's pending input ids are already on every device. The driver offers
-exactly the Runner protocol (engine/runner.py), and a worker runs only its commands listed in
-WORKER_COMMANDS.
+Rank 0 sends every command to the workers through a shared-memory ring (shm_broadcast.py: no
+pickled queue or feeder thread on the hot path) and runs it itself at the same time; the
+forward's collectives keep them in step. Workers get rank 0's KernelConfig, so every rank runs
+the same kernels whatever its environment, and run only WORKER_COMMANDS.
 
-Failure handling: a worker reports an exception on a result queue; rank 0 checks the workers
-whenever it waits (start-up, a slot of the ring, the end of a step), so a worker that dies at
-start-up raises at once and one killed mid-run raises within a second instead of hanging in a
-collective. Workers exit by themselves when their parent process is gone, and shutdown()
-kills a worker that ignores terminate.
+Failures: a worker reports an exception on a result queue, and rank 0 checks the workers
+whenever it waits, so a worker that dies raises within a second instead of hanging a
+collective. Workers exit when their parent is gone; shutdown() kills one that ignores SIGTERM.
 """
 from __future__ import annotations
 
@@ -161,8 +155,6 @@ class TPDriver:
             else KernelConfig.build(config)
         self.procs: list = []
         self._results: list = []
-        self.chan: ShmBroadcast | None = None
-        self.res_q = None
         self.local: ModelRunner | None = None
         port = free_port()
         ctx = mp.get_context("spawn")
@@ -277,13 +269,10 @@ class TPDriver:
                 time.sleep(0.01)
         return self._results.pop(0)
 
-    def _broadcast(self, cmd: str, *args) -> None:
-        self.check_workers()
-        self.chan.send((cmd, args), check=self.check_workers)
-
     def _run(self, cmd: str, *args):
         run = worker_command(cmd)           # refused before anything is sent
-        self._broadcast(cmd, *args)
+        self.check_workers()
+        self.chan.send((cmd, args), check=self.check_workers)
         try:
             return run(self.local, *args)
         except RuntimeError:          # a collective broke: most likely a worker died

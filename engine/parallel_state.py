@@ -77,12 +77,9 @@ class TPGroup:
         self.collectives += 1
         return torch.cat(parts, dim=dim)
 
-    def start_step(self, eager: bool = True) -> CollectiveTimer | None:
+    def start_step(self) -> CollectiveTimer | None:
         """A fresh timer for this step's eager collectives (None with one rank)."""
-        if self.size == 1:
-            self.timer = None
-            return None
-        self.timer = CollectiveTimer(self.device_type == "cuda") if eager else None
+        self.timer = CollectiveTimer(self.device_type == "cuda") if self.size > 1 else None
         return self.timer
 
     def take_collective_count(self) -> int:

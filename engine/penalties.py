@@ -1,20 +1,15 @@
 """Presence, frequency and repetition penalties and logit_bias, applied to a step's logits from
 per-request count rows that live on the device across steps (no host sync, O(batch) host work).
 
-Definitions (the references the tests compare against):
-- repetition_penalty (HF's RepetitionPenaltyLogitsProcessor, vLLM's): for every token in the
-  prompt or the output so far, a positive logit is divided by it, a negative one multiplied;
-- frequency_penalty / presence_penalty (OpenAI's): logit -= frequency * count + presence *
-  (count > 0), counts over the output tokens only;
+- repetition_penalty (HF's / vLLM's): a positive logit of a token in the prompt or output so
+  far is divided by it, a negative one multiplied;
+- frequency / presence_penalty (OpenAI's): logit -= frequency * count + presence * (count > 0),
+  over the output tokens only;
 - logit_bias (OpenAI's): added to the token's logit, before the penalties (vLLM's order).
 
-Each penalised request owns a count row (a "slot", handed out by penalty_slots.PenaltySlots on
-rank 0): `counts[slot, v]` its output-token counts, `prompt_seen[slot, v]` its prompt's tokens.
-A step's PenaltyBatch carries only what changed since the request's previous step: the tokens
-to add (host ids, or indices into the previous step's sampled ids while those are still on the
-device under overlap scheduling), and the slots to clear when a request takes a row for the
-first time (or again, after a failed launch). Every rank applies the same updates to its own
-copy, so the rows agree without communication. Steps where no row uses any of this skip it.
+Each penalised request owns a count row (a slot, from penalty_slots.PenaltySlots on rank 0). A
+step's PenaltyBatch carries only what changed since the request's previous step; every rank
+applies the same updates to its own copy, so the rows agree without communication.
 """
 from __future__ import annotations
 
@@ -136,16 +131,16 @@ class PenaltyState:
                                        "the previous step's sampled ids are not")
                 slots = torch.cat([slots, i["pending_slots"]])
                 toks = torch.cat([toks, prev_sampled.index_select(0, i["pending_src"])])
+            one = torch.ones((), dtype=torch.int32, device=self.device)
             if len(slots):
-                self.counts.index_put_((slots, toks), torch.ones(
-                    (), dtype=torch.int32, device=self.device), accumulate=True)
+                self.counts.index_put_((slots, toks), one, accumulate=True)
             if len(b.copy_dst):         # verify rows: scratch copies, then their drafts
                 src, dst = i["copy_src"], i["copy_dst"]
                 self.counts.index_copy_(0, dst, self.counts.index_select(0, src))
                 self.prompt_seen.index_copy_(0, dst, self.prompt_seen.index_select(0, src))
                 if len(b.draft_slots):
-                    self.counts.index_put_((i["draft_slots"], i["draft_tokens"]), torch.ones(
-                        (), dtype=torch.int32, device=self.device), accumulate=True)
+                    self.counts.index_put_((i["draft_slots"], i["draft_tokens"]), one,
+                                           accumulate=True)
         empty = torch.zeros(0, 0, dtype=torch.int32, device=self.device)
         return PenaltyTensors(
             i["rows"], i["slots"], f["presence"], f["frequency"], f["repetition"],

@@ -74,41 +74,34 @@ class PenaltySlots:
             drafts = spec.drafts if spec is not None else ()
             if drafts and seq in first_row:     # verify row j > 0: its row + drafts[:j]
                 j = row - first_row[seq]
-                scratch = self._scratch_slot(len(copy_d))
+                slot = self._scratch_slot(len(copy_d))
                 copy_s.append(self._slot[seq])
-                copy_d.append(scratch)
-                draft_s += [scratch] * j
+                copy_d.append(slot)
+                draft_s += [slot] * j
                 draft_t += drafts[:j]
-                rows.append(row)
-                slots.append(scratch)
-                pres.append(p.presence_penalty)
-                freq.append(p.frequency_penalty)
-                rep.append(p.repetition_penalty)
-                continue
-            first_row[seq] = row
-            slot = self._slot.get(seq)
-            if slot is None:
-                slot = self._take(seq)
-            counted = self._counted.get(seq)
-            if counted is None:         # a fresh row (or one to rebuild): clear, then recount
-                counted = 0
-                reset.append(slot)
-                if p.repetition_penalty != 1.0:
-                    prompt = np.unique(np.asarray(seq.prompt_token_ids, dtype=_I64))
-                    seen_s.append(np.full(len(prompt), slot, dtype=_I64))
-                    seen_t.append(prompt)
-            start = seq.num_prompt_tokens + counted
-            # the drafts in token_ids are not output (yet): verify rows count them on scratch
-            end = spec.position if drafts else len(seq.token_ids)
-            for pos in range(start, end):
-                tok = seq.token_ids[pos]
-                if tok == PENDING:      # sampled by the step in flight: read on the device
-                    pend_s.append(slot)
-                    pend_src.append(seq.pending_src(pos, prev_step_id))
-                else:
-                    add_s.append(slot)
-                    add_t.append(tok)
-            self._counted[seq] = end - seq.num_prompt_tokens
+            else:
+                first_row[seq] = row
+                slot = self._slot[seq] if seq in self._slot else self._take(seq)
+                counted = self._counted.get(seq)
+                if counted is None:         # a fresh row (or one to rebuild): clear, then recount
+                    counted = 0
+                    reset.append(slot)
+                    if p.repetition_penalty != 1.0:
+                        prompt = np.unique(np.asarray(seq.prompt_token_ids, dtype=_I64))
+                        seen_s.append(np.full(len(prompt), slot, dtype=_I64))
+                        seen_t.append(prompt)
+                start = seq.num_prompt_tokens + counted
+                # the drafts in token_ids are not output (yet): verify rows count them on scratch
+                end = spec.position if drafts else len(seq.token_ids)
+                for pos in range(start, end):
+                    tok = seq.token_ids[pos]
+                    if tok == PENDING:      # sampled by the step in flight: read on the device
+                        pend_s.append(slot)
+                        pend_src.append(seq.pending_src(pos, prev_step_id))
+                    else:
+                        add_s.append(slot)
+                        add_t.append(tok)
+                self._counted[seq] = end - seq.num_prompt_tokens
             rows.append(row)
             slots.append(slot)
             pres.append(p.presence_penalty)

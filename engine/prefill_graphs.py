@@ -1,26 +1,16 @@
 """CUDA graphs for prefill: one graph per token bucket, for steps of up to MAX_SEQS sequences.
 
-Why: an eager 28-layer prefill is ~270 kernel launches at ~33 µs of Python and launcher each
-(~9 ms of host time for 3 ms of kernels at 1,024 tokens), so the time to first token was the
-host's. Replayed as a graph, the launch is one call.
+Why: an eager 28-layer prefill is ~270 kernel launches at ~33 µs of host time each (~9 ms of
+host for 3 ms of kernels at 1,024 tokens), so the time to first token was the host's.
 
-What makes a prefill graphable here: the whole forward reads its shapes from the padded token
-count alone. The paged prefill attention kernel takes cu_seqlens / context lens from device
-memory and a grid sized by `max_seqlen_q`, which the graph fixes at the bucket: tiles past a
-sequence's real length return at once, and padded sequences (q_len 0, context 0) do nothing.
-Padded tokens (id 0, position 0, slot -1) write no K/V and belong to no sequence; every other
-op is row-wise, so their rows never touch a real one, and only real rows are sampled.
-
-Watched prefills replay too: a probe-capturing variant per (bucket, probes.buffers.graph_variant),
-captured the first time a watched prompt needs it (as the decode graphs do), whose static probe
-buffers record every token's residual norms (and routing) and the last token's lens and
-attention; the host keeps the watched request's rows (ProbeBuffers.load_plan points them). A
-step with more than one watched request, prompt attention patterns, or (MoE) a bucket past the
-router's stacked buffers runs eagerly, as do steps with interventions or prompt logprobs;
-graphed steps hold at most MAX_SEQS sequences and MAX_TOKENS tokens. Graph inputs are static device
-buffers filled by two non-blocking copies from pinned memory allocated per step (overlap
-scheduling prepares step N+1 before step N's copies ran: a reused staging buffer would race).
-With tensor parallelism every rank captures the same buckets and replays them in lockstep.
+The forward reads its shapes from the padded token count alone: the paged prefill attention
+takes cu_seqlens / context lens from device memory and a grid fixed at the bucket (tiles past a
+sequence's length return at once; padded sequences have q_len 0, context 0). Padded tokens (id
+0, position 0, slot -1) write no K/V and every other op is row-wise, so they never touch a real
+row, and only real rows are sampled. Watched prefills replay a probe variant per
+(bucket, graph_variant) captured at first use, as decode does; more than one watched request,
+prompt attention patterns, a bucket past the MoE router's stacked buffers, interventions and
+prompt logprobs run eagerly. Inputs are staged as in cuda_graphs.py.
 """
 from __future__ import annotations
 
@@ -42,14 +32,13 @@ def token_buckets(max_tokens: int) -> list[int]:
 
 
 class PrefillGraphs:
-    def __init__(self, runner, max_num_batched_tokens: int, max_seqs: int = MAX_SEQS,
-                 max_sample_rows: int = MAX_SAMPLE_ROWS):
+    def __init__(self, runner, max_num_batched_tokens: int):
         self.runner = runner
         dev = runner.device
         self.buckets = token_buckets(max_num_batched_tokens)
         self.max_tokens = self.buckets[-1]
-        self.max_seqs = S = max_seqs
-        self.max_sample_rows = R = max(max_sample_rows, S)
+        self.max_seqs = S = MAX_SEQS
+        self.max_sample_rows = R = max(MAX_SAMPLE_ROWS, S)
         bs = runner.block_size
         self.max_blocks = (runner.max_model_len + bs - 1) // bs + 1
         T = self.max_tokens
@@ -173,9 +162,9 @@ class PrefillGraphs:
 def pack_prefill_inputs(inp, max_tokens: int, T: int, S: int, max_blocks: int,
                         a64: np.ndarray, a32: np.ndarray, R: int | None = None) -> None:
     """Lay one prefill step out like the static buffers. a64: ids | positions | slots, each
-    max_tokens long (padded tokens up to the bucket T: 0, 0, -1), then the R sample rows (R:
-    S unless given; padded with row 0), then the pending rows and their sources. a32: cu_seqlens (padded sequences
-    repeat the total: q_len 0), context lens (padded 0), the batch's block-table rows."""
+    max_tokens long (padded tokens up to the bucket T: 0, 0, -1), then the R sample rows (R: S
+    unless given; padded with row 0), then the pending rows and their sources. a32: cu_seqlens
+    (padded sequences repeat the total: q_len 0), context lens (padded 0), the block tables."""
     N, B, P = inp.num_tokens, inp.num_seqs, len(inp.pending_rows)
     rows = a64[:3 * max_tokens].reshape(3, max_tokens)
     rows[0, :N], rows[1, :N], rows[2, :N] = inp.input_ids, inp.positions, inp.slot_mapping

@@ -1,16 +1,12 @@
 """Process-wide tuning a server opts into (app.py, the API server, the benchmarks): constructing
 an engine changes nothing outside it.
 
-- The GIL switch interval: the engine's thread shares the GIL with everything else in the
-  process (the playground's handlers, the API's event loop). CPython makes a thread that wants
-  the GIL wait up to the switch interval (5 ms by default) before the holder is told to let go,
-  and a decode step's host work is ~0.5 ms: each such wait would stall the device for several
-  steps. 0.2 ms bounds that wait at a fraction of a step (the cost: more frequent switches
-  between threads that all want to run, ~µs each). GLASSBOX_SWITCH_INTERVAL_S overrides it.
-- The heap frozen out of the cyclic GC (`freeze_heap`): everything loaded at start (torch,
-  transformers, gradio, the model and the UI: ~600k objects) lives as long as the process; a
-  full collection then walks only what requests made, instead of stopping every thread for up
-  to a second (measured: 1.0 s -> 0 s on the 2-core machine under load).
+- The GIL switch interval: a thread that wants the GIL waits up to it (5 ms by default) before
+  the holder lets go, and a decode step's host work is ~0.5 ms; 0.2 ms bounds the engine
+  thread's wait at a fraction of a step. GLASSBOX_SWITCH_INTERVAL_S overrides it.
+- `freeze_heap`: what was loaded at start (~600k objects) lives as long as the process; frozen
+  out of the cyclic GC, a full collection walks only what requests made (measured: pauses of
+  1.0 s -> 0 s on the 2-core machine under load).
 """
 from __future__ import annotations
 

@@ -1,16 +1,11 @@
 """Processor: what a user sends -> a frozen EngineRequest, checked once.
 
-Every front end (LLM.generate / stream / submit, the OpenAI API, the playground's chat) hands
-its request to the processor: the prompt (text, token ids, or chat messages with the chat
-template's options) is checked and tokenized once, the sampling settings are checked against the
-model, the probe spec and interventions are resolved against it, the cache salt is checked and
-combined with the interventions' into the prefix-cache root, and a grammar is compiled once and
-its first mask computed as a trial (engine/guided.py). Every refusal is an InvalidArgumentError
-whose `param` names the request field. The engine trusts an EngineRequest and never re-checks
-it: nothing user-controlled reaches the engine thread unchecked.
-
-This runs on the caller's thread (a server runs it on its own worker pool): the slow parts, a
-long prompt's tokenizing and a grammar's compile, never hold the engine's lock.
+Every front end hands its request here: the prompt is checked and tokenized, the sampling
+settings, probe spec, interventions and cache salt are checked against the model, and a grammar
+is compiled with its first mask tried (engine/guided.py). Every refusal is an
+InvalidArgumentError whose `param` names the request field; the engine never re-checks an
+EngineRequest. This runs on the caller's thread, so a long prompt's tokenizing or a grammar's
+compile never holds the engine's lock.
 """
 from __future__ import annotations
 
@@ -53,7 +48,6 @@ class EngineRequest:
     salt_tag: int | None = None         # its cache salt's digest: who may read its blocks' text
 
 
-
 @dataclass(frozen=True)
 class ModelLimits:
     """What the processor checks requests against (fixed while an engine lives)."""
@@ -68,7 +62,8 @@ _counter = itertools.count()
 
 
 def new_request_id(prefix: str) -> str:
-    """`prefix-<64 random bits>-<counter>`: unguessable, and unique in the process."""
+    """`prefix-<64 random bits>-<counter>`: unguessable (nobody can take another user's next id
+    first), unique in the process; the counter gives sequential requests distinct colours."""
     return f"{prefix}-{secrets.token_hex(8)}-{next(_counter)}"
 
 
@@ -83,13 +78,12 @@ def is_conversation(prompt) -> bool:
 
 class Processor:
     def __init__(self, tokenizer, eos_token_ids, limits: ModelLimits, intervention_facts,
-                 seed: int = 0, id_prefix: str = "req"):
+                 seed: int = 0):
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
         self.limits = limits
         self.intervention_facts = intervention_facts
         self._rng = random.Random(seed)     # seeds of unseeded requests: reproducible per engine
-        self._id_prefix = id_prefix
 
     # ---- prompts ---------------------------------------------------------------------------
     def tokenize(self, prompt, chat_options: dict | None = None) -> Prompt:
@@ -101,10 +95,9 @@ class Processor:
         from .prompt import check_prompt_chars, check_text
         lim = self.limits
         if isinstance(prompt, str):
-            self._need_tokenizer("pass token-id lists")
-            if not prompt:
-                raise InvalidArgumentError("prompt is empty: give at least one character or "
-                                           "token", "prompt")
+            if self.tokenizer is None:
+                raise InvalidArgumentError("this checkpoint has no tokenizer; pass token-id lists",
+                                           "prompt")
             check_prompt_chars(len(prompt), lim.max_model_len)     # before tokenizing
             check_text(prompt)
             return self._checked(self.tokenizer.encode(prompt, add_special_tokens=False),
@@ -121,10 +114,6 @@ class Processor:
             return self._checked([int(t) for t in prompt])
         raise InvalidArgumentError(f"prompt must be a string, a list of token ids or a list of "
                                    f"chat messages, got {type(prompt).__name__}", "prompt")
-
-    def _need_tokenizer(self, instead: str) -> None:
-        if self.tokenizer is None:
-            raise InvalidArgumentError(f"this checkpoint has no tokenizer; {instead}", "prompt")
 
     def _chat(self, messages: list, options: dict) -> Prompt:
         from .prompt import (check_no_specials, check_prompt_chars, check_text,
@@ -180,10 +169,8 @@ class Processor:
                                   f"new token: {why}, or shorten the prompt")
 
     # ---- requests --------------------------------------------------------------------------
-    def new_request_id(self, prefix: str | None = None) -> str:
-        """An id nobody can guess (so nobody can take another user's next id first); its
-        trailing counter gives sequential requests distinct colours in the playground."""
-        return new_request_id(prefix or self._id_prefix)
+    def new_request_id(self, prefix: str = "req") -> str:
+        return new_request_id(prefix)
 
     def process(self, prompt, sampling: SamplingParams | None = None, *,
                 watch: ProbeSpec | None = None, interventions=None,

@@ -1,10 +1,7 @@
-"""Chat messages -> prompt token ids, with message text kept as text.
-
-The chat template is rendered as usual, but only the special tokens the *template* placed become
-control tokens: `<|im_start|>` typed inside a message is encoded as the plain characters, so a
-user cannot close their turn and open a system one (role injection). Chat servers do the same.
-A chat whose messages hold no special-token text encodes exactly as
-`tokenizer.encode(apply_chat_template(...))` always did.
+"""Chat messages -> prompt token ids, with message text kept as text: only the special tokens
+the *template* placed become control tokens, so `<|im_start|>` typed inside a message cannot
+close the user's turn and open a system one (role injection). A chat whose messages hold no
+special-token text encodes exactly as `tokenizer.encode(apply_chat_template(...))`.
 """
 from __future__ import annotations
 
@@ -12,6 +9,9 @@ import re
 import secrets
 import threading
 import weakref
+from typing import NamedTuple
+
+from .errors import InvalidArgumentError, PromptTooLongError
 
 
 # characters per token a prompt may average before it is refused without tokenizing it: a
@@ -24,7 +24,6 @@ MAX_CHARS_PER_TOKEN = 16
 def check_prompt_chars(num_chars: int, max_model_len: int) -> None:
     """PromptTooLongError when a prompt of `num_chars` characters cannot fit max_model_len
     tokens at MAX_CHARS_PER_TOKEN characters a token: checked before tokenizing."""
-    from .errors import PromptTooLongError
     limit = max_model_len * MAX_CHARS_PER_TOKEN
     if num_chars > limit:
         raise PromptTooLongError(
@@ -39,29 +38,22 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 def check_text(text: str, where: str = "prompt") -> None:
     """InvalidArgumentError for a lone UTF-16 surrogate (JSON's "\\ud800"): it is no
     character, cannot be encoded as UTF-8, and would fail deep inside the tokenizer."""
-    from .errors import InvalidArgumentError
     m = _SURROGATE.search(text)
     if m is not None:
         raise InvalidArgumentError(f"{where} holds a lone surrogate {m.group()!r} at character "
-                         f"{m.start()}: that is not a valid Unicode character; send UTF-8 text",
-                                   where)
+                                   f"{m.start()}: that is not a valid Unicode character; send "
+                                   "UTF-8 text", where)
 
 
 def conversation_chars(messages) -> int:
     """Characters of a conversation's text (message contents and roles), before rendering."""
-    n = 0
-    for m in messages:
-        if isinstance(m, dict):
-            for v in (m.get("content"), m.get("role")):
-                if isinstance(v, str):
-                    n += len(v)
-    return n
+    return sum(len(v) for m in messages if isinstance(m, dict)
+               for v in (m.get("content"), m.get("role")) if isinstance(v, str))
 
 
 def check_messages(messages) -> None:
     """An InvalidArgumentError naming the message and field for anything but
     [{role: str, content: str}]."""
-    from .errors import InvalidArgumentError
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(m, dict):
@@ -93,7 +85,6 @@ def check_no_specials(tokenizer, what: str, value) -> None:
     text = value if isinstance(value, str) else repr(value)
     hit = next((t for t in _special_tokens(tokenizer) if t in text), None)
     if hit is not None:
-        from .errors import InvalidArgumentError
         raise InvalidArgumentError(f"{what} contains the special token {hit!r}, which the chat "
                                    "template would turn into a control token; remove it", what)
 
@@ -129,11 +120,10 @@ def encode_chat(tokenizer, messages: list[dict], **options) -> tuple[list[int], 
     return ids, text
 
 
-class _Special:
-    __slots__ = ("id", "lstrip", "rstrip")
-
-    def __init__(self, id_: int, lstrip: bool, rstrip: bool):
-        self.id, self.lstrip, self.rstrip = id_, lstrip, rstrip
+class _Special(NamedTuple):
+    id: int
+    lstrip: bool
+    rstrip: bool
 
 
 def _special_tokens(tokenizer) -> dict[str, _Special]:
@@ -193,7 +183,6 @@ def _content_spans(tokenizer, messages: list[dict], text: str,
     for i in sorted(everyone - verbatim):
         hit = next((t for t in specials if t in messages[i]["content"]), None)
         if hit is not None:
-            from .errors import InvalidArgumentError
             raise InvalidArgumentError(
                 f"messages[{i}].content contains the special token {hit!r}, and this chat "
                 "template rewrites that message, so it cannot be kept as plain text; remove the "

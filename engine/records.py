@@ -1,10 +1,8 @@
 """Plain records the engine publishes about itself: KV blocks, step traces, TP layout.
 
-Everything here is host-side data (ints, numpy arrays, tuples) so a reader can hold a snapshot
-while the engine thread keeps running; nothing holds a reference to a device tensor or to a live
-engine structure. A snapshot is taken under the engine lock in O(requests) (engine/snapshot.py):
-per-block state arrives as arrays; per-block objects (`blocks`) and figure data are derived
-from them outside the lock, on demand.
+Host-side data only (ints, numpy arrays, tuples), never a device tensor or a live engine
+structure, so a reader can hold a snapshot while the engine runs. Per-block state arrives as
+arrays (engine/snapshot.py); per-block objects and figure data are derived on demand.
 """
 from __future__ import annotations
 
@@ -43,15 +41,14 @@ class StepEntries:
     """One step's requests, in columns of exact tuples (str and int): a sequence of StepEntry.
 
     Why columns: the garbage collector stops tracking a plain tuple of atomic values after its
-    first pass, never a NamedTuple. One StepEntry per request per step kept ~65k tracked objects
-    in the 256-step ring at 256 requests, and every full collection walked them all (4 ms on the
-    2-core CPU machine), inside whatever the engine thread was doing when it came. Iterating
-    makes StepEntry tuples on demand; views read the columns."""
+    first pass, never a NamedTuple: one StepEntry per request per step kept ~65k tracked objects
+    in the ring at 256 requests, and every full collection walked them all (4 ms on 2 CPU
+    cores) inside the engine thread. Iterating makes StepEntry tuples on demand."""
     __slots__ = ("request_ids", "kinds", "num_tokens", "start_pos")
 
     def __init__(self, request_ids=(), kinds=(), num_tokens=(), start_pos=()):
         self.request_ids: tuple[str, ...] = tuple(request_ids)
-        self.kinds: tuple[str, ...] = tuple(kinds)      # "prefill" or "decode"
+        self.kinds: tuple[str, ...] = tuple(kinds)
         self.num_tokens: tuple[int, ...] = tuple(num_tokens)
         self.start_pos: tuple[int, ...] = tuple(start_pos)
 

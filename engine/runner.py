@@ -1,10 +1,7 @@
-"""Runner: what the engine may ask of the model side, whether one local ModelRunner (TP=1) or
-the TPDriver over N ranks (engine/parallel.py). Nothing outside model_runner.py and parallel.py
-may reach past this list: EngineCore, LLM, the inspector and the anatomy use only these names, so
-a TP driver that implements exactly them is a drop-in for the local runner.
-
-Facts (`model`, `kv_cache`, `device` and the properties) are rank 0's: with TP, the
-shards rank 0 holds, the driver's own tp_layout() describing every rank.
+"""Runner: all the engine may ask of the model side, one local ModelRunner (TP=1) or the
+TPDriver over N ranks (engine/parallel.py). EngineCore, LLM, the inspector and the anatomy use
+only these names, so a driver that implements exactly them is a drop-in for the local runner.
+Facts are rank 0's (with TP, its shards; tp_layout() describes every rank).
 """
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
-"""build_runner: one in-process ModelRunner for TP=1; a driver over N ranks otherwise. Either
-way the engine sees only the Runner protocol (engine/runner.py). The kernel choices are settled
-here, once per engine (KernelConfig.build: config.kernels, then the environment), and every rank
-runs with the same ones (`runner.kernel_config`)."""
+"""build_runner: one in-process ModelRunner for TP=1, a TPDriver over N ranks otherwise (either
+way a Runner, engine/runner.py). The kernel choices are settled here, once per engine, and
+every rank runs with the same ones (`runner.kernel_config`)."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING

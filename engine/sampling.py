@@ -1,10 +1,6 @@
-"""The device sampler: greedy, temperature, top-k, top-p, min-p, seeds, logprobs.
-
-The sampler is vectorised over the batch: per-request settings become tensors, and seeded
-randomness comes from a counter-based hash of (seed, position, token id) (sampling_noise.py),
-so a request's draws do not depend on what else is in the batch and no per-request generator
-loop is needed. The user-facing settings are SamplingParams (sampling_params.py), re-exported
-here so `from engine.sampling import SamplingParams` keeps working.
+"""The device sampler: greedy, temperature, top-k, top-p, min-p, seeds, logprobs, vectorised
+over the batch. Seeded randomness is a counter-based hash (sampling_noise.py), so a request's
+draws do not depend on what else is in the batch. SamplingParams is re-exported here.
 """
 from __future__ import annotations
 
@@ -14,10 +10,9 @@ import numpy as np
 import torch
 
 from .sampling_noise import uniform_noise
-from .sampling_params import MAX_LOGPROBS, MAX_TOP_K, SEED_RANGE, SamplingParams
+from .sampling_params import SamplingParams
 
-__all__ = ["SamplingParams", "SamplingTensors", "apply_filters", "sample", "uniform_noise",
-           "MAX_LOGPROBS", "MAX_TOP_K", "SEED_RANGE"]
+__all__ = ["SamplingParams", "SamplingTensors", "apply_filters", "sample", "uniform_noise"]
 
 
 @dataclass

@@ -1,12 +1,7 @@
-"""SamplingParams: one request's sampling settings as the user gives them (greedy, temperature,
-top-k, top-p, min-p, seed, stop conditions, logprobs, prompt logprobs, penalties, logit bias, a
-guided-decoding grammar, vLLM's allowed_token_ids / bad_words and output-text options),
-validated at construction.
-
-Apart from the device sampler (engine/sampling.py), which turns a batch of these into tensors:
-what a caller writes needs no torch, and the sampler, its fused kernel and the noise they share
-form no import cycle with it. Every bad value raises InvalidArgumentError whose `param` is the
-field's name.
+"""SamplingParams: one request's sampling settings as the user gives them, validated at
+construction; every bad value raises InvalidArgumentError whose `param` is the field's name.
+Apart from the device sampler (engine/sampling.py): a caller needs no torch, and the sampler,
+its fused kernel and their shared noise form no import cycle with it.
 """
 from __future__ import annotations
 
@@ -33,13 +28,17 @@ def _is_number(v) -> bool:
     return isinstance(v, numbers.Real) and not isinstance(v, bool)
 
 
-def _number(name: str, v) -> float:
+def _number(name: str, v, lo: float = -math.inf, hi: float = math.inf, what: str = "",
+            open_lo: bool = False) -> float:
+    """v as a finite float in [lo, hi] ((lo, hi] with open_lo), else an error saying `what`."""
     if not _is_number(v):
         raise InvalidArgumentError(f"{name} must be a number, got {v!r} "
                                    f"({type(v).__name__})", name)
     v = float(v)
     if not math.isfinite(v):
         raise InvalidArgumentError(f"{name} must be finite, got {v!r}", name)
+    if v < lo or (open_lo and v == lo) or v > hi:
+        raise InvalidArgumentError(f"{name} must be {what}, got {v!r}", name)
     return v
 
 
@@ -84,19 +83,10 @@ class SamplingParams:
 
     def __post_init__(self):
         put = functools.partial(object.__setattr__, self)     # the dataclass is frozen
-        t = _number("temperature", self.temperature)
-        if t < 0:
-            raise InvalidArgumentError(f"temperature must be >= 0 (0 = greedy), got {t!r}",
-                                       "temperature")
-        put("temperature", t)
-        p = _number("top_p", self.top_p)
-        if not 0.0 < p <= 1.0:
-            raise InvalidArgumentError(f"top_p must be in (0, 1], got {p!r}", "top_p")
-        put("top_p", p)
-        m = _number("min_p", self.min_p)
-        if not 0.0 <= m <= 1.0:
-            raise InvalidArgumentError(f"min_p must be in [0, 1], got {m!r}", "min_p")
-        put("min_p", m)
+        put("temperature", _number("temperature", self.temperature, 0.0,
+                                   what=">= 0 (0 = greedy)"))
+        put("top_p", _number("top_p", self.top_p, 0.0, 1.0, "in (0, 1]", open_lo=True))
+        put("min_p", _number("min_p", self.min_p, 0.0, 1.0, "in [0, 1]"))
         put("top_k", _int("top_k", self.top_k, 0, MAX_TOP_K,
                           "an integer in [0, 2**31) (0 = off)"))
         if self.seed is not None:
@@ -112,16 +102,9 @@ class SamplingParams:
                                         MAX_LOGPROBS + 1,
                                         f"None or an integer in [0, {MAX_LOGPROBS}]"))
         for name in ("presence_penalty", "frequency_penalty"):
-            v = _number(name, getattr(self, name))
-            if not -2.0 <= v <= 2.0:
-                raise InvalidArgumentError(f"{name} must be in [-2, 2] (0 = off), got {v!r}",
-                                           name)
-            put(name, v)
-        r = _number("repetition_penalty", self.repetition_penalty)
-        if not 0.0 < r <= 100.0:
-            raise InvalidArgumentError(f"repetition_penalty must be in (0, 100] (1 = off), "
-                                       f"got {r!r}", "repetition_penalty")
-        put("repetition_penalty", r)
+            put(name, _number(name, getattr(self, name), -2.0, 2.0, "in [-2, 2] (0 = off)"))
+        put("repetition_penalty", _number("repetition_penalty", self.repetition_penalty, 0.0,
+                                          100.0, "in (0, 100] (1 = off)", open_lo=True))
         bias = self.logit_bias
         bad_bias = InvalidArgumentError(f"logit_bias must map token ids (>= 0) to numbers in "
                                         f"[-100, 100], got {bias!r}", "logit_bias")
@@ -139,7 +122,7 @@ class SamplingParams:
         if self.guided is not None:
             from .guided import grammar_of
             put("guided", grammar_of(self.guided))
-        for name in ("include_stop_str_in_output", "skip_special_tokens",
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
                      "spaces_between_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidArgumentError(f"{name} must be True or False, got "
@@ -169,9 +152,6 @@ class SamplingParams:
         if self.num_speculative_tokens is not None:
             _int("num_speculative_tokens", self.num_speculative_tokens, 0, 17,
                  "None (the engine's setting), 0 (off) or an integer in 1..16")
-        if not isinstance(self.ignore_eos, bool):
-            raise InvalidArgumentError(f"ignore_eos must be True or False, got {self.ignore_eos!r}",
-                                       "ignore_eos")
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
         if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
             raise InvalidArgumentError(f"stop must be a string or a list of strings, got "
@@ -224,21 +204,14 @@ class SamplingParams:
 
     def check_for_model(self, vocab_size: int) -> None:
         """The checks that need the model: token ids inside its vocabulary [0, vocab_size)."""
-        bad_bias = [t for t, _ in self.logit_bias if t >= vocab_size]
-        if bad_bias:
-            raise InvalidArgumentError(f"logit_bias token ids {bad_bias[:5]} are outside the "
-                                       f"vocabulary [0, {vocab_size}); give token ids of this "
-                                       "model", "logit_bias")
-        bad = [i for i in self.allowed_token_ids or () if i >= vocab_size]
-        if bad:
-            raise InvalidArgumentError(f"allowed_token_ids {bad[:5]} are outside the vocabulary "
-                                       f"[0, {vocab_size}); give token ids of this model",
-                                       "allowed_token_ids")
-        bad = [i for i in self.stop_token_ids if i >= vocab_size]
-        if bad:
-            raise InvalidArgumentError(f"stop_token_ids {bad[:5]} are outside the vocabulary "
-                                       f"[0, {vocab_size}); give token ids of this model",
-                                       "stop_token_ids")
+        for name, label, ids in (
+                ("logit_bias", "logit_bias token ids", [t for t, _ in self.logit_bias]),
+                ("allowed_token_ids", "allowed_token_ids", self.allowed_token_ids or ()),
+                ("stop_token_ids", "stop_token_ids", self.stop_token_ids)):
+            bad = [i for i in ids if i >= vocab_size]
+            if bad:
+                raise InvalidArgumentError(f"{label} {bad[:5]} are outside the vocabulary [0, "
+                                           f"{vocab_size}); give token ids of this model", name)
         if self.logprobs > vocab_size:
             raise InvalidArgumentError(f"logprobs={self.logprobs} exceeds the vocabulary size "
                                        f"{vocab_size}", "logprobs")

@@ -1,29 +1,26 @@
-"""Token-budget continuous batching: running requests first (decode tokens and the next chunk
-of unfinished prefills), then new requests while the budget and max_num_seqs allow, in order of
-priority (vLLM's: lower first), then arrival. When the cache runs out a running request is
-preempted (its blocks freed; it is recomputed later, with nothing lost): the youngest of the
-lowest priority.
+"""Token-budget continuous batching: running requests first (decodes and the next chunk of
+unfinished prefills), then waiting ones while the budget and max_num_seqs allow, by priority
+(vLLM's: lower first), then arrival. When the cache runs out the youngest running request of
+the lowest priority is preempted (its blocks freed; recomputed later, nothing lost).
 
-Fairness: a request's choices (its `group`: the n copies and prompt batch of one API call;
-None for a request of one choice, which is never held back) may hold at most `max_group_share` of the KV cache while another request waits: past it, that
-group's waiting choices are not admitted and its running ones are preempted first, so one
-caller's n=64 cannot fill the cache and preempt everyone else. Alone, a group may use it all.
+Fairness: a request's choices (its `group`: the n copies and prompts of one API call; None for
+a single choice) may hold at most `max_group_share` of the KV cache while another request
+waits: past it, the group's waiting choices wait and its running ones are preempted first, so
+one caller's n=64 cannot evict everyone else. Alone, a group may use it all.
 
-Speculative decoding (engine/spec_decode): a decoding request whose SpecState proposes drafts
-feeds its newest token and the drafts as one chunk (not while more requests run than its
-config's disable_by_batch_size: a large batch gains nothing from verify rows); its blocks for
-the drafts are taken only when free (drafts never preempt anyone), and such entries go last in
-the batch, so every plain row keeps the index it would have without them. on_result keeps the
-accepted drafts and the target's token after them, one token at a time (the stop rules apply
-after each, as in plain decoding), then frees the blocks that only rejected drafts used.
+Speculative decoding (engine/spec_decode): a request with drafts feeds its newest token and the
+drafts as one chunk; draft blocks are taken only when free (drafts never preempt anyone), and
+such entries go last, so every plain row keeps its index. on_result keeps the accepted drafts
+and the target's token one at a time (stop rules after each), then frees the rejected ones'
+blocks.
 
-With overlap scheduling the batch of step N+1 is chosen while step N runs: a token sampled by
-step N is already in the sequence as PENDING (appended by `on_launch`), so lengths, block
-allocation, min_tokens and max_tokens are exact; `on_result` fills it in one step later and
-applies the stop rules that need its value (EOS, stop ids). A request that stops then has one
-wasted decode row in flight, whose blocks are freed with the rest of its blocks."""
+Overlap scheduling: a token sampled by the step in flight is already in the sequence as
+PENDING (appended by `on_launch`), so lengths, blocks, min_tokens and max_tokens are exact;
+`on_result` fills it in one step later and applies the stop rules that need its value (a
+request that stops then has one wasted decode row in flight)."""
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -106,8 +103,7 @@ class Scheduler:
 
     def _contended(self, group) -> bool:
         """Another request's choices wait, or run, beside this group's."""
-        return any(s.group != group for s in self.waiting) or \
-            any(s.group != group for s in self.running)
+        return any(s.group != group for s in itertools.chain(self.waiting, self.running))
 
     def _victim(self) -> Sequence:
         """Whom to preempt: the youngest running choice of a group past its share of the cache
@@ -164,11 +160,9 @@ class Scheduler:
         k = 0
         while k < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[k]
-            if seq.group is not None and seq.group in skipped:
-                k += 1
-                continue
-            if seq.group is not None and held.get(seq.group, 0) >= self.max_group_blocks \
-                    and self._contended(seq.group):
+            if seq.group is not None and (seq.group in skipped or (
+                    held.get(seq.group, 0) >= self.max_group_blocks
+                    and self._contended(seq.group))):
                 skipped.add(seq.group)
                 k += 1
                 continue
@@ -250,11 +244,8 @@ class Scheduler:
             seq.spec.release()
         if seq in self.running:
             self.running.remove(seq)
-        else:
-            try:
-                self.waiting.remove(seq)
-            except ValueError:
-                pass
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
         self.bm.free(seq)
 
     def on_result(self, scheduled: list[ScheduledSeq], tokens: list[int], step_id: int

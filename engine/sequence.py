@@ -123,10 +123,9 @@ class Sequence:
         if self.spec is not None and self.spec.drafts:    # a verify scheduled or in flight
             del self.token_ids[self.spec.position:]
             self.spec.drafts = []
-            self.pending.clear()
         elif self.pending:
             del self.token_ids[min(self.pending):]
-            self.pending.clear()
+        self.pending.clear()
 
     @property
     def is_finished(self) -> bool:

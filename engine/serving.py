@@ -1,11 +1,9 @@
-"""ServingHub: the one owner of the engine's life cycle for every front end.
+"""ServingHub: the one owner of the engine's life cycle for every front end (views/, api/).
 
-The playground (views/) and the OpenAI-compatible API (api/) both serve whatever model the hub
-holds now: they read `hub.llm` once per request and keep that engine to the request's end. The
-hub loads, switches and shuts the engine down, says when it is `switching` (the API answers
-503, the tabs wait), shares one recent snapshot between every reader (many pages polling cost
-one `inspect()` per `SNAPSHOT_MAX_AGE_S`), and remembers why a request was aborted so a cut
-reply can say why. It knows nothing of Gradio: views/live.py adds browser sessions on top.
+Front ends read `hub.llm` once per request and keep that engine to the request's end. The hub
+loads, switches and shuts the engine down, says when it is `switching` (the API answers 503),
+shares one recent snapshot between every reader, and remembers why a request was aborted so a
+cut reply can say why. It knows nothing of Gradio: views/live.py adds browser sessions on top.
 """
 from __future__ import annotations
 
@@ -73,25 +71,20 @@ class ServingHub:
             return self._snap
 
     # ---- token text -----------------------------------------------------------------------
-    def _make_decoder(self):
-        tok = getattr(self.llm, "tokenizer", None)
-
-        @lru_cache(maxsize=65536)
-        def decode(ids: tuple[int, ...]) -> str:
-            if tok is None:
-                return " ".join(map(str, ids))
-            return tok.decode(list(ids), skip_special_tokens=False)
-        return decode
-
     def decode(self, ids: Sequence[int]) -> str:
         if self._decode is None:
-            self._decode = self._make_decoder()
+            tok = getattr(self.llm, "tokenizer", None)
+
+            @lru_cache(maxsize=65536)
+            def decode(ids: tuple[int, ...]) -> str:
+                if tok is None:
+                    return " ".join(map(str, ids))
+                return tok.decode(list(ids), skip_special_tokens=False)
+            self._decode = decode
         return self._decode(tuple(int(i) for i in ids))
 
     # ---- requests -------------------------------------------------------------------------
     def new_request_id(self, kind: str) -> str:
-        """Unguessable (nobody can take a page's next id first), with a trailing counter that
-        gives sequential replies distinct colours in every view."""
         return new_request_id(kind)
 
     def session_salt(self, session_key: str | None) -> str | None:
@@ -127,11 +120,8 @@ class ServingHub:
         self._on_switch.append(hook)
 
     def current_choice(self) -> str | None:
-        path = getattr(self.llm, "model_path", None)
-        for name, p in self.choices.items():
-            if str(p) == str(path):
-                return name
-        return None
+        path = str(getattr(self.llm, "model_path", None))
+        return next((name for name, p in self.choices.items() if str(p) == path), None)
 
     def switch(self, choice: str) -> None:
         """Load another model from `choices`; every in-flight request is aborted first (with

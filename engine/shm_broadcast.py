@@ -1,22 +1,17 @@
 """ShmBroadcast: rank 0's per-step messages to the other ranks through shared memory.
 
 A ring of slots in one SharedMemory segment, one writer (rank 0), N readers (the workers). The
-writer waits until every reader has consumed a slot's previous message, writes the payload and
-its length, then publishes the slot's sequence number; readers poll that number. No pipes, no
-feeder thread, no pickled queue on the hot path (what made TP=2 slower than TP=1): a message is
-one memcpy, and a reader sees it within microseconds while it is busy (it yields, then backs
-off to sleeps when the engine is idle, so idle workers cost no CPU).
+writer waits until every reader has acked a slot's previous message, writes the payload and its
+length, then publishes the slot's sequence number, which readers poll. No pipes, no feeder
+thread, no pickled queue on the hot path (what made TP=2 slower than TP=1): a message is one
+memcpy, seen within microseconds by a busy reader (idle readers back off to sleeps).
 
-Memory ordering. The protocol is correct only if other processes see the stores in program
-order: the writer stores the payload, then its length, then the sequence number; a reader that
-sees the new sequence number must also see that payload (and the writer, seeing a reader's ack,
-must know that reader has finished loading the slot). x86-64 guarantees this (total store
-order: stores are not reordered with stores, loads not with loads nor with later stores), and
-CPython cannot reorder them either (each store is a separate opaque C call). Weakly ordered
-CPUs (ARM, POWER, RISC-V) may make the sequence number visible before the payload, and Python
-has no memory fence to put between them. So the ring refuses any other machine with a clear
-error (`check_platform`) instead of handing a worker half a message; a port would publish the
-sequence number with a release store and read it with an acquire load (a small C extension).
+Memory ordering: a reader that sees the new sequence number must see the payload stored before
+it (and the writer, seeing an ack, must know that reader is done with the slot). x86-64's total
+store order guarantees this, and CPython cannot reorder the stores (each is an opaque C call).
+Weakly ordered CPUs (ARM, POWER, RISC-V) may not, and Python has no fence, so the ring refuses
+them (`check_platform`) rather than hand a worker half a message; a port would need a release
+store and an acquire load (a small C extension).
 """
 from __future__ import annotations
 
@@ -42,6 +37,7 @@ def check_platform(machine: str | None = None) -> None:
             f"ordering and has not been proven on this {machine or 'unknown'} CPU, where a "
             f"worker could read half a message; use tensor_parallel_size=1 here, or run "
             f"tensor parallelism on an x86-64 host", "tensor_parallel_size")
+
 
 _HEADER = 2          # int64s per slot: sequence number, payload length
 

@@ -1,12 +1,10 @@
 """Snapshots: the engine's state copied for a reader, under the engine lock, in O(requests).
 
-What is copied under the lock (`copy_state`): two per-block arrays (a memcpy each), each
-request's Sequence object, computed-token count, token count, device-pending positions and a
-(list, length) view of its block table (see records.TableViews), counters and the step window
-(one shared tuple per step); the record is built after the lock is released
-(`build_snapshot`). No object per block, no token lists: fills and owners are derived from the
-tables with numpy when a reader asks (records.EngineSnapshot.kv_arrays), and a block's
-tokens are read on demand for that block only (Inspector.block_info).
+`copy_state` copies two per-block arrays, per request its Sequence, counts, pending positions
+and a (list, length) view of its block table (records.TableViews), the counters and the step
+window; `build_snapshot` builds the record after the lock. No object per block and no token
+lists: fills and owners are derived with numpy on demand (EngineSnapshot.kv_arrays), a block's
+tokens only for that block (Inspector.block_info).
 """
 from __future__ import annotations
 
@@ -17,13 +15,10 @@ from typing import NamedTuple
 from .records import EngineSnapshot, RequestRecord, TableViews
 
 
-# per request, read under the lock in C-level passes (operator.attrgetter and len through map):
-# plain attributes only, no property, so no Python frame runs while the lock is held (a frame
-# is where CPython may hand the GIL to another thread, with the engine lock still held). Only
-# what a step changes is read here, one attribute a pass (a 9-attribute getter was most of the
-# copy); what stays fixed for a request's life (its id, params, grammar object) and the plain
-# counters that may be a step newer (masked steps, the API's note) are read from the Sequence
-# after the lock.
+# per request, read under the lock in C-level passes (attrgetter and len through map): plain
+# attributes only, so no Python frame runs with the lock held (where CPython may hand the GIL
+# to another thread). Only what a step changes, one attribute a pass (a 9-attribute getter was
+# most of the copy); fixed fields and counters that may be a step newer are read after the lock.
 _TABLE = attrgetter("block_table")          # replaced on allocate/free: its object is read here
 _COMPUTED = attrgetter("num_computed_tokens")
 _TOKENS = attrgetter("token_ids")

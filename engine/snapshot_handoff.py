@@ -1,21 +1,15 @@
 """SnapshotHandoff: while the engine is busy, a reader's snapshot is copied by the engine thread
 itself, at its next step boundary, inside the critical section it holds anyway.
 
-Why: a reader that copies under the engine lock can lose the GIL to another thread (a page's
-Python) mid-copy, with the lock still held; the engine thread then waits for the lock and the
-device runs dry — the wall hold (1.2–1.5 ms at p99 on the H200 host) was several times the
-copy's CPU work (0.6 ms). Copied by the engine between its steps (after delivering a step's
-events, before the next schedule; with overlap scheduling the next step is already on the
-device), no reader ever holds the lock the engine needs, and the copy costs the engine only
-its own CPU work, once per boundary however many readers asked.
+Why: a reader copying under the engine lock can lose the GIL mid-copy with the lock held, and
+the device runs dry while the engine waits for it (a 1.2–1.5 ms p99 hold on the H200 host for
+0.6 ms of copying). Copied by the engine between steps, no reader holds the lock the engine
+needs, and the engine pays only the copy's CPU work, once per boundary however many asked.
 
-Consistency: a reader takes a ticket; the engine copies, then marks done every ticket taken
-before its copy began. A reader that saw an event, submitted or aborted before asking gets a
-copy taken after that (those all happen under the engine lock, before or between boundaries).
-
-When the engine is idle (no step to come) or a step is long (a CPU prefill of seconds), the
-reader stops waiting after `wait_s` and copies under the lock itself: uncontended then, since
-the engine is either parked or inside a forward that holds no lock.
+Consistency: a reader takes a ticket; the engine marks done every ticket taken before its copy
+began, so a reader gets a copy newer than anything it saw happen under the lock. When the engine
+is idle or a step is long (a CPU prefill), the reader stops waiting after `wait_s` and copies
+under the lock itself: uncontended then (the engine is parked or inside a lock-free forward).
 """
 from __future__ import annotations
 

@@ -6,6 +6,7 @@ after a cursor (`since`), so polling the history while the engine runs costs O(n
 """
 from __future__ import annotations
 
+import itertools
 from collections import deque
 
 from .records import StepTrace
@@ -43,8 +44,7 @@ class StepHistory:
         new = min(self._count - cursor, len(self._ring))
         if new <= 0:
             return (), self._count
-        ring = self._ring
-        return tuple(ring[i] for i in range(len(ring) - new, len(ring))), self._count
+        return tuple(itertools.islice(self._ring, len(self._ring) - new, None)), self._count
 
     def __len__(self) -> int:
         return len(self._ring)

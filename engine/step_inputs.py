@@ -1,11 +1,9 @@
-"""StepInputs: one scheduled batch flattened into the arrays every rank's forward needs.
+"""StepInputs: one scheduled batch flattened into the host arrays every rank's forward needs
+(built on rank 0, sent by value to the other ranks, staged onto each device there).
 
-Built on rank 0 by the engine core each step, sent as is to the other ranks. Host arrays only
-(numpy / lists): they cross processes by value, and each rank stages them onto its device.
-
-A decode row whose input token was sampled by the step still in flight (overlap scheduling)
-has no id on the host yet: `pending_rows` / `pending_src` say to take it from that step's
-sampled ids, which every rank keeps on its device.
+A row whose input token was sampled by the step still in flight (overlap scheduling) has no id
+on the host yet: `pending_rows` / `pending_src` take it from that step's sampled ids, which
+every rank keeps on its device.
 """
 from __future__ import annotations
 
@@ -100,7 +98,7 @@ def build_step_inputs(step_id: int, scheduled, block_size: int, sampling: Sampli
     every step, serial with the host side of the step, so per-row tensor work is avoided."""
     ids, pos, slots, ctx_lens, cu, rows = [], [], [], [], [0], []
     pend_rows, pend_src = [], []
-    max_q = 0
+    max_q = max((s.num_tokens for s in scheduled), default=0)
     max_blocks = max((len(s.seq.block_table) for s in scheduled), default=1) or 1
     table = np.zeros((len(scheduled), max_blocks), dtype=np.int32)
     total = 0
@@ -124,8 +122,6 @@ def build_step_inputs(step_id: int, scheduled, block_size: int, sampling: Sampli
         ctx_lens.append(start + n)
         total += n
         cu.append(total)
-        if n > max_q:
-            max_q = n
         if s.samples:
             if s.num_draft:                          # a verify: every row of the chunk samples
                 rows.extend(range(total - 1 - s.num_draft, total))
@@ -134,12 +130,11 @@ def build_step_inputs(step_id: int, scheduled, block_size: int, sampling: Sampli
     ctx = np.array(ctx_lens, dtype=np.int32)
     lp_rows = lp_targets = None
     lp_k = 0
-    if any(s.seq.params.prompt_logprobs is not None for s in scheduled):
-        found = list(prompt_logprob_rows(scheduled))
-        if found:
-            lp_rows = np.array([r for r, _, _ in found], dtype=np.int64)
-            lp_targets = np.array([seq.token_ids[p] for _, seq, p in found], dtype=np.int64)
-            lp_k = max(seq.params.prompt_logprobs for _, seq, _ in found)
+    found = list(prompt_logprob_rows(scheduled))
+    if found:
+        lp_rows = np.array([r for r, _, _ in found], dtype=np.int64)
+        lp_targets = np.array([seq.token_ids[p] for _, seq, p in found], dtype=np.int64)
+        lp_k = max(seq.params.prompt_logprobs for _, seq, _ in found)
     return StepInputs(
         prompt_lp_rows=lp_rows, prompt_lp_targets=lp_targets, prompt_lp_k=lp_k,
         step_id=step_id, input_ids=np.array(ids, dtype=np.int64),

@@ -1,14 +1,9 @@
 """Stop strings matched incrementally: an Aho-Corasick automaton over every stop string of a
-request, fed only the characters each step adds. A step costs O(new characters), whatever the
-number or length of the stop strings (a per-step `find` of every stop string over a window, and
-a `endswith` of each of their prefixes, cost O(stops x length^2) per token: 10,000 stop strings
-made every other stream 3x slower).
-
-The automaton's state after the text so far is the longest suffix of the text that is a prefix
-of some stop string: exactly the characters to hold back (they may still become a stop string).
-The first position where any stop string ends stops the text; among stop strings ending there,
-the longest wins (the earliest start). That rule does not depend on how the text was split
-into tokens.
+request, fed only the characters each step adds, so a step costs O(new characters) (a per-step
+`find` of every stop string cost O(stops x length^2) a token: 10,000 stop strings made every
+other stream 3x slower). The automaton's state is the longest suffix of the text that is a
+prefix of some stop string: exactly the characters to hold back. The first position where any
+stop string ends stops the text, the longest there winning, however the text was tokenized.
 """
 from __future__ import annotations
 

@@ -1,14 +1,10 @@
-"""vLLM's per-request token filters: `allowed_token_ids` (every other token is masked) and
-`bad_words` (a word's token sequence is never completed), built once per request by the
-processor and applied in the sampler through the paths that exist already: the allowed set is a
-static row of the step's token bitmask (beside a grammar's, engine/grammar_masks.py), a bad
-word's last token joins the step's banned (row, token) pairs (engine_core._banned). A request
-that uses neither costs nothing.
+"""vLLM's per-request token filters, built once per request by the processor: `allowed_token_ids`
+becomes a static row of the step's token bitmask (beside a grammar's, engine/grammar_masks.py);
+a `bad_words` word's last token joins the step's banned (row, token) pairs (engine_core._banned).
 
-bad_words, as vLLM defines it: each word is tokenized as it is and with a leading space (a word
-inside the text is usually one token with its space); the last token of such a sequence is
-banned at a step where the output's last tokens equal the rest of it (a one-token word is
-banned at every step). Only output tokens are compared, as vLLM does.
+bad_words, as vLLM defines it: each word is tokenized as it is and after a space; the last token
+of such a sequence is banned at a step where the output's last tokens equal the rest of it (a
+one-token word at every step). Only output tokens are compared, as vLLM does.
 """
 from __future__ import annotations
 
@@ -76,9 +72,8 @@ def token_filter(params, tokenizer, vocab_size: int) -> TokenFilter | None:
     """The request's TokenFilter (built once, off the engine thread), or None."""
     if params.allowed_token_ids is None and not params.bad_words:
         return None
-    allowed = None
-    if params.allowed_token_ids is not None:
-        allowed = allowed_bitmask(params.allowed_token_ids, vocab_size)
+    allowed = None if params.allowed_token_ids is None else allowed_bitmask(
+        params.allowed_token_ids, vocab_size)
     bad = None
     if params.bad_words:
         seqs = bad_word_sequences(tokenizer, params.bad_words)

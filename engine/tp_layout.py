@@ -14,7 +14,8 @@ def rank_layout(cfg, rank: int, tp: int, kv_bytes: int) -> RankLayout:
         kv_heads = [rank * hkv // tp]
     inter = getattr(cfg, "intermediate_size", None)
     mlp = (rank * inter // tp, (rank + 1) * inter // tp) if inter else None
-    moe_inter = getattr(cfg, "moe_intermediate_size", None) if getattr(cfg, "num_experts", 0) else None
+    moe_inter = getattr(cfg, "moe_intermediate_size", None) \
+        if getattr(cfg, "num_experts", 0) else None
     experts = (rank * moe_inter // tp, (rank + 1) * moe_inter // tp) if moe_inter else None
     per_vocab = (cfg.vocab_size + tp - 1) // tp
     vocab = (rank * per_vocab, min((rank + 1) * per_vocab, cfg.vocab_size))

@@ -1,14 +1,10 @@
-"""The loaded model opened up: vocabulary, weights per part, the runtime code of each stage,
-the path of one token with its shapes, the KV cache's data plane and what each
-tensor-parallel rank holds — computed from the running engine, never typed in.
+"""The loaded model opened up, computed from the running engine, never typed in: vocabulary,
+weights per part, the runtime code of each stage, one token's path with its shapes, the KV
+cache's data plane and what each tensor-parallel rank holds. It reads the engine only through
+its public API (`llm.model_parts()`, `llm.hf_config`, `llm.tokenizer`, the model facts).
 
-    from engine.anatomy import model_anatomy
     a = model_anatomy(llm)
     a.weights.total_params, a.path.attention, a.kv.regions(block_id=3), a.tp_plan(4)
-
-It reads the engine only through its public API: `llm.model_parts()` (rank 0's modules and KV
-cache tensor, taken under the engine lock; EngineShutdownError once a switch shut it down),
-`llm.hf_config`, `llm.tokenizer` and the LLM's model facts.
 """
 from __future__ import annotations
 

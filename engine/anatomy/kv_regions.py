@@ -1,10 +1,6 @@
-"""The KV cache's data plane: the cache tensor's real shape, dtype and strides, and where one
-logical block lives in memory — L × 2 separate regions (K and V of every layer), each at a
-byte offset computed from the strides.
-
-A block id indexes dim 2 of [2, num_layers, num_blocks, block_size, kv_heads, head_dim]: the
-block's K for layer l starts at 0·s0 + l·s1 + id·s2 elements, its V at 1·s0 + l·s1 + id·s2.
-With TP this is rank 0's cache (its KV heads); every rank's has the same layout.
+"""The KV cache's data plane: the cache tensor's shape, dtype and strides, and where one logical
+block lives: L x 2 regions (K and V of every layer) of [2, num_layers, num_blocks, block_size,
+kv_heads, head_dim], each at a byte offset from the strides (rank 0's cache with TP).
 """
 from __future__ import annotations
 

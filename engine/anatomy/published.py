@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .architecture import Architecture, architecture_of_config
-from .tensor_parallel import check_tp, tp_plan
+from .tensor_parallel import tp_plan
 from .weights import weight_breakdown
 
 _QWEN3 = dict(vocab_size=151936, head_dim=128, attention_bias=False)
@@ -62,19 +62,12 @@ class ShapeRow:
     loaded: bool = False
 
 
-def min_tp_to_fit(arch: Architecture, elem_bytes: int = 2, degrees=(1, 2, 4, 8)) -> int | None:
-    weights = weight_breakdown(arch, elem_bytes, "bfloat16")
-    for tp in degrees:
-        if not check_tp(arch, tp) and tp_plan(arch, weights, tp).fits:
-            return tp
-    return None
-
-
 def shape_row(name: str, arch: Architecture, card_total=None, card_active=None,
               loaded: bool = False) -> ShapeRow:
     w = weight_breakdown(arch, 2, "bfloat16")
+    min_tp = next((tp for tp in (1, 2, 4, 8) if tp_plan(arch, w, tp).fits), None)
     return ShapeRow(name, arch, w.total_params, w.active_params, card_total, card_active,
-                    min_tp_to_fit(arch), loaded)
+                    min_tp, loaded)
 
 
 def published_rows() -> list[ShapeRow]:

@@ -1,12 +1,8 @@
 """Which file of engine/ and which kernel of engine/kernels/ runs each stage of the forward,
-read from the loaded model's own modules and the bytecode of their forward methods, so the
-answer follows the code when it changes.
-
-A stage is a module of the built model (its class gives the file); the kernels are the
-engine/kernels/ functions its forward reaches (through engine helpers such as
-layers/gemm.linear, lazy imports included). Kernel files pair a Triton launcher with its
-torch reference (`*_ref`, `*_cpu`); a launcher that picks between them itself ("dispatch")
-runs everywhere.
+read from the loaded model's modules and the bytecode of their forward methods (lazy imports
+included), so the answer follows the code. Kernel files pair a Triton launcher with its torch
+reference (`*_ref`, `*_cpu`); a launcher that picks between them itself ("dispatch") runs
+everywhere.
 """
 from __future__ import annotations
 
@@ -101,10 +97,6 @@ def references(fn) -> tuple:
     return tuple(out)
 
 
-def _is_function(obj) -> bool:
-    return isinstance(obj, types.FunctionType)
-
-
 _LAUNCHABLE = ("JITFunction", "InterpretedFunction", "Autotuner", "Heuristics")
 
 
@@ -115,7 +107,7 @@ def _is_jit(obj) -> bool:
 
 
 def _in_kernels(obj) -> bool:
-    return _is_function(obj) and (obj.__module__ or "").startswith(KERNELS)
+    return isinstance(obj, types.FunctionType) and (obj.__module__ or "").startswith(KERNELS)
 
 
 @functools.lru_cache(maxsize=None)
@@ -155,7 +147,8 @@ def code_reached(fn, depth: int = 2) -> tuple[list, list[KernelRef], list[str]]:
             ref = KernelRef(_relpath(obj), obj.__name__, kernel_kind(obj))
             if is_compute(ref) and ref not in kernels:
                 kernels.append(ref)
-        elif _is_function(obj) and mod.startswith("engine.") and depth and obj is not fn:
+        elif (isinstance(obj, types.FunctionType) and mod.startswith("engine.") and depth
+              and obj is not fn):
             h, k, o = code_reached(obj, depth - 1)
             if (k or o) and obj not in helpers and not obj.__name__.startswith("_"):
                 helpers.append(obj)     # only helpers on the way to a kernel or a torch op
@@ -186,12 +179,13 @@ def collective_of(cls) -> str | None:
 
 def code_ref(key: str, stage: str, obj) -> CodeRef:
     """A stage run by a module instance (its class's forward) or by a plain function."""
-    fn = obj if _is_function(obj) else type(obj).forward
-    owner = obj if _is_function(obj) else type(obj)
+    plain = isinstance(obj, types.FunctionType)
+    fn = obj if plain else type(obj).forward
+    owner = obj if plain else type(obj)
     helpers, kernels, ops = code_reached(fn)
     return CodeRef(key, stage, _relpath(owner), owner.__name__,
                    tuple(f"{_relpath(h)}:{h.__name__}" for h in helpers), tuple(kernels),
-                   tuple(ops), None if _is_function(obj) else collective_of(type(obj)))
+                   tuple(ops), None if plain else collective_of(type(obj)))
 
 
 def _layer_stages(layer) -> list[tuple[str, str, object]]:
@@ -228,21 +222,15 @@ def runtime_code(model) -> list[CodeRef]:
     """The forward of one token, stage by stage, from the loaded model (rank 0 with TP): the
     first dense layer and the first MoE layer stand for all layers of their kind."""
     from ..sampling import sample
-    layers = list(model.model.layers)
-    firsts, seen = [], set()
-    for layer in layers:
-        kind = hasattr(layer.mlp, "experts")
-        if kind not in seen:
-            seen.add(kind)
-            firsts.append(layer)
-    stages = [("embed", "embedding row lookup", model.model.embed_tokens)]
-    keys = set()
-    for layer in firsts:
-        for key, what, obj in _layer_stages(layer):
-            if key not in keys:
-                keys.add(key)
-                stages.append((key, what, obj))
-    stages += [("final_norm", "final RMSNorm (fused residual add)", model.model.norm),
-               ("lm_head", "logits over the vocabulary", model.lm_head),
-               ("sample", "sampler: greedy / temperature / top-k / top-p / min-p", sample)]
+    firsts: dict[bool, object] = {}        # dense or MoE -> its first layer
+    for layer in model.model.layers:
+        firsts.setdefault(hasattr(layer.mlp, "experts"), layer)
+    stages = {"embed": ("embed", "embedding row lookup", model.model.embed_tokens)}
+    for layer in firsts.values():
+        for stage in _layer_stages(layer):
+            stages.setdefault(stage[0], stage)
+    stages = [*stages.values(),
+              ("final_norm", "final RMSNorm (fused residual add)", model.model.norm),
+              ("lm_head", "logits over the vocabulary", model.lm_head),
+              ("sample", "sampler: greedy / temperature / top-k / top-p / min-p", sample)]
     return [code_ref(k, what, obj) for k, what, obj in stages]

@@ -93,7 +93,7 @@ def token_path(a: Architecture) -> TokenPath:
                          f"[{h}] → [2 × {m}] → SiLU·mul → [{m}] → [{h}]")]
         if s:
             moe.append(PathStage("shared_expert", "shared expert (always on)", (s,),
-                                 ("intermediate",), f"its output scaled by sigmoid(gate · x)"))
+                                 ("intermediate",), "its output scaled by sigmoid(gate · x)"))
         moe.append(PathStage("moe_block", "weighted sum of the experts", (h,), ("hidden",),
                              "Σ weightᵢ · expertᵢ(x)" + (" + gate · shared(x)" if s else "")
                              + ", added to the residual stream"))

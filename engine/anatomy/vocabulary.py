@@ -46,9 +46,7 @@ def tokenize(tokenizer, text: str) -> list[TokenPiece]:
     no special tokens added)."""
     if tokenizer is None:
         raise ValueError("this checkpoint has no tokenizer: type token ids instead")
-    special = _special_ids(tokenizer)
-    ids = tokenizer.encode(text, add_special_tokens=False)
-    return [TokenPiece(i, tokenizer.decode([i]), i in special) for i in ids]
+    return pieces_of_ids(tokenizer, tokenizer.encode(text, add_special_tokens=False))
 
 
 def parse_ids(text: str, vocab_size: int) -> list[int]:

@@ -1,11 +1,7 @@
-"""Parameters and bytes per part of the model (embedding, attention, norms, MLP or router +
-experts + shared expert, final norm, LM head), total and active per token, and what one
-tensor-parallel rank holds of each part.
-
-Shapes are the checkpoint's (HF layout, [out, in]); the split rules follow the layers that
-shard them: engine/layers/linear.py (column / row / QKV with KV heads replicated when
-tp > num_kv_heads), embed_head.py (vocabulary padded to a multiple of tp) and moe.py (every
-expert's intermediate dim split, the router replicated).
+"""Parameters and bytes per part of the model, total and active per token, and what one
+tensor-parallel rank holds of each. Shapes are the checkpoint's ([out, in]); the split rules
+follow engine/layers/linear.py (column / row / QKV, KV heads replicated when tp > num_kv_heads),
+embed_head.py (vocabulary padded to a multiple of tp) and moe.py (expert intermediate dims).
 """
 from __future__ import annotations
 
@@ -106,9 +102,8 @@ def _linear(key, group, out_f, in_f, bias, layers, column: bool, kv: bool = Fals
     """A [out, in] projection; column-parallel splits out (and its bias), row-parallel in."""
     split = (0, KV if kv else EVEN) if column else (1, EVEN)
     shapes, splits = ((out_f, in_f),), (split,)
-    if bias:
-        shapes, splits = shapes + ((out_f,),), splits + ((0, KV if kv else EVEN) if column
-                                                         else None,)
+    if bias:        # a column-parallel bias is split like its rows, a row-parallel one is whole
+        shapes, splits = shapes + ((out_f,),), splits + (split if column else None,)
     return WeightPart(key, group, shapes, splits, layers)
 
 

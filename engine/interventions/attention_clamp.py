@@ -1,11 +1,8 @@
-"""Attention clamped to chosen key positions (Intervention.clamp_attention), for the (token,
-head) rows a clamp selects.
-
-The paged attention kernels stay as they are. A clamped head attends only to its few chosen
-keys, so its output is recomputed here from those keys alone (gathered through the block table)
-and written over the kernel's output for its rows: the rows of every other head and token keep
-the kernel's bits, and a step without a clamp runs none of this. Fixed shapes, no host sync:
-inside a decode CUDA graph it runs over the bucket's rows with the tables of buffers.py.
+"""Attention clamped to chosen key positions (Intervention.clamp_attention). A clamped head
+attends only to its few chosen keys, so its output is recomputed here from those keys alone
+(gathered through the block table) and written over the paged kernel's output for its rows;
+every other row keeps the kernel's bits. Fixed shapes and no host sync, so a decode CUDA graph
+can capture it.
 """
 from __future__ import annotations
 

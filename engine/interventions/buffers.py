@@ -1,17 +1,13 @@
-"""InterventionBuffers: the device side of one step's interventions on one rank — the tables of
-an InterventionPlan on the device, and the three edits the layers call:
+"""InterventionBuffers: one step's InterventionPlan tables on one rank's device, and the edits
+the layers call:
 
   attention output [N, Hq, D] *= head_keep[sel]      (before o_proj; this rank's heads)
   router logits    [N, E]     += expert_bias[sel]    (0 or -inf, before softmax and top-k)
   layer output     [N, H]     += steer_add[sel]      (where steer_on[sel]; = hook_resid_post)
   attention output [N, Hq, D] = clamped attention    (where clamp_heads[sel]; attention_clamp.py)
 
-Rows of untouched tokens gather the identity row (x * 1, x + 0, or the `where` keeps x), so
-they compute bit for bit what they would without the intervention. A step without any
-interventions has no buffers at all: the layers test one attribute and skip.
-
-For CUDA graphs the same class holds static buffers sized for the largest bucket (`static`),
-captured once per plan key (which layers edit what) and refilled each replay (`load_plan`).
+Untouched tokens gather the identity row (x * 1, x + 0, or the `where` keeps x), so they
+compute bit for bit what they would without the intervention.
 """
 from __future__ import annotations
 
@@ -132,7 +128,7 @@ class GraphInterventionBuffers(InterventionBuffers):
 
     def __init__(self, key: tuple, max_rows: int, facts, device, dtype, head_slice: slice):
         la, le, ls, lc = key
-        R, hq = max_rows + 1, head_slice.stop - head_slice.start
+        R = max_rows + 1
         plan = InterventionPlan(
             la, le, ls, np.zeros(max_rows, np.int64),
             np.ones((R, len(la), facts.num_heads), np.float32) if la else None,
@@ -144,7 +140,6 @@ class GraphInterventionBuffers(InterventionBuffers):
         super().__init__(plan, device, dtype, head_slice, capture_out=False)
         self.clamp_rows = [None] * len(lc)
         self.max_rows = max_rows
-        assert self.head_keep is None or self.head_keep.shape[-1] == hq
 
     def view(self, bs: int) -> "GraphInterventionBuffers":
         """The buffers a graph of bucket `bs` captures: sel cut to its rows."""
@@ -155,11 +150,9 @@ class GraphInterventionBuffers(InterventionBuffers):
 
     def load_plan(self, plan: InterventionPlan) -> None:
         """Copy this step's tables into the static buffers (rows past the plan's keep what
-        they held: no token selects them). Padded token rows select row 0, the identity."""
-        assert plan.key == self.plan.key, "a graph replayed with another plan key"
+        they held: no token selects them). Padded token rows select row 0, the identity. The
+        graph runner's can_run admitted the plan: its key and at most max_rows + 1 rows."""
         n, R = len(plan.sel), plan.num_rows
-        if R > self.max_rows + 1:
-            raise ValueError("more intervention rows than the graph holds")
         sel = np.zeros(self.max_rows, np.int64)
         sel[:n] = plan.sel
         pairs = [(self.sel, sel)]

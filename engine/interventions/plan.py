@@ -1,11 +1,8 @@
-"""InterventionPlan: what the forward edits in one step, as small host tables — built on rank 0
-by the InterventionPlanner when some scheduled request has interventions, sent to every rank
-with the step's inputs, loaded into the InterventionBuffers the layers read.
-
-Every token of the step points (`sel`) at one row of the tables; row 0 is the identity (keep
-every head, mask no expert, add nothing), so untouched requests in the batch compute exactly
-what they would without it. Requests with the same interventions share a row; a request whose
-steering depends on the position class (prompt / generated) gets one row per class.
+"""InterventionPlan: what the forward edits in one step, as small host tables built on rank 0
+and sent to every rank. Every token of the step points (`sel`) at one row of the tables; row 0
+is the identity, so untouched requests compute exactly what they would without it. Requests
+with the same interventions share a row; a request whose steering depends on the position
+class (prompt / generated) gets one row per class.
 """
 from __future__ import annotations
 
@@ -42,19 +39,6 @@ class InterventionPlan:
     def num_rows(self) -> int:
         return max((t.shape[0] for t in (self.head_keep, self.expert_bias, self.steer_add,
                                          self.clamp_heads) if t is not None), default=1)
-
-
-def _add_clamp(heads: np.ndarray, keys: np.ndarray, iv: Intervention) -> None:
-    """One clamp into a row's tables at its layer. Two clamps of one request at one layer must
-    name the same positions (each head sees one key set per layer); resolve_interventions
-    refuses others, so here the key row is either empty or already these positions."""
-    keys[:len(iv.key_positions)] = iv.key_positions
-    heads[list(iv.heads)] = True
-
-
-def _classes(ivs: tuple[Intervention, ...]) -> bool:
-    """True when the request's edits differ between prompt and generated positions."""
-    return any(iv.kind == "steer" and iv.positions != "all" for iv in ivs)
 
 
 class InterventionPlanner:
@@ -97,7 +81,8 @@ class InterventionPlanner:
             seq, n, start = s.seq, s.num_tokens, s.start
             ivs = seq.interventions
             P = seq.num_prompt_tokens
-            split = _classes(ivs)
+            # the request's edits differ between prompt and generated positions
+            split = any(iv.kind == "steer" and iv.positions != "all" for iv in ivs)
             for cls_name, lo, hi in (("prompt", start, min(start + n, P)),
                                      ("generated", max(start, P), start + n)):
                 if hi <= lo:
@@ -136,8 +121,11 @@ class InterventionPlanner:
                 elif iv.kind == "mask_experts":
                     bias[r, le.index(iv.layer), list(iv.experts)] = -np.inf
                 elif iv.kind == "clamp_attention":
-                    _add_clamp(clamp_heads[r, lc.index(iv.layer)], clamp_keys[r, lc.index(iv.layer)],
-                               iv)
+                    # resolve_interventions made a request's clamps at one layer share their
+                    # positions: the key row is either empty or already these
+                    j = lc.index(iv.layer)
+                    clamp_keys[r, j, :len(iv.key_positions)] = iv.key_positions
+                    clamp_heads[r, j, list(iv.heads)] = True
                 elif iv.kind == "steer" and iv.positions in ("all", cls_name):
                     j = ls.index(iv.layer)
                     # vector * scale in fp32, the same product a reference hook computes

@@ -1,10 +1,7 @@
 """Intervention: one edit of the forward pass for one request — ablate attention heads, mask
 MoE experts, steer the residual stream, or clamp heads' attention to chosen key positions.
-
-Types are checked at construction; `resolve_interventions` checks a request's list against the
-model (layer range, head and expert ids, which layers are MoE, the vector's size) when the
-request is submitted, so a spec that does not fit fails that caller with a ValueError naming
-the field, never the engine step. Layer indices count like ProbeSpec's: negative from the end.
+Types are checked at construction, the fit to the model by `resolve_interventions` when the
+request is submitted, so a bad spec fails its caller, never the engine step.
 """
 from __future__ import annotations
 
@@ -140,20 +137,17 @@ class Intervention:
         if not isinstance(d, dict):
             raise ValueError(f"an intervention must be an object with a 'kind', got {d!r:.80}")
         kind = d.get("kind")
-        allowed = {"ablate_heads": {"kind", "layer", "heads"},
-                   "mask_experts": {"kind", "layer", "experts"},
-                   "steer": {"kind", "layer", "vector", "scale", "positions"},
-                   "clamp_attention": {"kind", "layer", "heads", "positions"}}
-        if kind not in allowed:
+        required = {"ablate_heads": ("layer", "heads"), "mask_experts": ("layer", "experts"),
+                    "steer": ("layer", "vector"),
+                    "clamp_attention": ("layer", "heads", "positions")}
+        if kind not in required:
             raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
-        extra = set(d) - allowed[kind]
+        allowed = {"kind", *required[kind], *(("scale", "positions") if kind == "steer" else ())}
+        extra = set(d) - allowed
         if extra:
             raise ValueError(f"unknown field(s) {sorted(extra)} for kind {kind!r}; "
-                             f"allowed: {sorted(allowed[kind])}")
-        missing = {"ablate_heads": ("layer", "heads"), "mask_experts": ("layer", "experts"),
-                   "steer": ("layer", "vector"),
-                   "clamp_attention": ("layer", "heads", "positions")}[kind]
-        for m in missing:
+                             f"allowed: {sorted(allowed)}")
+        for m in required[kind]:
             if m not in d:
                 raise ValueError(f"kind {kind!r} needs the field {m!r}")
         if kind == "ablate_heads":

@@ -1,10 +1,9 @@
 """Introspection: the attention row of one watched query over its whole context, from the paged K cache.
 
-Two graph-safe launches over a fixed-size output [A, Hq, max_context] for A layers at once: the first writes each
-tile's raw scores plus a per-tile (max, sum-exp), the second merges the tile statistics and
-normalises in place. The context length is read on the device, so the captured graph replays
-for any length <= max_context. Tile statistics live in a module-level cache keyed by
-(device, A, Hq, num_tiles).
+Two graph-safe launches over a fixed-size output [A, Hq, max_context] for A layers at once: the
+first writes each tile's raw scores and (max, sum-exp), the second merges those and normalises
+in place. The context length is read on the device, so a captured graph replays for any length
+<= max_context.
 """
 import math
 

@@ -1,10 +1,8 @@
-"""A grammar's token bitmask applied to a step's logits in one launch (structured output).
-
-The torch version (engine/guided.apply_bitmask, the reference and the CPU path) is three
-[B, V] passes — bits against a table of powers of two, a compare, a masked fill — and four
-launches of host overhead on a host-bound batch-1 step; here each program reads a chunk of
-a row's logits and the 32-bit words covering it, and writes the chunk with forbidden tokens at
--inf. Ids past the mask's width (a vocabulary padded beyond the tokenizer's) are forbidden.
+"""A grammar's token bitmask applied to a step's logits in one launch (structured output), where
+the torch version (engine/guided.apply_bitmask, the reference and the CPU path) takes three
+[B, V] passes and four launches. Each program reads a chunk of a row's logits and the 32-bit
+words covering it. Ids past the mask's width (a vocabulary padded beyond the tokenizer's) are
+forbidden.
 """
 import torch
 import triton

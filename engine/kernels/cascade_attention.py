@@ -1,22 +1,18 @@
 """Cascade decode attention: requests that share prefix blocks read them once, not once each.
 
-A decode batch whose requests share a prompt prefix (a system prompt, the n copies of one
-request, a few-shot header) holds those KV blocks once in the paged cache (prefix caching), but
-plain decode attention reads them once per request: 256 requests on a 2,048-token prefix read
-it 256 times a step. Cascade attention (as vLLM's cascade attention and FlashInfer's
-shared-prefix kernels) splits each row's keys in two:
+Prefix caching holds a shared prompt prefix's KV blocks once, but plain decode attention reads
+them once per request (256 requests on a 2,048-token prefix: 256 times a step). As vLLM's
+cascade attention and FlashInfer's shared-prefix kernels, each row's keys are split in two:
 
 1. the shared prefix: `_prefix_kernel` packs the queries of every row in the group (row x query
-   head of one KV head, up to BLOCK_M rows a program) against the prefix's blocks, read through
-   the lead row's block table: each prefix K/V tile is loaded once per BLOCK_M rows. It writes
-   a partial output and its log-sum-exp (log2 domain) per (row, head) into the first split
+   head of one KV head, up to BLOCK_M a program) against the prefix, read through the lead
+   row's block table, and writes a partial output and its log2-domain lse into the first split
    slots of decode attention's workspace (lse -inf for a row outside the group).
-2. the rest: decode_attention's kernel, each row starting at its first key past the prefix
-   (`first`, 0 outside the group), whose last split folds the prefix partials into its merge.
+2. the rest: decode_attention's kernel, each row starting at `first` (0 outside the group),
+   whose merge folds the prefix partials in.
 
-The result is the plain kernel's up to the order of floating-point additions. Everything the
-kernels read about the cascade is in device tensors (`first`, `lead`), so one captured graph
-serves every step of a bucket whatever the prefix; the grid depends on shapes only.
+Equal to the plain kernel up to the order of additions. What the kernels read about the cascade
+is in device tensors, so one captured graph serves every step of a bucket whatever the prefix.
 """
 from __future__ import annotations
 
@@ -27,8 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .decode_attention import (choose_num_splits, dot_precision, num_sms, paged_decode_attention,
-                               paged_decode_attention_ref, workspace)
+from .decode_attention import (choose_num_splits, dot_precision, gather_context, num_sms,
+                               paged_decode_attention, paged_decode_attention_ref, workspace)
 from .pdl import use_pdl, wait_prior
 
 BLOCK_M = 64            # packed (row, query head) pairs per prefix program: one K/V tile each
@@ -164,7 +160,7 @@ def cascade_decode_attention_ref(
     """Torch cascade (the reference, and the engine's CPU path): the group's queries against
     the prefix once, each row against its own keys, the two merged by their log-sum-exps."""
     batch, num_q_heads, head_dim = q.shape
-    num_kv_heads, page_size = k_cache.shape[2], k_cache.shape[1]
+    num_kv_heads = k_cache.shape[2]
     shared = int(first[lead])
     grouped = (first == shared) & (shared > 0)
     if out is None:
@@ -172,9 +168,8 @@ def cascade_decode_attention_ref(
     if not bool(grouped.any()):
         return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale,
                                           out)
-    blocks = block_tables[lead, :shared // page_size].long()
-    kp = k_cache[blocks].flatten(0, 1).transpose(0, 1).float()     # [Hkv, P, D]
-    vp = v_cache[blocks].flatten(0, 1).transpose(0, 1).float()
+    kp = gather_context(k_cache, block_tables[lead:lead + 1], shared)[0].transpose(0, 1).float()
+    vp = gather_context(v_cache, block_tables[lead:lead + 1], shared)[0].transpose(0, 1).float()
     rows = grouped.nonzero().flatten()
     qg = q[rows].float().transpose(0, 1)                            # [Hq, G, D]
     g = num_q_heads // num_kv_heads
@@ -187,9 +182,9 @@ def cascade_decode_attention_ref(
         lo, hi = int(first[b]), int(context_lens[b])
         if hi <= lo:
             continue
-        ids = block_tables[b, :triton.cdiv(hi, page_size)].long()
-        k = k_cache[ids].flatten(0, 1)[lo:hi].transpose(0, 1).float().repeat_interleave(g, 0)
-        v = v_cache[ids].flatten(0, 1)[lo:hi].transpose(0, 1).float().repeat_interleave(g, 0)
+        k = gather_context(k_cache, block_tables[b:b + 1], hi)[0, lo:].transpose(0, 1).float()
+        v = gather_context(v_cache, block_tables[b:b + 1], hi)[0, lo:].transpose(0, 1).float()
+        k, v = k.repeat_interleave(g, 0), v.repeat_interleave(g, 0)
         sb = torch.einsum("hd,hpd->hp", q[b].float(), k) * scale
         lse_r[b] = torch.logsumexp(sb, -1)
         rest[b] = torch.einsum("hp,hpd->hd", sb.softmax(-1), v)

@@ -1,18 +1,12 @@
 """Paged decode attention: one new query per sequence against its paged KV, split-KV + GQA packing.
 
-Flash-decoding: the grid is (batch, kv_head, split). One program holds every query head that
-shares a KV head (GQA packing, padded to 16 rows so tl.dot applies), walks its slice of the
-context through the block table, and writes a partial output plus its log-sum-exp; the split
-that finishes last for its (sequence, kv head) merges them, all of the KV head's query heads at
-once, with no second launch. The split count depends on shapes only (batch, KV heads,
-block-table width, SM count), never on context values, so the call can be captured in a CUDA
-graph; each split then takes an equal share of the *runtime* context length, rounded to whole
-tiles.
-
-Scratch (fp32 partial outputs + lse, int32 arrival counters) lives in a module-level cache keyed
-by (device, batch, num_q_heads, num_kv_heads, head_dim, num_splits): allocated on first use (also
-during graph capture, where the cache keeps it alive for every replay) and reused by every layer
-and step. Calls sharing a key must run on one stream, one after another (as layers do).
+Flash-decoding over a (batch, kv_head, split) grid: a program holds every query head of one KV
+head (padded to 16 rows for tl.dot) and writes a partial output plus its log-sum-exp; the split
+that finishes last merges them, with no second launch. The split count depends on shapes only,
+so a call can be captured in a CUDA graph; each split takes an equal share, in whole tiles, of
+the *runtime* context. Scratch lives in a module-level cache keyed by shape, allocated on first
+use (during graph capture too) and shared by every layer: calls sharing a key must run on one
+stream, one after another.
 """
 import functools
 import math
@@ -25,37 +19,25 @@ import triton.language as tl
 from .pdl import use_pdl, wait_prior
 
 MAX_SPLITS = 32
-# launch parameters (bench/diagnostics/attention_tune.py sweeps them on the GPU): the direct
-# path (one program per sequence and KV head walks the whole context) and the split path
-# (one H200, Qwen3-0.6B shapes, 2026-12-03: three stages instead of two and 128-token tiles
-# past 1,024 programs made a call 4-10 % faster at batch 64-256 and 1,024 tokens of context, the
-# KV read at 3.3-4.1 TB/s; the throughput workload end to end +0.2 %, inside its noise:
-# bench/results/2026-12-03-attention-tune-*.txt, -throughput-ab.txt)
+# Launch parameters of the direct path (one program per sequence and KV head walks the whole
+# context) and the split path, swept by bench/diagnostics/attention_tune.py. Three stages and
+# 128-token tiles from WIDE_FROM_PROGRAMS: 4-10 % faster at batch 64-256 and 1,024 tokens (one
+# H200, Qwen3-0.6B, 2026-12-03: bench/results/2026-12-03-attention-tune-*.txt).
 DIRECT_LAUNCH = dict(BLOCK_N=64, num_warps=4, num_stages=3)
-DIRECT_WIDE_PROGRAMS = 1024     # batch x KV heads from which the direct path takes ...
-DIRECT_WIDE_BLOCK_N = 128       # ... tiles this wide
+DIRECT_WIDE_BLOCK_N = 128       # the direct path's tile from WIDE_FROM_PROGRAMS on
 SPLIT_LAUNCH = dict(BLOCK_N=32, num_warps=4, num_stages=2)
 WAVES = 2           # choose_num_splits: programs for about this many waves of the GPU's SMs
-# From this many programs (batch x KV heads) on, one wave instead of WAVES and 128-token tiles:
-# the direct path from one program per SM, and a split path whose splits hold >= 512 tokens of
-# the context bound. One H200, contexts 512-1,536 (bench/diagnostics/attention_tune.py,
-# 2026-12-04, an earlier session's run whose raw logs did not survive): Qwen3-30B-A3B shapes
-# (32/4 heads) batch 32 / 64 / 128, 32.5 / 49.5 / 90.1 -> 22.5 / 40.3 / 77.7 us a call;
-# Qwen3-0.6B batch 32, 46.3 -> 38.0. Below it (batch 1..) nothing changes.
+# From this many programs (batch x KV heads) on, one wave instead of WAVES and 128-token tiles
+# (splits of >= 512 tokens of the bound). One H200, contexts 512-1,536: Qwen3-30B-A3B batch
+# 32 / 64 / 128, 32.5 / 49.5 / 90.1 -> 22.5 / 40.3 / 77.7 us a call (2026-12-04).
 WIDE_FROM_PROGRAMS = 128
 SPLIT_WIDE_LAUNCH = dict(BLOCK_N=128, num_warps=4, num_stages=3)
-# Long contexts below WIDE_FROM_PROGRAMS: splits of at most LONG_SPLIT_TOKENS tokens (more than
-# the waves ask for), and 128-token tiles from SPLIT_WIDE_MIN_TOKENS a split. One H100, Qwen3-0.6B
-# shapes (16/8 heads), 2026-12-05 (bench/diagnostics/attention_tune.py, bench/RESULTS.md "Long
-# contexts"): batch 1 at 8,192 / 30,720 tokens 12.0 / 34.3 -> 10.3 / 28.7 us a layer (32 splits,
-# 32 -> 128-token tiles); batch 4 55.9 / 213 -> 47.6 / 158 us (9 -> 16 / 32 splits). 64 splits
-# at batch 1 and 8k gave 9.9 us: within 4 %, not worth a larger workspace.
+# Long contexts below WIDE_FROM_PROGRAMS: splits of at most LONG_SPLIT_TOKENS tokens, and
+# 128-token tiles from SPLIT_WIDE_MIN_TOKENS a split. One H100, Qwen3-0.6B, batch 1 at 8,192 /
+# 30,720 tokens: 12.0 / 34.3 -> 10.3 / 28.7 us a layer (bench/RESULTS.md "Long contexts").
 LONG_SPLIT_TOKENS = 512
 SPLIT_WIDE_MIN_TOKENS = 256     # context bound per split from which a split takes SPLIT_WIDE_LAUNCH
-# A split holds at least one split tile (32 tokens; 64 before 2026-12-03's fourth session,
-# where the context-bounded graphs came in: bench/RESULTS.md, "Decode graphs bounded to a
-# shorter context").
-MIN_SPLIT_TOKENS = 32
+MIN_SPLIT_TOKENS = 32           # a split holds at least one split tile
 MERGE_CHUNK_ELEMS = 8192    # fp32 partials a merge chunk holds (64 a thread at 4 warps)
 _WORKSPACES: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
@@ -83,10 +65,8 @@ def _decode_split_kernel(
     BLOCK_S: tl.constexpr, DOT_PREC: tl.constexpr, USE_PDL: tl.constexpr,
     MERGE_G: tl.constexpr = 2, CHUNK_S: tl.constexpr = 1, EXTRA: tl.constexpr = 0,
 ):
-    # EXTRA > 0 (cascade attention, cascade_attention.py): each row's keys start at
-    # start_ptr[b] (the shared prefix before it was attended by the cascade's prefix kernel),
-    # and the merge folds in EXTRA more partials per row that the prefix kernel wrote into the
-    # workspace's first EXTRA split slots (lse -inf for a row outside the shared group).
+    # EXTRA > 0 (cascade_attention.py): each row's keys start at start_ptr[b], and the merge
+    # folds in the prefix kernel's partials from the workspace's first EXTRA split slots.
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -95,10 +75,8 @@ def _decode_split_kernel(
     else:
         first = 0
     # Before the PDL wait (pdl.py) this program reads only what was final before the kernel it
-    # waits on started (every earlier kernel has finished by then): the context length and block
-    # table (the step's inputs) and the K/V of its first tile, except the newest token's, which
-    # that kernel (the K/V store) is writing; that one is read after the wait. (Measured alone
-    # this moved batch-1 decode by nothing beyond noise: 1,216 / 1,240 -> 1,229 / 1,230 tok/s.)
+    # waits on started: the context length, the block table and its first tile's K/V, except
+    # the newest token's, which that kernel (the K/V store) is writing: read after the wait.
     ctx = tl.load(context_lens_ptr + b)
     # this split's share of the runtime context, in whole tiles
     tiles = tl.cdiv(ctx - first, BLOCK_N)
@@ -106,13 +84,10 @@ def _decode_split_kernel(
     start = first + split * tiles_per_split * BLOCK_N
     end = tl.minimum(start + tiles_per_split * BLOCK_N, ctx)
     # The split count is fixed by shapes (graphs), but a short context fills only the first few
-    # splits: the rest store nothing and take no part in the merge, which waits for and reads
-    # only the splits that hold tokens (one when the context is empty: it writes the zeros).
-    # (One H200, Qwen3-0.6B batch-1 decode chain at 256 tokens: 32 splits of which 8 hold tokens;
-    # leaving the other 24 out of the merge took 780 -> 749 us a step, their exiting at once
-    # before the wait another 9 us: bench/diagnostics/decode_chain.py, bench/results/2026-12-03c-*.)
+    # splits: the rest exit here, before the wait, and the merge reads only the used ones (one
+    # when the context is empty: it writes the zeros). One H200, batch 1 at 256 tokens (8 of 32
+    # splits used): 780 -> 740 us a step (bench/results/2026-12-03c-*).
     n_used = tl.maximum(tl.cdiv(tiles, tl.maximum(tiles_per_split, 1)), 1)
-    # the splits past the context exit here, before the wait: they hold no tokens
     if split < n_used:
         g = tl.arange(0, BLOCK_G)
         d = tl.arange(0, BLOCK_D)
@@ -179,9 +154,8 @@ def _decode_split_kernel(
             if arrived == n_used - 1:
                 tl.store(counter, 0)  # ready for the next launch or graph replay
                 # (fresh names only inside this runtime `if`: Triton would try to merge rebinds)
-                # Every query head of the group at once: one load of their lse rows, then
-                # the used splits' partials in chunks of [heads, CHUNK_S, D], so the merge
-                # costs a round trip per chunk, not one per head (GQA-8 had 8 in a row).
+                # Every query head of the group at once, the partials in chunks of
+                # [heads, CHUNK_S, D]: a round trip per chunk, not one per head.
                 mg = tl.arange(0, MERGE_G)
                 mg_ok = mg < GROUP
                 mg_heads = kvh * GROUP + mg
@@ -265,7 +239,7 @@ def launch_config(programs: int, num_splits: int, bound: int) -> dict:
     """The kernel's tile and pipeline for `programs` (sequence, KV head) pairs in num_splits
     splits of a context bounded by `bound` tokens: shapes only, so a graph's replays agree."""
     if num_splits == 1:
-        if programs >= min(WIDE_FROM_PROGRAMS, DIRECT_WIDE_PROGRAMS):
+        if programs >= WIDE_FROM_PROGRAMS:
             return {**DIRECT_LAUNCH, "BLOCK_N": DIRECT_WIDE_BLOCK_N}
         return dict(DIRECT_LAUNCH)
     if bound // num_splits >= SPLIT_WIDE_MIN_TOKENS:
@@ -277,11 +251,10 @@ def context_caps(batch: int, num_kv_heads: int, max_context: int, device: torch.
                  caps: tuple[int, ...]) -> list[int]:
     """Of `caps` (KernelConfig.attn_context_caps, ascending), the context bounds below
     max_context that would launch fewer splits at this batch, the largest one per split count,
-    ascending. A decode graph is captured once per bound (plus the
-    unbounded one) and a step replays the smallest that holds its longest context: the grid is
-    fixed inside a graph, and at a short context most of a long context's splits hold nothing
-    yet still cost their launch (one H200, batch 1, 256 tokens: 32 splits 5.1 us a layer at
-    Qwen3-0.6B shapes and 13.3 at Qwen3-30B-A3B's, 8 splits 4.0 and 8.1)."""
+    ascending. A decode graph is captured once per bound (plus the unbounded one) and a step
+    replays the smallest that holds its longest context: a graph's grid is fixed, and a short
+    context's empty splits still cost (one H200, batch 1, 256 tokens, Qwen3-0.6B: 32 splits
+    5.1 us a layer, 8 splits 4.0)."""
     full = choose_num_splits(batch, num_kv_heads, max_context, device)
     by_splits: dict[int, int] = {}
     for cap in caps:
@@ -292,8 +265,8 @@ def context_caps(batch: int, num_kv_heads: int, max_context: int, device: torch.
 
 
 def workspace(device, batch, num_heads, num_kv_heads, head_dim, num_splits):
-    """(partials [B, Hq, S, D] fp32, lse [B, Hq, S] fp32, arrival counters [B, Hkv] int32) for
-    S split slots, cached per shape (see the module docstring)."""
+    """(partials [B, Hq, S, D] fp32, lse [B, Hq, S] fp32, arrival counters [B, Hkv] int32),
+    cached per shape."""
     key = (device, batch, num_heads, num_kv_heads, head_dim, num_splits)
     ws = _WORKSPACES.get(key)
     if ws is None:
@@ -338,8 +311,7 @@ def paged_decode_attention(
     if batch == 0:
         return out
     group = num_q_heads // num_kv_heads
-    bound = block_tables.shape[1] * page_size
-    bound = min(bound, max_context or bound)
+    bound = min(block_tables.shape[1] * page_size, max_context or (1 << 62))
     if num_splits is None:
         num_splits = choose_num_splits(batch, num_kv_heads, bound, q.device)
     direct = num_splits == 1 and not prefix_slots
@@ -360,9 +332,8 @@ def paged_decode_attention(
         first if first is not None else context_lens, scale * math.log2(math.e), num_splits,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
-        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
-        HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        PAGE_SIZE=page_size, BLOCK_N=launch["BLOCK_N"], DIRECT=direct,
+        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+        BLOCK_D=block_d, PAGE_SIZE=page_size, BLOCK_N=launch["BLOCK_N"], DIRECT=direct,
         BLOCK_S=triton.next_power_of_2(slots), DOT_PREC=dot_precision(q.dtype), USE_PDL=pdl,
         MERGE_G=merge_g, CHUNK_S=chunk_s, EXTRA=prefix_slots, num_warps=launch["num_warps"],
         num_stages=launch["num_stages"], launch_pdl=pdl,
@@ -411,8 +382,8 @@ def paged_decode_attention_cpu(
     context_lens: torch.Tensor, scale: float, out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The engine's CPU path: the reference without its defences against garbage in unused
-    slots (the engine's cache starts zeroed and its block tables are zero-padded), and with no
-    mask at all when every row has the same context (always at batch 1). Tested against the ref."""
+    slots (the engine's cache starts zeroed, its block tables zero-padded), and with no mask
+    when every row has the same context (always at batch 1)."""
     batch, num_q_heads, _ = q.shape
     lens = context_lens.tolist()
     max_ctx = max(lens) if lens else 0

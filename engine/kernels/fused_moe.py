@@ -6,14 +6,13 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from engine.kernels.decode_attention import dot_precision
 from engine.kernels.jit_keys import varying
 from engine.kernels.moe_align import max_used_blocks, moe_align
 from engine.kernels.moe_configs import KernelTile, MoEKernelConfig, default_grouped
 
 
-def pick_config(num_tokens: int, top_k: int, num_experts: int) -> MoEKernelConfig:
-    """The untuned grouped config (tuned tables: engine/kernels/moe_configs.py)."""
-    return default_grouped(num_tokens, top_k, num_experts)
+pick_config = default_grouped  # the untuned grouped config (tuned tables: moe_configs.py)
 
 
 @triton.jit
@@ -137,10 +136,6 @@ def _tile(block: int, dim: int) -> int:
     return min(block, max(16, triton.next_power_of_2(dim)))
 
 
-def _precision(dtype: torch.dtype) -> str:
-    return "ieee" if dtype == torch.float32 else "tf32"
-
-
 def check_shapes(x, w13, w2, topk_weights, topk_ids) -> None:
     if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
         raise ValueError(f"expected x [N, H], w13 [E, 2I, H], w2 [E, H, I]; got {tuple(x.shape)}, "
@@ -155,7 +150,6 @@ def check_shapes(x, w13, w2, topk_weights, topk_ids) -> None:
                          f"must both be [N={n}, top_k]")
     if w13.dtype != x.dtype or w2.dtype != x.dtype:
         raise ValueError(f"weights ({w13.dtype}, {w2.dtype}) must match activations ({x.dtype})")
-
 
 
 def grouped_w13_silu(x: torch.Tensor, w13: torch.Tensor, aligned, num_pairs: int, top_k: int,
@@ -173,7 +167,7 @@ def grouped_w13_silu(x: torch.Tensor, w13: torch.Tensor, aligned, num_pairs: int
         num_pairs, hidden, inter_size, num_pid_m,
         x.stride(0), w13.stride(0), w13.stride(1), inter.stride(0),
         TOP_K=top_k, BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=tile.group_m,
-        EVEN_K=hidden % bk == 0, PRECISION=_precision(x.dtype),
+        EVEN_K=hidden % bk == 0, PRECISION=dot_precision(x.dtype),
         num_warps=tile.num_warps, num_stages=tile.num_stages,
     )
     return inter
@@ -193,7 +187,7 @@ def grouped_w2_weighted(inter: torch.Tensor, w2: torch.Tensor, topk_weights: tor
         num_pairs, hidden, inter_size, num_pid_m,
         inter.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
         BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=tile.group_m,
-        EVEN_K=inter_size % bk == 0, PRECISION=_precision(inter.dtype),
+        EVEN_K=inter_size % bk == 0, PRECISION=dot_precision(inter.dtype),
         num_warps=tile.num_warps, num_stages=tile.num_stages,
     )
     return y
@@ -209,20 +203,14 @@ def moe_sum(y: torch.Tensor, out: torch.Tensor, top_k: int) -> torch.Tensor:
     return out
 
 
-def fused_moe(
-    x: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    out: torch.Tensor | None = None,
-    config: MoEKernelConfig | None = None,
-) -> torch.Tensor:
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor, out: torch.Tensor | None = None,
+              config: MoEKernelConfig | None = None) -> torch.Tensor:
     """out[t] = sum_j topk_weights[t, j] * W2_e (silu(G_e x_t) * (U_e x_t)), e = topk_ids[t, j].
 
-    x [N, H]; w13 [E, 2I, H] (gate rows then up rows); w2 [E, H, I]; topk_* [N, k]. The weights
-    may be fp32 (the router's): they are rounded to x.dtype in the kernel, as HF casts them.
-    No host sync and only statically sized buffers, so it can be captured in a CUDA graph.
+    x [N, H]; w13 [E, 2I, H] (gate rows then up rows); w2 [E, H, I]; topk_* [N, k]. fp32
+    weights (the router's) are rounded to x.dtype in the kernel, as HF casts them. CUDA-graph
+    safe: no host sync, only statically sized buffers.
     """
     check_shapes(x, w13, w2, topk_weights, topk_ids)
     num_tokens = x.shape[0]
@@ -249,19 +237,11 @@ def expert_runs(flat_ids: torch.Tensor, num_experts: int) -> list[tuple[int, tor
     return [(e, run) for e, run in enumerate(runs) if run.numel()]
 
 
-def fused_moe_ref(
-    x: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-) -> torch.Tensor:
-    """Torch reference in HF's operation order (Qwen3MoeExperts.forward), so fp32 matches HF.
-
-    Experts ascending; within an expert, pairs ordered (k, token) like HF's torch.where over the
-    [k, N] mask; weights cast to x.dtype and accumulated with index_add_ in x.dtype, as HF does.
-    Loops only over experts that have tokens; one host sync for the per-expert counts.
-    """
+def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                  topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """Torch reference in HF's operation order (Qwen3MoeExperts.forward), so fp32 matches HF:
+    experts ascending; within one, pairs ordered (k, token) like HF's torch.where over the
+    [k, N] mask; weights cast to x.dtype and accumulated with index_add_ in x.dtype."""
     check_shapes(x, w13, w2, topk_weights, topk_ids)
     num_tokens = x.shape[0]
     num_experts = w13.shape[0]
@@ -290,8 +270,8 @@ def w13_silu_ref(x: torch.Tensor, w13: torch.Tensor, topk_ids: torch.Tensor) -> 
 
 def w2_weighted_ref(inter: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                     topk_ids: torch.Tensor) -> torch.Tensor:
-    """Stage reference, fp32: y [N*k, H] = weight (rounded to inter.dtype, as HF) x inter W2_e^T per pair.
-    The sum over k of y's rows of a token is the MoE output."""
+    """Stage reference, fp32: y [N*k, H] = weight (rounded to inter.dtype, as HF) x inter W2_e^T
+    per pair."""
     flat = topk_ids.reshape(-1).long()
     weights = topk_weights.reshape(-1).to(inter.dtype).float()
     y = torch.empty(flat.numel(), w2.shape[1], dtype=torch.float32, device=inter.device)

@@ -1,20 +1,12 @@
-"""The logit lens' statistics of each row of lens logits (one layer's residual through the final
-norm and the LM head): its top-k tokens and their probabilities, its entropy and its
-log-sum-exp — in two launches that read the logits once, with no [rows, vocab] softmax in memory.
+"""The logit lens' statistics of each row of lens logits: its top-k tokens and their
+probabilities, its entropy and its log-sum-exp, in two launches that read the logits once, with
+no [rows, vocab] softmax in memory (28 x 151,936 bf16, k = 10, one H100: 272.6 us for the torch
+sequence, 43.4 us here; bench/RESULTS.md, 2026-12-06 morning).
 
-Why: the lens ran softmax (a [28, 151936] fp32 write and read), torch.topk (~90 µs at 28 rows on
-an H200), three elementwise passes for the entropy and a compare-and-sum over the probabilities
-for the sampled token's rank — ~150 µs of a watched batch-1 decode step of ~700
-(bench/RESULTS.md, "Where the probe time goes"). Here a program reads one chunk of a row: its
-maximum, its sum of exp(x - max) and of exp(x - max) * (x - max) (the entropy's term), and its k
-largest logits; a second launch merges each row's chunks. The sampled token, known only after
-sampling (outside a captured graph), needs the log-sum-exp and one compare pass
-(`sampled_stats`, one launch after a zeroed output). Measured at 28 x 151,936 bf16, k = 10, on an H100: 272.6 µs for the torch
-sequence, 43.4 µs here (bench/RESULTS.md, 2026-12-06 morning).
-
-Entropy from chunk partials: with p = exp(x - M) / S over the row, H = log S - (1/S) * sum
-exp(x - M) (x - M), and a chunk's sums taken at its own max m move to M by the factor
-exp(m - M): sum exp(x - M)(x - M) = exp(m - M) (t + (m - M) s).
+A program reads one chunk of a row: its maximum, its sums of exp(x - max) and of
+exp(x - max) * (x - max), and its k largest logits; a second launch merges each row's chunks.
+Entropy from chunk partials: with p = exp(x - M) / S, H = log S - (1/S) sum exp(x - M) (x - M),
+and a chunk's sums at its own max m move to M as sum exp(x - M)(x - M) = exp(m - M)(t + (m - M) s).
 """
 from __future__ import annotations
 

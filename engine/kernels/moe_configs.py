@@ -1,17 +1,14 @@
 """Launch configs for the MoE expert kernels: per-shape JSON tables tuned on a device by
 `bench/tune_moe.py`, keyed by token count, with a heuristic default where no table matches.
 
-Two paths compute the same experts (engine/layers/moe.py picks one per call):
-  * "gemv" (engine/kernels/moe_gemv.py): one program per ((token, k) pair, N-tile), no alignment.
-    A decode batch is a weight stream over the active experts; this reads them at bandwidth.
-  * "grouped" (engine/kernels/fused_moe.py): moe_align sorts pairs by expert into block_m runs,
-    then tensor-core GEMMs over the runs. Prefill-sized batches reuse each expert's weights.
+Two paths compute the same experts (engine/layers/moe.py picks one per call): "gemv"
+(moe_gemv.py, a weight stream over the active experts, for decode batches) and "grouped"
+(fused_moe.py: moe_align, then tensor-core GEMMs over each expert's run, for prefill).
 
-A table file is named like vLLM's fused-MoE configs, by what changes the best launch:
-`moe_E=128_N=768_H=2048_bf16_NVIDIA_H200.json` (N = the per-rank intermediate size, so TP=2 of
-Qwen3-30B-A3B reads N=384). Its "configs" map a token count M to a config; a call at M uses the
-entry of the nearest tuned M. The directory is engine/kernels/configs/, or the engine's
-KernelConfig.moe_config_dir (`GLASSBOX_MOE_CONFIG_DIR`), passed in by the MoE layer.
+Tables are named like vLLM's, by what changes the best launch:
+`moe_E=128_N=768_H=2048_bf16_NVIDIA_H200.json` (N = the per-rank intermediate size). Their
+"configs" map a token count M to a config; a call uses the nearest tuned M. The directory is
+engine/kernels/configs/, or KernelConfig.moe_config_dir (`GLASSBOX_MOE_CONFIG_DIR`).
 """
 from __future__ import annotations
 
@@ -135,8 +132,7 @@ def nearest(table, num_tokens: int) -> MoEConfig:
 
 def default_gemv(elem_size: int = 2) -> MoEGemvConfig:
     """Untuned guess for an H200 (the skinny GEMM's M = 1 findings): w13 streams 2 gate + 2 up
-    rows per program, one 16-byte vector per thread per row per step; w2 gives each program
-    all k experts of one output row chunk, whole rows of I per step."""
+    rows a program, one 16-byte vector a thread per row per step; w2 whole rows of I a step."""
     scale = max(1, elem_size // 2)
     return MoEGemvConfig(KernelTile(2, 512 // scale, 2, 3), KernelTile(2, 256 // scale, 1, 3))
 

@@ -1,19 +1,12 @@
 """MoE experts in torch with each token's output independent of the other tokens of the step: the
 engine's CPU path.
 
-The HF-order reference (fused_moe.fused_moe_ref) runs one GEMM per expert over the rows routed
-to it. A BLAS GEMM's result for a row depends on the GEMM's row count and on the row's place in it
-(MKL's sgemm: M = 1 is a GEMV, and rows of a full register panel and rows of the remainder are
-summed in different orders), and both change when another request's routing changes, so an
-untouched request's logprobs moved in the last bits beside a request with masked experts. Here:
-
-  * every (token, k) pair's product with its expert is its own M = 1 product: one bmm per expert
-    over [pairs, 1, H] with the expert's weight broadcast (no copy); a batched GEMM computes each
-    item alone, so a row's bits depend only on that row and the weights;
-  * a token's k weighted outputs are summed in its own top-k slot order (j = 0..k-1, as the GPU
-    kernels do), never across tokens.
-
-Not HF's summation order (it sums experts ascending), so equal to HF to rounding, not in bits.
+The HF-order reference (fused_moe.fused_moe_ref) runs one GEMM per expert; a BLAS GEMM's result
+for a row depends on the GEMM's row count and the row's place in it, which change with other
+requests' routing (an untouched request's logprobs moved in the last bits). Here every
+(token, k) pair is its own M = 1 product (one bmm per expert, the weight broadcast), and a
+token's k outputs are summed in its top-k slot order, as the GPU kernels do. Not HF's summation
+order (it sums experts ascending), so equal to HF to rounding, not in bits.
 """
 from __future__ import annotations
 
@@ -28,17 +21,10 @@ def _rows_times(a: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.bmm(a, weight.t().unsqueeze(0).expand(a.shape[0], -1, -1))
 
 
-def fused_moe_cpu(
-    x: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-) -> torch.Tensor:
-    """out[t] = sum_j topk_weights[t, j] * W2_e (silu(G_e x_t) * (U_e x_t)), e = topk_ids[t, j],
-    summed j = 0..k-1. x [N, H]; w13 [E, 2I, H] (gate rows, then up rows); w2 [E, H, I];
-    topk_* [N, k]. The weights are cast to x.dtype first, as HF casts them. One host sync (the
-    per-expert counts): for the CPU, not for CUDA graphs."""
+def fused_moe_cpu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                  topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """fused_moe's contract, summed j = 0..k-1; the weights are cast to x.dtype first, as HF
+    casts them. One host sync (the per-expert counts): for the CPU, not for CUDA graphs."""
     check_shapes(x, w13, w2, topk_weights, topk_ids)
     num_tokens, top_k = topk_ids.shape
     if num_tokens == 0:

@@ -1,30 +1,19 @@
 """MoE experts for decode-sized batches: two GEMV kernels that read only the active experts.
 
 At a few tokens the expert GEMMs are a weight stream (batch 1 of Qwen3-30B-A3B reads 8 experts x
-9.4 MB per layer and does ~2 FLOPs per weight), so the grouped path's alignment pass and its
-16-row tensor-core tiles are pure overhead. Here:
+9.4 MB per layer), so the grouped path's alignment pass and 16-row tensor-core tiles are pure
+overhead. Here:
 
-  1. w13 + SiLU-and-mul: one program per ((token, k) pair, BLOCK_N columns of I). It streams
-     BLOCK_N gate rows and BLOCK_N up rows of its expert over H and writes
-     inter[pair] = silu(x_t G_e^T) * (x_t U_e^T).
-  2. w2 x routing weight, summed over k: one program per (token, BLOCK_N columns of H). It loops
-     over the token's k experts and accumulates weight_j * inter[pair_j] W2_e^T in fp32, then
-     stores out[token] once. Deterministic (fixed order, no atomics) and no third launch.
+  1. w13 + SiLU-and-mul: one program per ((token, k) pair, BLOCK_N columns of I), ordered
+     pair-fastest so pairs sharing an expert read its rows at about the same time (L2 hits).
+  2. w2 x routing weight, summed over k: one program per (token, BLOCK_N columns of H) that
+     accumulates the token's k experts in fp32 in a fixed order: deterministic, no third launch.
 
-Programs are ordered pair-fastest within an N-tile, so pairs of different tokens that share an
-expert read the same weight rows at about the same time and the second read is an L2 hit.
-
-Both inner products are CUDA-core FMAs on [BLOCK_N, 1, BLOCK_K] tiles that share the
-accumulator's layout (as skinny_gemm.py's FMA path: no re-layout in the loop, one reduction at the
-end). H and I are compile-time constants, so the K loops unroll and the loads of all k experts
-can be issued ahead of their FMAs; only a ragged last chunk is masked.
-
-Graph-safe: the grid depends only on (tokens, top_k, shapes); no host sync, no moe_align.
-Both launch with PDL on sm_90+ (pdl.py): they start while the kernel before finishes and wait
-before their first load, since everything they read but the weights depends on it (and which
-weights, on the routing).
-Torch references (shared with the grouped path): fused_moe.py's w13_silu_ref, w2_weighted_ref
-and fused_moe_ref.
+Both are CUDA-core FMAs on [BLOCK_N, 1, BLOCK_K] tiles sharing the accumulator's layout (as
+skinny_gemm.py's FMA path); H and I are constexprs, so the K loops unroll. Graph-safe (no host
+sync, no moe_align). Under PDL they wait before their first load: everything they read but the
+weights depends on the kernel before (and which weights, on the routing). Torch references:
+fused_moe.py's w13_silu_ref, w2_weighted_ref and fused_moe_ref.
 """
 from __future__ import annotations
 
@@ -170,16 +159,10 @@ def gemv_w2_sum(inter: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tenso
     return out
 
 
-def fused_moe_gemv(
-    x: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    out: torch.Tensor | None = None,
-    config: MoEGemvConfig | None = None,
-    pdl: bool = True,
-) -> torch.Tensor:
+def fused_moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                   topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                   out: torch.Tensor | None = None, config: MoEGemvConfig | None = None,
+                   pdl: bool = True) -> torch.Tensor:
     """Same contract as fused_moe.fused_moe (x [M, H], w13 [E, 2I, H], w2 [E, H, I], topk_* [M, k];
     fp32 routing weights are rounded to x.dtype in the kernel), in two launches (with PDL where
     `pdl` and the GPU allow: KernelConfig.pdl)."""

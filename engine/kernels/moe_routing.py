@@ -1,10 +1,9 @@
 """MoE router: softmax over experts, top-k, optional renormalisation — HF Qwen2/3-MoE routing.
 
 The kernels route one token a program (the fused router: one or two) and find the top-k by k
-passes of max-and-mask over the E logits: at a decode batch of 128 that is 128 programs of one
-warp each, every reduction inside the warp, instead of 8 programs ranking 16 x 128 x 128 pairs
-(127 µs a layer on an H200, bench/RESULTS.md 2026-12-01; the old kernel against this one at
-128 tokens, 59.6 -> 8.4 µs a layer, in bench/RESULTS.md 2026-12-02)."""
+passes of max-and-mask over the E logits, every reduction inside one warp: at 128 tokens
+59.6 -> 8.4 µs a layer against ranking 16 x 128 x 128 pairs in 8 programs (one H200,
+bench/RESULTS.md 2026-12-02)."""
 
 import torch
 import triton
@@ -16,14 +15,10 @@ from .pdl import use_pdl, wait_prior
 def route_ref(
     router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """HF's routing, op for op (Qwen3MoeTopKRouter / Qwen2MoeTopKRouter).
-
-    router_logits: [num_tokens, num_experts], any float dtype.
-    Returns probs [num_tokens, num_experts] fp32, topk_weights [num_tokens, top_k] fp32,
-    topk_ids [num_tokens, top_k] int32. HF then casts the weights to the logits' dtype
-    (`router_top_value.to(router_logits.dtype)`); we keep fp32 and let the caller cast, so
-    in fp32 this is bit-identical and in bf16 the caller decides where rounding happens.
-    """
+    """HF's routing, op for op (Qwen3MoeTopKRouter / Qwen2MoeTopKRouter): router_logits [N, E]
+    (any float dtype) -> probs [N, E] fp32, topk_weights [N, k] fp32, topk_ids [N, k] int32.
+    HF then casts the weights to the logits' dtype; here the caller casts, so in bf16 it decides
+    where rounding happens."""
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)  # [N, E]
     topk_weights, topk_ids = torch.topk(probs, top_k, dim=-1)  # [N, k]
     if norm_topk_prob:
@@ -48,10 +43,8 @@ def _softmax_topk(z, cols, num_experts, BLOCK_T: tl.constexpr, TOP_K: tl.constex
     """z [BLOCK_T, E_P2] fp32 logits (columns `cols` >= num_experts are pad) -> probs [BLOCK_T, E_P2],
     weights [BLOCK_T, K_P2], ids [BLOCK_T, K_P2] int32 (slots >= TOP_K hold 0).
 
-    Top-k by TOP_K passes of max-and-mask: each pass is one (value, index) max-reduction along
-    the experts, ties to the lower index, then the winner is struck out. The passes rank the
-    logits (the order of the probabilities, with probabilities that round equal still told apart
-    by their logits), as the kernel always has: exactly a stable descending sort. They rank an
+    Top-k by TOP_K passes of max-and-mask, ties to the lower index: exactly a stable descending
+    sort of the logits (probabilities that round equal still told apart). The passes rank an
     int32 key of the logit, so that "struck out" (int32 min) sorts below every logit, even -inf
     (an expert masked by an intervention stays choosable, after every live one, as in torch)."""
     col_ok = (cols < num_experts)[None, :]
@@ -160,18 +153,14 @@ def route(
     router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool,
     out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Router for the engine; same contract as `route_ref`.
+    """Router for the engine; same contract as `route_ref`. `out` = (probs, weights, ids),
+    contiguous [N, E] fp32 / [N, k] fp32 / [N, k] int32: written instead of allocating (the
+    probes pass slices of their per-step buffers).
 
-    `out` = (probs, weights, ids), contiguous [N, E] fp32 / [N, k] fp32 / [N, k] int32: write
-    there instead of allocating. The probes pass slices of their per-step buffers, so recording
-    routing costs no launch.
-
-    On CUDA one Triton kernel replaces torch's ~6 launches (softmax, topk, sort, sum, div, cast:
-    ~16 µs per layer at decode on an H200), one program per token. It ranks the probabilities
-    as HF does (torch.topk of the softmax), ties to the lower expert index as torch.topk does on
-    the CPU (on CUDA torch leaves the order among ties unspecified); its softmax and the
-    renormalising sum may differ from torch's in the last bit, so a near-tie may split the other
-    way. Elsewhere, route_ref: bit-identical to HF on the CPU.
+    On CUDA one Triton kernel replaces torch's ~6 launches (~16 µs a layer at decode on an
+    H200). Ties go to the lower expert index as torch.topk's on the CPU; its softmax and sum may
+    differ from torch's in the last bit, so a near-tie may split the other way. Elsewhere
+    route_ref: bit-identical to HF on the CPU.
     """
     if router_logits.dim() != 2:
         raise ValueError(f"router_logits must be [num_tokens, num_experts], got shape {tuple(router_logits.shape)}")
@@ -203,11 +192,8 @@ def route_counts(device) -> torch.Tensor:
 
 def router_tile(num_tokens: int) -> tuple[int, int, int]:
     """(tokens a program, experts a program, warps) of the fused router. One or two tokens a
-    program: the routing tail runs in as many programs as there are token tiles, so a batch of
-    64 is routed by 32 programs side by side instead of 8. One warp: the tail's 2k reductions
-    are then warp shuffles (at 4 warps each one also crosses shared memory behind a barrier,
-    ~30 barriers a tail), and a [2, 2, 512] GEMV tile is 64 accumulators a thread.
-    bench/diagnostics/moe_chain.py times other tiles in the batch-1 MoE step."""
+    program: the routing tail runs in as many programs as there are token tiles. One warp: the
+    tail's 2k reductions are then warp shuffles, not shared memory behind ~30 barriers."""
     return (1 if num_tokens == 1 else 2), 2, 1
 
 
@@ -244,9 +230,8 @@ def _router_route_kernel(
         w_first = tl.load(w_ptrs, mask=(offs_k < H)[None, None, :], other=0.0)
     wait_prior(USE_PDL)
     if FUSE_NORM:
-        # the post-attention RMSNorm (fused_add_rms_norm's rounding points), folded in: every
-        # program needs the row's sum of squares before its first product, so a first pass
-        # sums (x + residual)^2 over the whole row (L2 reads; the second pass finds them in L1)
+        # the post-attention RMSNorm (fused_add_rms_norm's rounding points): every program needs
+        # the row's sum of squares before its first product, so a first pass over the whole row
         src = tl.minimum(rows, num_tokens - 1)[None, :, None]
         r_ptrs = res_ptr + src * stride_rm + offs_k[None, None, :]
         sq = tl.zeros([1, BLOCK_T], dtype=tl.float32)
@@ -312,12 +297,10 @@ def route_hidden(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """route(F.linear(x, gate_weight), ...) in one launch for decode batches (N <= FUSED_MAX_TOKENS):
     programs over (expert rows, token tiles) compute the logits, and the last program to finish
-    a token tile (an atomic count in `counts`, from route_counts) routes it. Saves the router
-    GEMM's own launch per MoE layer. x [N, H], gate_weight [E, H] (unit stride along H).
-    Graph-safe: fixed grid, no host sync; the counts reset themselves. `bias` [N, E] fp32
-    (contiguous) is added to the logits before the softmax (interventions mask experts).
-    `tile` = (tokens, experts, warps) a program overrides router_tile (benches only). `pdl`:
-    launch with PDL where the GPU has it (KernelConfig.pdl)."""
+    a token tile (an atomic count in `counts`, from route_counts) routes it. x [N, H],
+    gate_weight [E, H] (unit stride along H). Graph-safe: the counts reset themselves. `bias`
+    [N, E] contiguous fp32 is added to the logits (interventions mask experts); `tile` =
+    (tokens, experts, warps) overrides router_tile (benches only)."""
     return _route_hidden(x, gate_weight, top_k, norm_topk_prob, counts, out, bias, tile, pdl)[:3]
 
 
@@ -329,9 +312,8 @@ def norm_route_hidden(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The post-attention norm and the router in one launch: (probs, topk weights, topk ids,
     normed, residual_out) with normed, residual_out = fused_add_rms_norm(hidden, residual,
-    norm_weight, eps) (the same rounding points: the same experts and the same expert input)
-    and the routing of route_hidden(normed, ...). A MoE layer's decode step saves the norm's
-    launch (48 a step at Qwen3-30B-A3B). hidden, residual [N, H] with unit stride along H."""
+    norm_weight, eps) (its rounding points) and the routing of route_hidden(normed, ...).
+    hidden, residual [N, H] with unit stride along H."""
     if residual.shape != hidden.shape or residual.stride(1) != 1 or residual.dtype != hidden.dtype:
         raise ValueError(f"residual {tuple(residual.shape)} must match hidden {tuple(hidden.shape)} "
                          f"(dtype and unit stride along H)")

@@ -1,21 +1,15 @@
 """Programmatic dependent launch (PDL, Hopper and later) for the kernels of a decode step.
 
-A batch-1 decode step is ~265 small kernels in a row; most last 2-4 us and spend much of that
-ramping up (launch, the first DRAM round trips) and draining (the last wave's tail). With PDL a
-kernel may start while the one before it finishes: it is launched with the
-programmatic-stream-serialization attribute (`launch_pdl=True`), and inside it
-`griddepcontrol.wait` blocks until the previous kernel has finished and its writes are visible.
-So a kernel may do before the wait only what reads nothing an earlier kernel writes (the skinny
-GEMM loads its first chunk of weights there) and must store nothing before it.
+A batch-1 decode step is ~265 small kernels in a row, each spending much of its 2-4 us ramping
+up and draining. A kernel launched with `launch_pdl=True` may start while the one before it
+finishes; `griddepcontrol.wait` inside it blocks until that kernel has finished and its writes
+are visible. So before the wait a kernel may only read what no earlier kernel writes (the skinny
+GEMM loads its first chunk of weights there) and must store nothing.
 
-Every kernel here calls `griddepcontrol.launch_dependents` right after its wait, so the next
-kernel can start once all of this one's programs are past their wait: at most two kernels of
-the chain overlap, and ordering stays transitive (a kernel's wait returns only after the
-previous kernel finished, which itself waited for the one before). A kernel launched without
-the attribute (torch ops, cuBLAS, MoE kernels) waits for its predecessor in full, as ever.
-
-Each launcher takes `pdl` (KernelConfig.pdl: off for debugging); the interpreter and pre-Hopper
-GPUs never use it.
+Every kernel here calls `griddepcontrol.launch_dependents` right after its wait: at most two
+kernels overlap, and ordering stays transitive. Kernels launched without the attribute (torch
+ops, cuBLAS, MoE kernels) wait for their predecessor in full. Each launcher takes `pdl`
+(KernelConfig.pdl: off for debugging); the interpreter and pre-Hopper GPUs never use it.
 """
 from __future__ import annotations
 

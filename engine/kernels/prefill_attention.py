@@ -4,10 +4,10 @@ Everything is read through the block tables (the chunk's own K/V were stored fir
 kernel covers a plain prefill, a chunked prefill and a prefix-cache hit alike: query j of a
 chunk of q_len tokens sits at absolute position context_len - q_len + j.
 
-Grid: (query tile, sequence, kv_head x split). A tile packs BLOCK_M rows = (query, head) pairs
-of the query heads sharing one KV head, so each K/V tile is loaded once for the whole group.
-When the launch is too small to fill the GPU (a short chunk after a long prefix) the KV range
-is also split and the partials merged by the decode path's combine kernel.
+Grid: (query tile, sequence, kv_head x split). A tile packs BLOCK_M (query, head) rows of one
+KV head's group, so each K/V tile is loaded once for the group. When the launch is too small to
+fill the GPU (a short chunk after a long prefix) the KV range is split too, and merged by
+decode_attention's combine kernel.
 """
 import math
 
@@ -16,19 +16,17 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from engine.kernels.decode_attention import check_paged_inputs, combine_splits, dot_precision, num_sms
+from engine.kernels.decode_attention import (check_paged_inputs, combine_splits, dot_precision,
+                                             gather_context, num_sms)
 from engine.kernels.jit_keys import varying
 
 MAX_SPLITS = 16
 SPLIT_MAX_TOKENS = 512  # above this many query tokens the grid fills the GPU anyway
-# (query rows per tile, keys per tile, warps, pipeline stages): BLOCK_M rows are (query, head)
-# pairs of one KV head's group. Short chunks keep small tiles (more programs for the SMs);
-# a long chunk is compute-bound and wants the larger tiles.
+# Short chunks keep small tiles (more programs for the SMs); a long chunk is compute-bound and
+# wants larger ones. One H100, Qwen3-0.6B: 4,096 tokens fastest in SHORT_LAUNCH (0.241 ms);
+# 8,192 after 8k / 24k tokens 2.48 -> 2.04 / 5.60 -> 4.40 ms in LONG_LAUNCH against 128x64
+# tiles (bench/RESULTS.md "Long contexts").
 SHORT_LAUNCH = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)
-# One H100, Qwen3-0.6B shapes, 2026-12-05 (bench/diagnostics/prefill_tune.py, bench/RESULTS.md
-# "Long contexts"): a 4,096-token chunk runs fastest in SHORT_LAUNCH (0.241 ms, 285 TFLOP/s;
-# 128x64 tiles 0.273), an 8,192-token chunk after 8k / 24k tokens in 256x64 tiles (2.48 -> 2.04
-# ms, 5.60 -> 4.40 ms; 128x64 tiles, the launch before, 332 / 344 TFLOP/s -> 405 / 438).
 LONG_LAUNCH = dict(BLOCK_M=256, BLOCK_N=64, num_warps=8, num_stages=3)
 LONG_FROM_TOKENS = 8192
 
@@ -201,16 +199,14 @@ def paged_prefill_attention_ref(
     """Torch reference (and the CPU path): per sequence, gather its context and run masked SDPA."""
     out = torch.empty_like(q)
     num_q_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
-    page_size = k_cache.shape[1]
     cu = cu_seqlens_q.tolist()
     ctxs = context_lens.tolist()
     for b, ctx in enumerate(ctxs):
         lo, hi = cu[b], cu[b + 1]
         if hi == lo:
             continue
-        blocks = block_tables[b, : triton.cdiv(ctx, page_size)].long()
-        k = k_cache[blocks].flatten(0, 1)[:ctx].transpose(0, 1).float()  # [Hkv, ctx, D]
-        v = v_cache[blocks].flatten(0, 1)[:ctx].transpose(0, 1).float()
+        k = gather_context(k_cache, block_tables[b:b + 1], ctx)[0].transpose(0, 1).float()
+        v = gather_context(v_cache, block_tables[b:b + 1], ctx)[0].transpose(0, 1).float()
         q_pos = torch.arange(ctx - (hi - lo), ctx, device=q.device)
         causal = torch.arange(ctx, device=q.device)[None, :] <= q_pos[:, None]  # [q_len, ctx]
         o = F.scaled_dot_product_attention(

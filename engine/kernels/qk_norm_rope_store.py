@@ -1,17 +1,13 @@
 """One launch per layer between the QKV projection and attention: per-head q/k RMSNorm (Qwen3),
-RoPE, and the K/V store into the paged cache, read straight from the fused qkv output.
-
-Unfused this is four launches (q_norm, k_norm, rotary, store_kvcache) and two [N, H, D]
-round trips through memory. The rounding points are the unfused ones (rmsnorm.py, rotary.py):
-the normed value is rounded to the model dtype before the weight, the weighted value is
-rounded again, and RoPE rotates those dtype values in fp32. Optionally the kernel also copies
-the q rows the attention probe watches into a probe buffer, so the probe needs no extra copy."""
+RoPE, and the K/V store into the paged cache, read straight from the fused qkv output, where
+unfused it is four launches and two [N, H, D] round trips. The rounding points are the unfused
+ones (rmsnorm.py, rotary.py). Optionally it also copies the q rows the attention probe watches
+into a probe buffer."""
 import torch
 import triton
 import triton.language as tl
 
 from .pdl import use_pdl, wait_prior
-
 from .rmsnorm import rms_norm_ref
 from .rotary import apply_rotary_ref
 from .store_kvcache import store_kvcache_ref

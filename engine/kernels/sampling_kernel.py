@@ -1,10 +1,9 @@
 """Fused temperature sampling: per row, argmax_v logits[v] / T - log(-log u[v]) (greedy argmax where
 T == 0), with u[v] the same counter-based uniform as engine.sampling_noise.uniform_noise.
 
-Adding Gumbel noise -log(-log u) to log p = l / T - logZ and taking the argmax is the exponential
-race argmax p / E with E = -log u, written in log space: the same draw the torch sampler makes,
-without softmax, without [B, V] int64 hash tensors, in one read of the logits. The vocabulary is
-split across programs (grid (B, chunks)); a second launch reduces each row's chunk winners.
+The Gumbel argmax is the torch sampler's exponential race argmax p / E (E = -log u) in log
+space: the same draw without softmax or [B, V] int64 hash tensors, in one read of the logits
+over a (B, chunks) grid; a second launch reduces each row's chunk winners.
 """
 import torch
 import triton
@@ -14,8 +13,7 @@ from triton.language.extra import libdevice
 from engine.kernels.jit_keys import varying
 from engine.sampling_noise import uniform_noise
 
-# splitmix64 constants (golden-ratio increment and the two finaliser multipliers), as unsigned;
-# tl.constexpr(...) objects, which Triton lets a kernel read as globals
+# splitmix64 constants as unsigned tl.constexpr objects, which a kernel may read as globals
 _GOLDEN = tl.constexpr(0x9E3779B97F4A7C15)
 _MUL1 = tl.constexpr(0xBF58476D1CE4E5B9)
 _MUL2 = tl.constexpr(0x94D049BB133111EB)
@@ -57,9 +55,8 @@ def _partial_kernel(logits_ptr, stride_row, temp_ptr, seed_ptr, pos_ptr, val_ptr
     else:
         u = _uniform(tl.load(seed_ptr + row), tl.load(pos_ptr + row), ids)
         # bit for bit torch's arithmetic, so near-ties resolve as in the reference: `/` compiles to
-        # an approximate division (a third of the quotients were an ulp off torch's on an H200),
-        # div_rn is IEEE; libdevice.log is the logf torch's log calls (tl.log matched it on
-        # Triton 3.6, but its lowering is not promised)
+        # an approximate division (a third of the quotients an ulp off on an H200), div_rn is
+        # IEEE; libdevice.log is the logf torch's log calls (tl.log's lowering is not promised)
         if LIBDEVICE:
             score = tl.math.div_rn(x, temp) - libdevice.log(-libdevice.log(u))
         else:             # the interpreter: numpy's log, and no extern calls

@@ -1,33 +1,22 @@
 """Skinny GEMM for decode at small batch: out[M, N] = x[M, K] @ W[N, K]^T (+ bias), M <= 16.
 
-At M <= 8 a linear layer is a weight stream: every byte of W is read once and used M times, so
-the kernel's only job is to keep HBM busy. cuBLAS picks GEMM tilings made for large M here and
-reaches a fraction of the copy bandwidth. This kernel gives each program BLOCK_N rows of W (and,
-with SPLIT_K > 1, one slice of K) and sweeps K in BLOCK_K chunks with unmasked 16-byte loads.
+At M <= 8 a linear layer is a weight stream, where cuBLAS's tilings (made for large M) reach a
+fraction of the copy bandwidth. Each program here takes BLOCK_N rows of W (and, with
+SPLIT_K > 1, one slice of K) and sweeps K in BLOCK_K chunks with unmasked 16-byte loads.
 
 Two inner products, chosen per config:
-  * FMA (use_dot=False): broadcast-multiply on CUDA cores. W and x are loaded as 3-D tiles
-    [BLOCK_N, 1, BLOCK_K] and [1, BLOCK_M, BLOCK_K] into one fp32 accumulator [BLOCK_N, BLOCK_M,
-    BLOCK_K] that is reduced over K once, after the loop, so the loop body is loads and FMAs with
-    no cross-lane traffic. (Loading 2-D tiles and expanding them makes Triton re-lay W out through
-    shared memory every iteration.) With BLOCK_K = 16-byte vector x 32 lanes x num_warps (or twice
-    that) all warps lie along K and both tiles share the accumulator's layout. Best at M = 1..2.
+  * FMA (use_dot=False): broadcast-multiply on CUDA cores into one fp32 accumulator
+    [BLOCK_N, BLOCK_M, BLOCK_K], reduced over K once after the loop. Best at M = 1..2.
   * DOT (use_dot=True): tensor cores with A and B swapped (out^T = W @ x^T), so the weight tile
-    is the MMA's M side (BLOCK_N >= 16; 64+ gives Hopper wgmma) and x, padded to 16 rows, is its
-    N side. The MMA does the reduction over K, so the work per weight byte does not grow with M,
-    and Triton pipelines the W tiles through shared memory with cp.async. Best at M >= 4.
+    is the MMA's M side (BLOCK_N >= 16) and x, padded to 16 rows, its N side; Triton pipelines
+    the W tiles through shared memory. Best at M >= 4.
 
-Split-K writes fp32 partials to a [SPLIT_K, M, N] workspace and a second kernel sums them in a
-fixed order (deterministic, unlike atomics). Both launches are CUDA-graph safe: no host syncs,
-and the workspace size depends only on shapes, so torch.empty per call is captured like any
-other allocation from the graph's private pool.
+Split-K writes fp32 partials to a [SPLIT_K, M, N] workspace that a second kernel sums in a
+fixed order (deterministic, unlike atomics). Both launches are CUDA-graph safe.
 
-Under PDL (pdl.py) each program requests its first chunk of W before waiting for the kernel that
-writes x, so part of the weight stream overlaps that kernel's tail. With X_MODE the kernel can
-also build x itself: an RMSNorm of x (+ the residual) folded in (skinny_prologue.py;
-`rms_norm_linear`), which the decoder layer uses at batch 1. With GATED it reads a merged
-gate_up weight [2N, K], each program its rows of both halves, and stores silu(gate) * up:
-the dense MLP's activation with no launch of its own (`rms_norm_linear(..., gated=True)`).
+Under PDL (pdl.py) each program requests its first chunk of W before waiting for the kernel
+that writes x. X_MODE folds an RMSNorm of x (+ the residual) in (skinny_prologue.py,
+`rms_norm_linear`); GATED reads a merged gate_up weight [2N, K] and stores silu(gate) * up.
 """
 from __future__ import annotations
 
@@ -40,17 +29,13 @@ import triton
 import triton.language as tl
 
 from .pdl import use_pdl, wait_prior
-from .skinny_prologue import X_PLAIN, X_RMSNORM, X_RMSNORM_FACTORED, row_rstd, x_chunk
+from .skinny_prologue import (X_PLAIN, X_RMSNORM, X_RMSNORM_FACTORED, load_chunk, row_rstd,
+                              x_chunk)
 
 # Wider one-row programs (pick_config's `wide`) for the fused-norm GEMV without the SwiGLU
-# epilogue only (the decoder's QKV projection at batch 1). One H200, Qwen3-0.6B, batch-1 decode
-# chain rebuilt in one graph (bench/diagnostics/decode_chain.py, 2026-12-03): the wider QKV
-# programs -35.6 us a step of 723; for gate_up (gated), down_proj and o_proj they were slower or
-# even, and all together -11 (engine: 1,317 -> 1,308 tok/s with all; bench/RESULTS.md, 2026-12-03
-# third session). ... and only where K (the hidden size) is at most this: at Qwen3-30B-A3B's QKV
-# (K = 2,048) the narrow programs were faster (bench/diagnostics/moe_chain.py, one H200,
-# 2026-12-04: 2,510 -> 2,450 us a step; an earlier session's device run whose raw log did not
-# survive).
+# epilogue only (the decoder's QKV projection at batch 1): one H200, Qwen3-0.6B, -35.6 us of a
+# 723 us step; slower or even for the other GEMVs (bench/RESULTS.md, 2026-12-03 third session).
+# Only up to this K: at Qwen3-30B-A3B's QKV (K = 2,048) the narrow programs were faster.
 WIDE_MAX_K = 1024
 MAX_M = 16  # the DOT path pads x to 16 rows; beyond that an ordinary GEMM tiling is the right tool
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -88,17 +73,12 @@ def fma_acc_regs(cfg: SkinnyConfig, M: int) -> int:
 def pick_config(M: int, N: int, K: int, elem_size: int = 2, num_sms: int = 132,
                 wide: bool = False) -> SkinnyConfig:
     """Heuristic for an H200 (132 SMs, ~4.1 TB/s copy), read off
-    `bench/diagnostics/skinny_gemm.py --wide` at the Qwen3 decode shapes (N 1024..151936,
-    K 1024..4096) for M = 1, 2, 4, 8 in bf16.
+    `bench/diagnostics/skinny_gemm.py --wide` at the Qwen3 decode shapes for M = 1, 2, 4, 8.
 
-    A weight stream needs ~4 MB in flight chip-wide (Little's law: ~4 TB/s x ~1 us), i.e. tens
-    of KB per SM. The FMA path gets there with many small programs (no shared memory, several per
-    SM); its accumulator holds BLOCK_N x BLOCK_M x (BLOCK_K / threads) fp32 registers, so the
-    bytes it can keep in flight per SM shrink as 1/M, and past M = 2..4 it falls behind the
-    tensor-core path, whose cp.async pipeline keeps 2-3 stages of 16-32 KB in flight per program.
-
-    `wide` (M = 1, K <= WIDE_MAX_K): 4-warp programs of 4-8 rows, a half to a quarter as many,
-    for the GEMVs measured faster so (WIDE_MAX_K above).
+    A weight stream needs ~4 MB in flight chip-wide (Little's law). The FMA path gets there with
+    many small programs, but its accumulator shrinks what a program keeps in flight as 1/M, so
+    past M = 2..4 it falls behind the tensor-core path's cp.async pipeline. `wide` (M = 1,
+    K <= WIDE_MAX_K): 4-warp programs of 4-8 rows, a half to a quarter as many.
     """
     bm = triton.next_power_of_2(M)
     scale = max(1, elem_size // 2)  # sizes below are for 2-byte types; fp32 halves BLOCK_K (same bytes)
@@ -140,15 +120,9 @@ def pick_config(M: int, N: int, K: int, elem_size: int = 2, num_sms: int = 132,
 
 
 # The GEMV after decode attention (o_proj) requests its whole weight tile before the PDL wait:
-# attention's tail (its merge) is long enough to hide it. One H200, Qwen3-0.6B batch-1 decode
-# chain (bench/diagnostics/decode_chain.py, 2026-12-03): -14.1 / -13.8 us a step at 256 / 1,024
-# tokens; the same for the other GEMVs was slower or even (bench/RESULTS.md, 2026-12-03 third
-# session, "Measured and not taken", then fourth session, "o_proj's whole weight tile before the
-# PDL wait").
-# Up to this K (a program's whole tile of one-row FMA programs stays in registers): at
-# Qwen3-30B-A3B's o_proj (K = 4,096) the pipelined plain config was faster
-# (bench/diagnostics/moe_chain.py, one H200, 2026-12-04: -31 us a step); Qwen3-0.6B's
-# (K = 2,048) keeps its -14 us.
+# attention's tail hides it. One H200, Qwen3-0.6B batch-1 decode: -14 us a step; the other
+# GEMVs were slower or even (bench/RESULTS.md, 2026-12-03). Only up to this K: at
+# Qwen3-30B-A3B's o_proj (K = 4,096) the pipelined plain config was faster.
 WHOLE_TILE_MAX_K = 2048
 
 
@@ -160,13 +134,6 @@ def whole_tile_config(N: int, K: int, elem_size: int = 2) -> SkinnyConfig | None
     if c.use_dot or c.split_k != 1 or K > WHOLE_TILE_MAX_K or K == 0:
         return None
     return SkinnyConfig(c.block_n, triton.next_power_of_2(K), 1, c.num_warps, 1, False)
-
-
-@triton.jit
-def _load_chunk(ptrs, k_ok, EVEN_K: tl.constexpr):
-    if EVEN_K:  # every chunk full: no mask at all (16-byte vector loads)
-        return tl.load(ptrs)
-    return tl.load(ptrs, mask=k_ok, other=0.0)
 
 
 @triton.jit
@@ -214,9 +181,8 @@ def _skinny_kernel(
             acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     else:
         # 3-D tiles, W [BLOCK_N, 1, BLOCK_K] and x [1, BLOCK_M, BLOCK_K], loaded in that shape so
-        # both share the accumulator's layout: a 2-D load expanded afterwards gets re-laid out
-        # through shared memory every iteration. The accumulator keeps every product apart
-        # until after the loop, so the loop is loads and FMAs only, with one reduction at the end.
+        # both share the accumulator's layout (a 2-D load expanded afterwards gets re-laid out
+        # through shared memory every iteration); one reduction over K after the loop.
         w_ptrs = w_ptr + rows_n[:, None, None] * stride_wn + (k_lo + offs_k)[None, None, :]
         x_rows = rows_m[None, :, None] * stride_xm
         r_rows = rows_m[None, :, None] * stride_rm
@@ -227,17 +193,15 @@ def _skinny_kernel(
         if GATED:
             acc_up = tl.zeros([BLOCK_N, BLOCK_M, BLOCK_K], dtype=tl.float32)
     # GATED (a merged gate_up weight, [2N, K]): each program also streams the N-th row after each
-    # of its rows (the up projection's) and the epilogue stores silu(gate) * up, so the
-    # activation needs no launch of its own.
+    # of its rows (the up projection's) and the epilogue stores silu(gate) * up.
     up_off = N * stride_wn
     # The first chunk is peeled off the loop so that, under PDL, its weights are requested
-    # before the wait for the previous kernel (W is constant; x is that kernel's output): one
-    # H200, batch-1 decode 1,167 -> 1,203 tok/s (bench/RESULTS.md, 2026-12-03 second session).
-    # Every program has >= 1 chunk: the host never launches an empty K slice.
+    # before the wait for the kernel that writes x (one H200, batch-1 decode 1,167 -> 1,203
+    # tok/s). Every program has >= 1 chunk: the host never launches an empty K slice.
     k_ok = kk < k_hi  # (unused when EVEN_K)
-    w = _load_chunk(w_ptrs, k_ok, EVEN_K)
+    w = load_chunk(w_ptrs, k_ok, EVEN_K)
     if GATED:
-        w_up = _load_chunk(w_ptrs + up_off, k_ok, EVEN_K)
+        w_up = load_chunk(w_ptrs + up_off, k_ok, EVEN_K)
     wait_prior(USE_PDL)
     rstd = 1.0
     if X_MODE == 1:  # RMSNorm needs the whole row's sum of squares first
@@ -259,9 +223,9 @@ def _skinny_kernel(
         w_ptrs += BLOCK_K
         kk += BLOCK_K
         k_ok = kk < k_hi
-        w = _load_chunk(w_ptrs, k_ok, EVEN_K)
+        w = load_chunk(w_ptrs, k_ok, EVEN_K)
         if GATED:
-            w_up = _load_chunk(w_ptrs + up_off, k_ok, EVEN_K)
+            w_up = load_chunk(w_ptrs + up_off, k_ok, EVEN_K)
         x, s = x_chunk(x_ptr, x_rows, kk, k_ok, K, res_ptr, r_rows, res_out_ptr, ro_rows,
                        m_ok & k_ok, first_col, norm_w_ptr, rstd, X_MODE, HAS_RESIDUAL, EVEN_K)
         acc = _accumulate(acc, w, x, USE_DOT, IEEE_DOT)
@@ -375,7 +339,7 @@ def _launch(x2, weight, bias, config, mode=X_PLAIN, residual=None, norm_weight=N
         N //= 2
     out = torch.empty((M, N), dtype=x2.dtype, device=x2.device)
     if M == 0 or N == 0 or K == 0:
-        return out
+        return _empty_k(out, bias)  # K == 0: empty sums, the bias alone (silu(0) * 0 when gated)
     if bias is not None and bias.stride(0) != 1:
         bias = bias.contiguous()
     cfg = config or pick_config(M, 2 * N if gated else N, K, x2.element_size(),
@@ -433,8 +397,6 @@ def skinny_linear(
     _check_operands(x, weight, bias, weight.shape[1] if weight.dim() == 2 else -1)
     N, K = weight.shape
     out = _launch(_rows(x, K), weight, bias, config, pdl=pdl)
-    if K == 0:  # empty sum: the bias alone
-        _empty_k(out, bias)
     return out.reshape(*x.shape[:-1], N)
 
 
@@ -471,16 +433,11 @@ def rms_norm_linear(
     else:
         r2 = _rows(residual, K)
         residual_out = torch.empty_like(x2)
-    if K == 0:
-        if sumsq is not None:
-            sumsq[:x2.shape[0]] = 0.0
-        if gated:  # silu(0) * 0
-            return torch.zeros(x2.shape[0], weight.shape[0] // 2, dtype=x.dtype, device=x.device), residual_out
-        return _empty_k(torch.empty(x2.shape[0], weight.shape[0], dtype=x.dtype, device=x.device),
-                        bias), residual_out
-    out = _launch(x2, weight, bias, config, X_RMSNORM_FACTORED if factored else X_RMSNORM, r2, norm_weight.contiguous(), eps,
-                  residual_out if r2 is not None else None, sumsq, gated,
-                  wide=not gated, pdl=pdl)
+    if K == 0 and sumsq is not None:  # empty rows: no kernel runs to store their sums
+        sumsq[:x2.shape[0]] = 0.0
+    out = _launch(x2, weight, bias, config, X_RMSNORM_FACTORED if factored else X_RMSNORM, r2,
+                  norm_weight.contiguous(), eps, residual_out if r2 is not None else None, sumsq,
+                  gated, wide=not gated, pdl=pdl)
     return out, residual_out
 
 

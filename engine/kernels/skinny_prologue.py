@@ -1,13 +1,12 @@
 """What the skinny GEMM does to x before the product: nothing, or an RMSNorm with the residual add
 fused. Folding the norm into the GEMM that consumes it saves a launch and a round trip of x
-through memory; at batch 1 that is most of what the norm cost (a ~2 us kernel in a chain of
-~265, each waiting for the last), since x is a few KB.
+through memory: at batch 1 most of what the ~2 us norm kernel cost in a chain of ~265.
 
-Every program recomputes the prologue for its own chunks of x (one row of a few thousand
-values, read from L2). Two forms:
+Every program recomputes the prologue for its own chunks of x (a row of a few thousand values,
+read from L2). Two forms:
   * X_RMSNORM: the sum of squares over the whole row in a pass before the loop, then HF's
-    rounding points (rmsnorm.py), so the result is the two launches', up to the order of the
-    fp32 sum of squares. Works with split-K.
+    rounding points (rmsnorm.py): the two launches' result up to the order of the fp32 sum of
+    squares. Works with split-K.
   * X_RMSNORM_FACTORED: the sum of squares gathered in the main loop and 1/rms applied to the
     product (out = rstd * (W @ (x * w_norm))): one pass over x, so faster, but x * rstd is never
     rounded to the dtype as HF rounds it (a bf16 ulp here and there). Needs the whole row in
@@ -15,17 +14,12 @@ values, read from L2). Two forms:
 import triton
 import triton.language as tl
 
-X_PLAIN, X_RMSNORM = 0, 1
-# RMSNorm with its per-row scale applied to the product instead of x: the sum of squares is
-# gathered in the main loop (one pass over x, no prepass), then out = rstd * (W @ (x * w_norm)).
-# The same value up to where it rounds (HF rounds x * rstd to the dtype before the weight);
-# needs the whole row in one program (no split-K)
-X_RMSNORM_FACTORED = 3
+X_PLAIN, X_RMSNORM, X_RMSNORM_FACTORED = 0, 1, 3
 
 
 @triton.jit
-def _load(ptrs, mask, EVEN_K: tl.constexpr):
-    if EVEN_K:
+def load_chunk(ptrs, mask, EVEN_K: tl.constexpr):
+    if EVEN_K:  # every chunk full: no mask at all (16-byte vector loads)
         return tl.load(ptrs)
     return tl.load(ptrs, mask=mask, other=0.0)
 
@@ -54,24 +48,17 @@ def x_chunk(x_ptr, x_rows, kk, k_ok, K, res_ptr, r_rows, res_out_ptr, ro_rows, s
             EVEN_K: tl.constexpr):
     """One chunk of the GEMM's x operand (its tile shape is that of x_rows + kk), and the
     residual-stream values it came from (x itself in the plain mode)."""
-    v = _load(x_ptr + x_rows + kk, k_ok, EVEN_K)
+    v = load_chunk(x_ptr + x_rows + kk, k_ok, EVEN_K)
     s = v
-    if X_MODE == 3:
+    if X_MODE != 0:
         if HAS_RESIDUAL:
-            r = _load(res_ptr + r_rows + kk, k_ok, EVEN_K)
-            v = (v.to(tl.float32) + r.to(tl.float32)).to(v.dtype)
-            if first_col:
-                tl.store(res_out_ptr + ro_rows + kk, v, mask=store_ok)
-        s = v
-        w = _load(norm_w_ptr + kk, k_ok, EVEN_K)
-        v = (v.to(tl.float32) * w.to(tl.float32)).to(v.dtype)
-    elif X_MODE == 1:
-        if HAS_RESIDUAL:
-            r = _load(res_ptr + r_rows + kk, k_ok, EVEN_K)
+            r = load_chunk(res_ptr + r_rows + kk, k_ok, EVEN_K)
             v = (v.to(tl.float32) + r.to(tl.float32)).to(v.dtype)
             if first_col:  # the true residual stream, written once: by the first column of programs
                 tl.store(res_out_ptr + ro_rows + kk, v, mask=store_ok)
-        w = _load(norm_w_ptr + kk, k_ok, EVEN_K)
-        normed = (v.to(tl.float32) * rstd).to(v.dtype)  # HF rounds before the weight
-        v = (normed.to(tl.float32) * w.to(tl.float32)).to(v.dtype)
+        s = v
+        w = load_chunk(norm_w_ptr + kk, k_ok, EVEN_K)
+        if X_MODE == 1:
+            v = (v.to(tl.float32) * rstd).to(v.dtype)  # HF rounds before the weight
+        v = (v.to(tl.float32) * w.to(tl.float32)).to(v.dtype)
     return v, s

@@ -16,17 +16,14 @@ SKINNY_MAX_M = 8
 LM_HEAD_N = 32768        # vocabulary-sized outputs
 
 
-def use_skinny(m: int, n: int) -> bool:
-    return m == 1 or (m <= SKINNY_MAX_M and (n <= 2048 or n >= LM_HEAD_N))
-
-
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            after_attention: bool = False, pdl: bool = True) -> torch.Tensor:
     """after_attention: the projection of decode attention's output (o_proj), whose one-row GEMV
     requests its whole weight tile before the PDL wait (skinny_gemm.whole_tile_config). pdl: the
     skinny GEMM launches with PDL where the GPU has it (KernelConfig.pdl)."""
-    if (x.is_cuda and x.dim() == 2 and use_skinny(x.shape[0], weight.shape[0])
-            and x.dtype == weight.dtype and x.shape[0] > 0):
+    m, n = x.shape[0], weight.shape[0]
+    if (x.is_cuda and x.dim() == 2 and x.dtype == weight.dtype and 0 < m
+            and (m == 1 or (m <= SKINNY_MAX_M and (n <= 2048 or n >= LM_HEAD_N)))):
         from ..kernels import skinny_gemm as sg
         config = None
         if after_attention and x.shape[0] == 1:

@@ -1,13 +1,8 @@
-"""Sparse MoE block (Qwen2-MoE / Qwen3-MoE): router -> top-k -> fused experts (+ shared expert).
+"""Sparse MoE experts (Qwen2-MoE / Qwen3-MoE): router -> top-k -> fused experts.
 
 Expert weights are stacked as w13 [E, 2I, H] (gate rows, then up rows) and w2 [E, H, I]; with
 TP each rank holds every expert's slice of the intermediate dim, and the partial outputs are
 joined by one all-reduce. The router is replicated. Routing is reported to the probes.
-
-On the GPU `fused_experts` picks the expert kernels by batch size: decode-sized batches take the
-GEMV path (two launches, only the active experts' weights read, no alignment), larger ones the
-grouped GEMM path; the split and the launch configs come from the tuned tables of
-engine/kernels/configs/ (bench/tune_moe.py), with defaults where none was tuned.
 """
 from __future__ import annotations
 
@@ -97,7 +92,8 @@ class FusedMoE(nn.Module):
     def _fused_router(self, x: torch.Tensor) -> bool:
         """Does x's batch take the one-launch router (route_hidden)? Its semaphores are
         allocated on the first call outside a CUDA-graph capture."""
-        if not _fused_router_fits(x):
+        if not (x.is_cuda and 0 < x.shape[0] <= moe_routing.FUSED_MAX_TOKENS and x.dim() == 2
+                and x.stride(1) == 1):
             return False
         if self.route_counts is None and not torch.cuda.is_current_stream_capturing():
             self.route_counts = moe_routing.route_counts(x.device)  # before any capture
@@ -129,18 +125,14 @@ def _experts(moe: FusedMoE, x, probs, topk_w, topk_ids, layer_idx, shared_gate):
     return moe_cpu.fused_moe_cpu(x, moe.w13, moe.w2, topk_w, topk_ids)
 
 
-def _fused_router_fits(x: torch.Tensor) -> bool:
-    return (x.is_cuda and 0 < x.shape[0] <= moe_routing.FUSED_MAX_TOKENS and x.dim() == 2
-            and x.stride(1) == 1)
-
-
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, config: moe_configs.MoEConfig | None = None,
                   kernels: KernelConfig = DEFAULT_KERNELS) -> torch.Tensor:
     """x [N, H], w13 [E, 2I, H], w2 [E, H, I], topk_* [N, k] -> [N, H], by the path the config
-    names: the tuned one for (E, I, H, dtype, device) at the nearest tuned N unless given (the
-    tables of kernels.moe_config_dir, else engine/kernels/configs/). The choice depends only on
-    shapes, so a CUDA graph captures one path per batch bucket."""
+    names: decode-sized batches the GEMV path (only the active experts' weights read), larger
+    ones the grouped GEMM; unless given, the config tuned for (E, I, H, dtype, device) at the
+    nearest tuned N (kernels.moe_config_dir, else engine/kernels/configs/). The choice depends
+    only on shapes, so a CUDA graph captures one path per batch bucket."""
     if config is None:
         config = moe_configs.pick_config(x.shape[0], topk_ids.shape[1], w13.shape[0], w2.shape[2],
                                          x.shape[1], x.dtype, x.device, kernels.moe_config_dir)

@@ -2,18 +2,11 @@
 
 At batch 1 a decode layer's two norms are ~2 us kernels that each wait for the kernel before
 and hold up the one after; folded into the skinny GEMM (engine/kernels/skinny_prologue.py) the
-normed row never goes through memory and the chain is two launches shorter per layer.
-Everywhere else (the CPU, prefill, batches > 1) these are the unfused modules' calls.
-
-The fold is `factored`: the 1/rms scale applied to the product, one pass over x (the `prepass`
-form, HF's rounding points, is only the split-K fallback inside the kernel). One H200, Qwen3-0.6B
-batch-1 decode under PDL, two alternating rounds (bench/RESULTS.md, 2026-12-03 second session,
-"the norms folded into the projections"): unfused 1,223 / 1,221 tok/s, factored 1,238 / 1,239,
-prepass 1,196 / 1,196. SiLU * up folded into down_proj the same way measured slower
-(1,209 / 1,206) and was not kept; folded into gate_up's epilogue instead (`gated`: each program
-streams its gate rows and the matching up rows and stores the activation), it saves the
-activation's launch without a prologue after the wait: 1,258 -> 1,310 tok/s, the rebuilt decode
-chain 749 -> 730 us a step (2026-12-03 third session, "Batch-1 decode (#26): what changed").
+normed row never goes through memory and the chain is two launches shorter per layer. The fold
+is `factored` (the 1/rms scale applied to the product, one pass over x): Qwen3-0.6B batch-1
+decode on an H200 went 1,223 -> 1,238 tok/s (HF's rounding points, `prepass`: 1,196). SiLU *
+up is folded into gate_up's epilogue (`gated`): 1,258 -> 1,310 tok/s (bench/RESULTS.md,
+2026-12-03). Everywhere else (the CPU, prefill, batches > 1) these are the unfused calls.
 """
 from __future__ import annotations
 
@@ -24,11 +17,6 @@ from .linear import LinearBase
 from .norm import RMSNorm
 
 
-def fuses(x: torch.Tensor, layer: LinearBase) -> bool:
-    """One row on the GPU, in the weights' dtype: the skinny GEMM's batch-1 case."""
-    return x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and x.dtype == layer.weight.dtype
-
-
 def norm_linear(norm: RMSNorm, layer: LinearBase, x: torch.Tensor,
                 residual: torch.Tensor | None, sumsq: torch.Tensor | None = None,
                 gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -36,7 +24,8 @@ def norm_linear(norm: RMSNorm, layer: LinearBase, x: torch.Tensor,
     embedding entering layer 0). `layer` must need no communication on its input side
     (replicated or column-parallel), as qkv_proj and gate_up_proj are. gated: `layer` is the
     merged gate_up projection and the first value is silu_and_mul of its output."""
-    if fuses(x, layer):
+    # one row on the GPU, in the weights' dtype: the skinny GEMM's batch-1 case
+    if x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and x.dtype == layer.weight.dtype:
         from ..kernels.skinny_gemm import rms_norm_linear
         swiglu = gated and layer.bias is None
         pdl = layer.kernels.pdl

@@ -25,10 +25,6 @@ def head_dim_of(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-def _probes():
-    return get_context().probes
-
-
 def fused_qkv_path(qkv: torch.Tensor) -> bool:
     """The GPU runs q/k norm + RoPE + K/V store as one Triton launch; the CPU keeps the torch
     ops (the default experience: the same tokens as ever; Triton would only be interpreted)."""
@@ -66,22 +62,21 @@ class QwenAttention(nn.Module):
             norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm \
                 else (None, None, 0.0)
             o = self.attn.forward_qkv(qkv, positions, self.rotary_emb.cos_sin_cache, *norms)
-            return self.o_proj(self._ablate(o).reshape(n, self.num_heads * d))
-        q, k, v = qkv.split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], -1)
-        q = q.reshape(n, self.num_heads, d)             # [N, Hq, D]
-        k = k.reshape(n, self.num_kv_heads, d)          # [N, Hkv, D]
-        v = v.reshape(n, self.num_kv_heads, d)
-        if self.qk_norm:
-            q = self.q_norm(q.reshape(-1, d)).view(n, self.num_heads, d)
-            k = self.k_norm(k.reshape(-1, d)).view(n, self.num_kv_heads, d)
-        q, k = self.rotary_emb(positions, q, k)
-        o = self.attn(q, k, v)                          # [N, Hq, D]
-        return self.o_proj(self._ablate(o).reshape(n, self.num_heads * d))
-
-    def _ablate(self, o: torch.Tensor) -> torch.Tensor:
-        """Interventions: chosen heads' slice of the attention output zeroed (o [N, Hq, D])."""
-        iv = get_context().interventions
-        return o if iv is None else iv.ablate(self.attn.layer_idx, o)
+        else:
+            q, k, v = qkv.split([self.num_heads * d, self.num_kv_heads * d,
+                                 self.num_kv_heads * d], -1)
+            q = q.reshape(n, self.num_heads, d)             # [N, Hq, D]
+            k = k.reshape(n, self.num_kv_heads, d)          # [N, Hkv, D]
+            v = v.reshape(n, self.num_kv_heads, d)
+            if self.qk_norm:
+                q = self.q_norm(q.reshape(-1, d)).view(n, self.num_heads, d)
+                k = self.k_norm(k.reshape(-1, d)).view(n, self.num_kv_heads, d)
+            q, k = self.rotary_emb(positions, q, k)
+            o = self.attn(q, k, v)                          # [N, Hq, D]
+        iv = get_context().interventions    # ablated heads' slice of the output zeroed
+        if iv is not None:
+            o = iv.ablate(self.attn.layer_idx, o)
+        return self.o_proj(o.reshape(n, self.num_heads * d))
 
 
 class QwenMLP(nn.Module):
@@ -110,7 +105,8 @@ class QwenDecoderLayer(nn.Module):
     def forward(self, positions, hidden, residual):
         # the residual entering layer i is hook_embed (i = 0) or blocks.{i-1}.hook_resid_post;
         # its norm kernel also stores sum(residual^2) for the probes (no extra launch)
-        probes = _probes()
+        ctx = get_context()
+        probes = ctx.probes
         sumsq = probes.sumsq_out(self.layer_idx) if probes is not None else None
         # the input norm is folded into the QKV projection at batch 1 on the GPU (norm_linear.py)
         qkv, residual = norm_linear(self.input_layernorm, self.self_attn.qkv_proj, hidden,
@@ -127,7 +123,7 @@ class QwenDecoderLayer(nn.Module):
         else:
             hidden, residual = self.post_attention_layernorm(hidden, residual)
             out = self.mlp(hidden)
-        iv = get_context().interventions    # steering: out + residual is hook_resid_post
+        iv = ctx.interventions              # steering: out + residual is hook_resid_post
         if iv is not None:
             out = iv.layer_out(self.layer_idx, out, residual)
         return out, residual
@@ -150,7 +146,7 @@ class QwenModel(nn.Module):
         hidden, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual)
-        probes = _probes()
+        probes = get_context().probes
         last = len(self.layers)
         hidden, residual = self.norm(hidden, residual,
                                      probes.sumsq_out(last) if probes is not None else None)
@@ -159,17 +155,16 @@ class QwenModel(nn.Module):
         return hidden
 
 
-def dense_mlp(config, layer_idx: int, kernels: KernelConfig = DEFAULT_KERNELS) -> nn.Module:
-    return QwenMLP(config.hidden_size, config.intermediate_size, kernels)
-
-
 class QwenForCausalLM(nn.Module):
     # checkpoint name fragment -> (our fused parameter, which piece)
     packed_modules_mapping = {
         "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
     }
-    make_mlp = staticmethod(dense_mlp)
+
+    @staticmethod
+    def make_mlp(config, layer_idx: int, kernels: KernelConfig = DEFAULT_KERNELS) -> nn.Module:
+        return QwenMLP(config.hidden_size, config.intermediate_size, kernels)
 
     def __init__(self, config, max_positions: int, kernels: KernelConfig = DEFAULT_KERNELS):
         super().__init__()
@@ -183,7 +178,7 @@ class QwenForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden = self.model(input_ids, positions)
-        probes = _probes()
+        probes = get_context().probes
         if probes is not None:
             probes.on_final(self)
         return hidden

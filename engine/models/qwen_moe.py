@@ -67,19 +67,17 @@ class QwenSharedExpert(QwenMLP):
                                           self.down_proj.weight)
 
 
-def moe_or_dense(config, i: int, kernels: KernelConfig = DEFAULT_KERNELS) -> nn.Module:
-    if is_moe_layer(config, i):
-        return QwenSparseMoeBlock(config, i, kernels)
-    return QwenMLP(config.hidden_size, config.intermediate_size, kernels)
-
-
 _EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _FUSED = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 _PIECE = {"gate_proj": 0, "up_proj": 1, "down_proj": 2}
 
 
 class QwenMoeForCausalLM(QwenForCausalLM):
-    make_mlp = staticmethod(moe_or_dense)
+    @staticmethod
+    def make_mlp(config, i: int, kernels: KernelConfig = DEFAULT_KERNELS) -> nn.Module:
+        if is_moe_layer(config, i):
+            return QwenSparseMoeBlock(config, i, kernels)
+        return QwenForCausalLM.make_mlp(config, i, kernels)
 
     def __init__(self, config, max_positions: int, kernels: KernelConfig = DEFAULT_KERNELS):
         super().__init__(config, max_positions, kernels)

@@ -1,20 +1,18 @@
 """AttentionStore: where a watched request's attention rows wait on the GPU, and how they leave.
 
-A watched token's attention rows (layers x heads x context, fp32) are ~0.7 MB at Qwen3-0.6B
-shapes: at batch 1 that is ~700 MB/s. Moving them to the host in the step (a synchronous copy,
-or a fresh pinned buffer per step) costs the engine thread milliseconds; moving them when a
-reader asks (the old `trace()`) made every Layers tick move ~64 MB. So the rows stay on the
-device where the step left them (`AttentionStep` moves one row when a view shows it), and this
-store keeps the device bytes under a budget by moving the oldest rows to host memory from a
-thread of its own, on a CUDA stream of its own: the engine thread only appends to a deque.
+A watched token's rows (layers x heads x context, fp32) are ~0.7 MB at Qwen3-0.6B shapes:
+copying them to the host in the step costs the engine thread milliseconds, and copying them
+when a reader asks made every Layers tick move ~64 MB. So they stay on the device where the
+step left them (a reader moves the one row it shows), and this store keeps the device bytes
+under a budget by moving the oldest rows to host memory from a thread and a CUDA stream of its
+own: the engine thread only appends to a deque.
 """
 from __future__ import annotations
 
 import threading
 from collections import deque
 
-from .host_copy import move_to_host, side_stream
-from .trace import AttentionStep
+from .trace import AttentionStep, move_to_host, side_stream
 
 CHUNK_BYTES = 32 << 20      # one spill: a joined copy of about this many bytes
 
@@ -38,12 +36,11 @@ class AttentionStore:
 
     def add(self, request_id: str, step: AttentionStep) -> None:
         """A step's rows, still on the device (engine thread: a deque append)."""
-        rows = step.device_rows
-        if rows is None:
+        if step.device_rows is None:
             return
         with self._cv:
             self._held.append((request_id, step))
-            self._bytes += rows.numel() * rows.element_size()
+            self._bytes += _nbytes(step)
             if self._bytes > self.budget_bytes:
                 if self._thread is None:
                     self._thread = threading.Thread(target=self._run, name="attention-spill",
@@ -55,9 +52,8 @@ class AttentionStore:
         """A trace was evicted: its rows are no longer worth a copy (readers holding a frozen
         copy still move a row themselves when they show it)."""
         with self._cv:
-            keep = deque((r, s) for r, s in self._held if r != request_id)
-            self._bytes = sum(_nbytes(s) for _, s in keep)
-            self._held = keep
+            self._held = deque((r, s) for r, s in self._held if r != request_id)
+            self._bytes = sum(_nbytes(s) for _, s in self._held)
 
     def flush(self) -> None:
         """Move every held row to the host now (engine shutdown: traces stay readable)."""
@@ -89,13 +85,10 @@ class AttentionStore:
                         batch.append(st)
                         size += n
             try:
-                move_to_host(batch, self._side_stream())
+                move_to_host(batch, side_stream())
                 self.spills += 1
             except Exception:       # noqa: BLE001 — a failed spill leaves rows on the device,
                 pass                # where readers still find them; the engine goes on
-
-    def _side_stream(self):
-        return side_stream()
 
 
 def _nbytes(step: AttentionStep) -> int:

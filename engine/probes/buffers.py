@@ -5,7 +5,6 @@ buffer the host reads. Also the CUDA-graph variants: static buffers captured per
 """
 from __future__ import annotations
 
-
 import torch
 
 from ..context import get_context
@@ -25,14 +24,10 @@ STACK_RESID_ROWS = 64
 
 
 class ProbeBuffers:
-    """Device-side outputs of one step's probes on one rank.
-
-    Per layer, recording costs at most one launch: residual norms come from the norm kernel's
-    own sum of squares, routing is written by the router into stacked buffers, the lens keeps a
-    reference to each residual (or, in a big step, copies one row of it), attention copies one
-    query row. The reductions over all layers run once
-    in `on_final`, which also packs the small results into one flat buffer (`packed`) so the
-    host reads them with a single non-blocking copy."""
+    """Device-side outputs of one step's probes on one rank. Per layer, recording costs at most
+    one launch (norms come from the norm kernel's own sum of squares, routing is written by the
+    router); the reductions over all layers run once in `on_final`, which packs the small
+    results into one flat buffer (`packed`) the host reads with one non-blocking copy."""
 
     def __init__(self, plan: ProbePlan, num_rows: int, num_layers: int, hidden: int, device,
                  dtype, moe_layers: list[int], num_experts: int, top_k: int):
@@ -90,15 +85,11 @@ class ProbeBuffers:
         self.layout: dict[str, tuple[int, tuple]] = {}    # name -> (offset, shape) in packed
 
     def load_plan(self, plan: ProbePlan) -> None:
-        """Point a CUDA graph's static buffers at this step's watched rows (one copy)."""
-        # the template records R rows (decode: 1, prefill: the token bucket) and one last
-        # row: the plan's rows come first, in order (the host reads columns 0 .. len(rows)),
-        # the rest, and a last row the plan does not need, point at row 0 and are ignored
-        # fresh pinned memory each step: the copy of the step before may not have run yet
+        """Point a CUDA graph's static buffers at this step's watched rows (one copy; the
+        template's rows past the plan's point at row 0 and are ignored). graph_supports
+        admitted the plan: it fits the template's R rows and one last row."""
         R = len(self.rows)
-        if len(plan.rows) > R or len(plan.last_rows) > 1:
-            raise ValueError(f"a graph's probe template holds {R} rows and 1 last row; this "
-                             f"step watches {len(plan.rows)} and {len(plan.last_rows)}")
+        # fresh pinned memory each step: the copy of the step before may not have run yet
         staging = torch.empty(R + 2, dtype=torch.int64, pin_memory=True)
         st = staging.numpy()
         n = len(plan.rows)
@@ -110,10 +101,13 @@ class ProbeBuffers:
 
     @classmethod
     def for_step(cls, runner, inp) -> "ProbeBuffers":
+        return cls.for_rows(runner, inp.probe_plan, len(inp.input_ids))
+
+    @classmethod
+    def for_rows(cls, runner, plan: ProbePlan, num_rows: int) -> "ProbeBuffers":
         cfg = runner.hf_config
-        moe_layers = getattr(runner.model, "moe_layers", [])
-        return cls(inp.probe_plan, len(inp.input_ids), runner.num_layers, cfg.hidden_size,
-                   runner.device, runner.dtype, moe_layers,
+        return cls(plan, num_rows, runner.num_layers, cfg.hidden_size, runner.device,
+                   runner.dtype, getattr(runner.model, "moe_layers", []),
                    getattr(cfg, "num_experts", 0) or 0, getattr(cfg, "num_experts_per_tok", 0) or 0)
 
     # ---- hook points (called from the forward) -------------------------------------------------
@@ -145,9 +139,7 @@ class ProbeBuffers:
         rows are already in q_rows (the fused q/k-norm + RoPE + store kernel wrote them)."""
         slot = self.attn_slot.get(layer)
         if slot is not None:
-            if self.q_rows is None:
-                self.q_rows = torch.empty(len(self.attn_layers), len(self.last_rows),
-                                          *q.shape[1:], dtype=q.dtype, device=q.device)
+            self.q_row_out(layer, *q.shape[1:], q.dtype, q.device)    # allocates q_rows once
             if self.attn_ctx is None:
                 self.attn_ctx = ctx
                 self.page_size = k_cache.shape[1]
@@ -287,11 +279,9 @@ class ProbeBuffers:
     # ---- after sampling (rank 0) ----------------------------------------------------------------
     def finish(self, sampled: torch.Tensor | None, plan: ProbePlan, sample_index: list[int],
                block_size: int):
-        """Queue everything the host will read about this step, right after sampling: the lens'
-        rank of the sampled token, one flat buffer of every small result crossing in one
-        non-blocking copy into fresh pinned memory, and device copies of the watched attention
-        rows. Nothing here waits for the device, and nothing the result holds is a buffer the
-        next step (or graph replay) overwrites: the host reads it one step later."""
+        """Queue everything the host will read about this step, right after sampling (the lens'
+        rank of the sampled token included). Nothing here waits for the device, and nothing the
+        result holds is a buffer the next step (or graph replay) overwrites."""
         from .result import ProbeResult, queue_attention_rows
         named: list[tuple[str, torch.Tensor]] = []
         if self.packed is not None:
@@ -359,13 +349,8 @@ def graph_probe_buffers(runner, batch: int, variant: tuple[bool, bool],
     """Static probe buffers captured into the graph of one bucket: one watched request, the
     probes of `variant` on (the host keeps only what its ProbeSpec asked for). Decode: one
     row per watched request; prefill (`batch` = the token bucket): up to every token."""
-    cfg = runner.hf_config
-    bufs = ProbeBuffers(_template_plan(runner, variant, batch if prefill else 1), batch,
-                        runner.num_layers,
-                        cfg.hidden_size, runner.device, runner.dtype,
-                        getattr(runner.model, "moe_layers", []),
-                        getattr(cfg, "num_experts", 0) or 0,
-                        getattr(cfg, "num_experts_per_tok", 0) or 0)
+    bufs = ProbeBuffers.for_rows(runner, _template_plan(runner, variant, batch if prefill else 1),
+                                 batch)
     bufs.graph_rows = "tokens" if prefill else "seqs"
     return bufs
 
@@ -373,11 +358,7 @@ def graph_probe_buffers(runner, batch: int, variant: tuple[bool, bool],
 def graph_supports(plan: ProbePlan, runner) -> bool:
     """A decode step whose probes fit a captured template: at most one watched request
     (none when only the global expert load is recorded)."""
-    if plan is None:
-        return True
-    if len(plan.entries) > 1 or plan.pattern_layers or plan.lens_top_k > GRAPH_LENS_TOP_K:
-        return False
-    return len(plan.rows) <= 1 and len(plan.last_rows) <= 1
+    return prefill_graph_supports(plan, runner, 1)
 
 
 def prefill_graph_supports(plan: ProbePlan, runner, num_tokens: int) -> bool:
@@ -390,4 +371,4 @@ def prefill_graph_supports(plan: ProbePlan, runner, num_tokens: int) -> bool:
         return False
     if len(plan.last_rows) > 1 or len(plan.rows) > num_tokens:
         return False
-    return not getattr(runner.model, "moe_layers", []) or num_tokens <= STACK_ROUTING_ROWS
+    return num_tokens <= STACK_ROUTING_ROWS or not getattr(runner.model, "moe_layers", [])

@@ -1,12 +1,7 @@
-"""Introspection probes, the host side: the engine's own computation, recorded cheaply.
-
-ProbeManager (rank 0) decides each step which flat rows are watched (a ProbePlan, plan.py) and,
-when the step is postprocessed, folds what the forward recorded (a ProbeResult, result.py) into
-RequestTraces. The device side — buffers the forward writes into, the graph variants — is
-buffers.py. Nothing here runs when no request is watched: the plan is None, the context's
-`probes` is None, every hook is skipped.
-
-It is handed plain facts (layer count, block size, MoE layers, a token decoder), not the engine.
+"""ProbeManager, the probes' host side (rank 0): decides each step which flat rows are watched
+(a ProbePlan) and folds what the forward recorded (a ProbeResult) into RequestTraces. With no
+request watched the plan is None and every hook is skipped. It is handed plain facts (layer
+count, block size, MoE layers, a token decoder), not the engine.
 """
 from __future__ import annotations
 
@@ -78,7 +73,7 @@ class ProbeManager:
             return None
         rows = [r for e in entries if e.spec.norms or e.spec.routing
                 for r in range(e.row_start, e.row_start + e.num_tokens)]
-        last = [e for e in entries if e.samples and (e.spec.logit_lens or e.spec.attention)]
+        last = [e for e in entries if e.records_last]
         L = self.num_layers
         att = sorted({l for e in last if e.spec.attention
                       for l in (e.spec.layers if e.spec.layers is not None else range(L))})
@@ -133,8 +128,7 @@ class ProbeManager:
             nrows = e.num_tokens if (e.spec.norms or e.spec.routing) else 0
             if tr is None:                      # evicted while in flight
                 r0 += nrows
-                if e.samples and (e.spec.logit_lens or e.spec.attention):
-                    w += e.num_sampled
+                w += e.num_sampled if e.records_last else 0
                 continue
             if nrows:       # one strided copy per field and entry, then a view per token
                 pos, cols = e.start_pos, slice(r0, r0 + nrows)
@@ -150,7 +144,7 @@ class ProbeManager:
                     if result.has_shared_gate:
                         _put_rows(tr.shared_expert_gate, pos, host["shared_gate"][:, cols].T.copy())
             r0 += nrows
-            if e.samples and (e.spec.logit_lens or e.spec.attention):
+            if e.records_last:
                 # one lens step (and attention row) per sampled row; a verify's wait for its
                 # verdict (settle), which keeps those of the tokens it accepted
                 lens, rows = [], []
@@ -241,31 +235,30 @@ class ProbeManager:
             if tr.drafts:   # a stop inside a verify: nothing past the last token (plain's view)
                 n = len(tr.prompt_token_ids) + len(tr.output_token_ids)
                 _truncate_rows(tr, n - 1)
-                _truncate_queries(tr, n - 2)
+                while tr.lens and tr.lens[-1].position > n - 2:
+                    tr.lens.pop()
+                while tr.attention and tr.attention[-1].position > n - 2:
+                    tr.attention.pop()
 
     def _add_attention(self, tr: RequestTrace, step: AttentionStep) -> None:
+        """Into the trace in query-position order (a recomputed step replaces its old row)."""
         rows = step.device_rows
         if rows is not None and rows.device.type == "cpu":
             step.set_host(rows.numpy())         # the CPU engine: already host memory
-        self.put_attention(tr, [step])
+        if not tr.attention or tr.attention[-1].position < step.position:
+            tr.attention.append(step)
+        else:
+            at = next(i for i, o in enumerate(tr.attention) if o.position >= step.position)
+            if tr.attention[at].position == step.position:
+                tr.attention[at] = step
+            else:
+                tr.attention.insert(at, step)
         self.attention_store.add(tr.request_id, step)
 
-    @staticmethod
-    def put_attention(tr: RequestTrace, steps: list[AttentionStep]) -> None:
-        """Add host attention rows to a trace in query-position order (a reader's rows can
-        arrive after rows the engine moved itself)."""
-        for st in steps:
-            if not tr.attention or tr.attention[-1].position < st.position:
-                tr.attention.append(st)
-            else:
-                at = next(i for i, o in enumerate(tr.attention) if o.position >= st.position)
-                if tr.attention[at].position == st.position:
-                    tr.attention[at] = st       # a recomputed step replaces its old row
-                else:
-                    tr.attention.insert(at, st)
-
-    def trace_of(self, request_id: str) -> RequestTrace:
-        """The live trace, or KeyError saying why there is none."""
+    def read(self, request_id: str) -> RequestTrace:
+        """A frozen copy of the trace so far (under the engine lock; RequestTrace.frozen), or
+        KeyError saying why there is none. Its token texts are those decoded so far:
+        `decode_texts` (outside the lock) adds the rest."""
         tr = self.traces.get(request_id)
         if tr is None:
             if request_id in self._evicted:
@@ -273,15 +266,7 @@ class ProbeManager:
                                f"{self.max_traces} traces are kept (LLM(max_traces=...))")
             raise KeyError(f"no trace for {request_id!r}: it was never watched (pass watch="
                            "ProbeSpec() to stream/generate to record one)")
-        return tr
-
-    def read(self, request_id: str) -> RequestTrace:
-        """A frozen copy of the trace so far (call under the engine lock): reference copies of
-        the rows, O(rows) pointers and no array copies. Token texts are decoded on read, not
-        in the engine's step: the copy holds the texts decoded so far, and `decode_texts`
-        (outside the lock) adds the rest. Attention rows still on the device stay there until
-        a reader uses one (AttentionStep.probs)."""
-        return self.trace_of(request_id).frozen()
+        return tr.frozen()
 
     def decode_texts(self, tr: RequestTrace) -> list[str]:
         """Decode the texts a frozen copy lacks (no lock needed: the tokenizer and the copy are
@@ -299,13 +284,6 @@ class ProbeManager:
         if tr is not None and len(tr.token_texts) == start:
             tr.token_texts.extend(texts)
 
-    def get(self, request_id: str) -> RequestTrace:
-        """read + decode_texts + keep_texts in one call (under the caller's lock)."""
-        tr = self.read(request_id)
-        start = len(tr.token_texts)
-        self.keep_texts(request_id, start, self.decode_texts(tr))
-        return tr
-
     def release_device(self) -> None:
         """Engine shutdown: attention rows move to the host (traces stay readable), so no
         trace keeps device memory alive."""
@@ -320,14 +298,6 @@ def _truncate_rows(tr: RequestTrace, n: int) -> None:
         rows = getattr(tr, name)
         if len(rows) > n:
             del rows[n:]
-
-
-def _truncate_queries(tr: RequestTrace, last: int) -> None:
-    """Keep the lens steps and attention rows of queries at positions <= last."""
-    while tr.lens and tr.lens[-1].position > last:
-        tr.lens.pop()
-    while tr.attention and tr.attention[-1].position > last:
-        tr.attention.pop()
 
 
 def _put_rows(lst: list, pos: int, rows: np.ndarray) -> None:

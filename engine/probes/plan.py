@@ -20,6 +20,11 @@ class WatchedEntry:
     # rows are all recorded; the verdict keeps those of accepted tokens (ProbeManager.settle)
     num_sampled: int = 1
 
+    @property
+    def records_last(self) -> bool:
+        """Its sampled rows are recorded (last_rows: the lens, attention)."""
+        return self.samples and (self.spec.logit_lens or self.spec.attention)
+
 
 @dataclass
 class ProbePlan:

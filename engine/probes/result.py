@@ -1,10 +1,7 @@
 """ProbeResult: what one step's probes hand to the host, queued when the step is launched and
-read when it is postprocessed (one step later, with overlap scheduling).
-
-Small results (norms, routing, expert load, lens top-k and ranks, prefill-pattern chunks) cross
-in one non-blocking copy into pinned memory of their own; attention rows stay on the device, in
-copies of their own, until the trace is read. A CUDA graph's static buffers are overwritten by
-the next replay, so nothing here points into them.
+read when it is postprocessed. Small results cross in one non-blocking copy into pinned memory
+of their own; attention rows stay on the device in copies of their own. Nothing points into a
+CUDA graph's static buffers, which the next replay overwrites.
 """
 from __future__ import annotations
 
@@ -70,7 +67,7 @@ def queue_attention_rows(bufs, plan, block_size: int) -> list[QueuedAttention]:
         return []
     out, w = [], 0
     for i, e in enumerate(plan.entries):
-        if not (e.samples and (e.spec.logit_lens or e.spec.attention)):
+        if not e.records_last:
             continue
         if e.spec.attention:
             layers = [l for l in plan.attention_layers

@@ -1,9 +1,6 @@
-"""ProbeSpec: which probes to run for one watched request.
-
-Types are checked at construction; `resolve` checks the spec against the model (layer indices,
-the lens top-k against the vocabulary) when the request is submitted, so a spec that does not
-fit fails that caller with an InvalidArgumentError (a ValueError) whose `param` names the
-field, `watch.<field>`, instead of failing the engine step.
+"""ProbeSpec: which probes to run for one watched request. Types are checked at construction,
+the fit to the model by `resolve` when the request is submitted: a bad spec fails its caller
+with an InvalidArgumentError whose `param` names the field (`watch.<field>`), not the step.
 """
 from __future__ import annotations
 

@@ -26,14 +26,18 @@ class LensStep:
     entropy: np.ndarray         # [num_layers] nats
 
 
+_LENS_ARRAYS = ("top_ids", "top_probs", "sampled_rank", "sampled_prob", "entropy")
+# RequestTrace's per-token MoE rows -> their TransformerLens hook (blocks.{L}.mlp.<hook>)
+_MOE_HOOKS = (("router_probs", "hook_router_scores"), ("router_topk_ids", "hook_router_topk_ids"),
+              ("router_topk_weights", "hook_router_topk_weights"),
+              ("shared_expert_gate", "hook_shared_expert_gate"))
+
+
 class AttentionStep:
     """Attention of the newest query token over its whole context, rebuilt from the paged K cache.
 
-    On a GPU the rows (layers x heads x context, fp32: ~0.7 MB a token at Qwen3-0.6B shapes)
-    stay on the device where the step wrote them: a reader that shows one token's row moves
-    that one row (`probs` does it on first use), and engine/probes/attention_store.py moves the
-    oldest to host memory off the engine thread past a device budget. Either way `probs` is a
-    host array holding the same values: the record never changes what it says."""
+    On a GPU the rows stay on the device until a reader uses them or the AttentionStore moves
+    them (attention_store.py); either way `probs` is a host array holding the same values."""
     __slots__ = ("position", "layers", "_probs", "block_table", "block_size", "_layer_rows")
 
     def __init__(self, position: int, layers: list[int], probs, block_table: list[int],
@@ -53,7 +57,6 @@ class AttentionStep:
     def probs(self) -> np.ndarray:
         """[len(layers), num_heads, position + 1] on the host (moved on first use)."""
         if not isinstance(self._probs, np.ndarray):
-            from .host_copy import move_to_host, side_stream
             move_to_host([self], side_stream())   # a racing reader or spill is harmless:
         return self._probs                        # the same values either way
 
@@ -64,7 +67,6 @@ class AttentionStep:
             return self._probs[index]
         got = self._layer_rows.get(index)
         if got is None:
-            from .host_copy import rows_to_host, side_stream
             rows = self.device_rows
             got = self._probs[index] if rows is None else rows_to_host(rows[index],
                                                                        side_stream())
@@ -189,23 +191,14 @@ class RequestTrace:
             out[f"blocks.{layer}.attn.hook_pattern.prefill"] = pat
         if self.prefill_computed is not None:
             out["prefill_pattern.computed"] = self.prefill_computed
-        r = self.routing()
-        if r is not None:
-            probs, ids, w = r
-            for j, layer in enumerate(self.moe_layers):
-                out[f"blocks.{layer}.mlp.hook_router_scores"] = probs[:, j]
-                out[f"blocks.{layer}.mlp.hook_router_topk_ids"] = ids[:, j]
-                out[f"blocks.{layer}.mlp.hook_router_topk_weights"] = w[:, j]
-            if self.shared_expert_gate:
-                g = np.stack(self.shared_expert_gate)
+        for name, hook in _MOE_HOOKS:
+            if self.router_probs and getattr(self, name):
+                rows = np.stack(getattr(self, name))            # [T, moe_layers, ...]
                 for j, layer in enumerate(self.moe_layers):
-                    out[f"blocks.{layer}.mlp.hook_shared_expert_gate"] = g[:, j]
+                    out[f"blocks.{layer}.mlp.{hook}"] = rows[:, j]
         if self.lens:
-            out["logit_lens.top_ids"] = np.stack([s.top_ids for s in self.lens])
-            out["logit_lens.top_probs"] = np.stack([s.top_probs for s in self.lens])
-            out["logit_lens.sampled_rank"] = np.stack([s.sampled_rank for s in self.lens])
-            out["logit_lens.sampled_prob"] = np.stack([s.sampled_prob for s in self.lens])
-            out["logit_lens.entropy"] = np.stack([s.entropy for s in self.lens])
+            for name in _LENS_ARRAYS:
+                out[f"logit_lens.{name}"] = np.stack([getattr(s, name) for s in self.lens])
         return out
 
     def export(self, path: str | Path) -> Path:
@@ -256,15 +249,10 @@ class RequestTrace:
                 t.prefill_pattern[int(k.split(".")[1])] = v
         if "prefill_pattern.computed" in arr:
             t.prefill_computed = arr["prefill_pattern.computed"]
-        if t.moe_layers and f"blocks.{t.moe_layers[0]}.mlp.hook_router_scores" in arr:
-            probs = np.stack([arr[f"blocks.{l}.mlp.hook_router_scores"] for l in t.moe_layers], 1)
-            ids = np.stack([arr[f"blocks.{l}.mlp.hook_router_topk_ids"] for l in t.moe_layers], 1)
-            w = np.stack([arr[f"blocks.{l}.mlp.hook_router_topk_weights"] for l in t.moe_layers], 1)
-            t.router_probs, t.router_topk_ids, t.router_topk_weights = list(probs), list(ids), list(w)
-            key = f"blocks.{t.moe_layers[0]}.mlp.hook_shared_expert_gate"
-            if key in arr:
-                t.shared_expert_gate = list(np.stack(
-                    [arr[f"blocks.{l}.mlp.hook_shared_expert_gate"] for l in t.moe_layers], 1))
+        for name, hook in _MOE_HOOKS:
+            if t.moe_layers and f"blocks.{t.moe_layers[0]}.mlp.{hook}" in arr:
+                setattr(t, name, list(np.stack([arr[f"blocks.{l}.mlp.{hook}"]
+                                                for l in t.moe_layers], 1)))
         for i, iv in enumerate(meta.get("interventions", [])):
             key = f"interventions.{i}.vector"
             t.interventions.append({**iv, "vector": arr[key].tolist()} if key in arr else iv)
@@ -273,9 +261,7 @@ class RequestTrace:
             t.drafts = [DraftVerdict(**_verdict_args(d)) for d in meta["drafts"]]
         for i, s in enumerate(meta["lens"]):
             t.lens.append(LensStep(s["position"], s["sampled_token"],
-                                   arr["logit_lens.top_ids"][i], arr["logit_lens.top_probs"][i],
-                                   arr["logit_lens.sampled_rank"][i],
-                                   arr["logit_lens.sampled_prob"][i], arr["logit_lens.entropy"][i]))
+                                   *(arr[f"logit_lens.{name}"][i] for name in _LENS_ARRAYS)))
         return t
 
 
@@ -295,3 +281,61 @@ def _verdict_args(d: dict) -> dict:
     def tup(x):
         return tuple(tup(y) for y in x) if isinstance(x, list) else x
     return {k: tup(v) for k, v in d.items()}
+
+
+# ---- device rows to host memory, off the engine's stream (AttentionStep, AttentionStore) ----
+_SIDE = None
+
+
+def side_stream():
+    """One CUDA stream for moving finished rows to the host (None without CUDA): its copies
+    never queue behind the engine's launched steps, whose outputs they do not need."""
+    global _SIDE
+    import torch
+    if _SIDE is None and torch.cuda.is_available():
+        _SIDE = torch.cuda.Stream()
+    return _SIDE
+
+
+def _staged(t, stream) -> np.ndarray:
+    """A CUDA tensor to a new host array through pinned staging on `stream` (None: the
+    current one); the pinned block returns to torch's cache, reused rather than re-pinned."""
+    import torch
+    with torch.cuda.stream(stream):
+        staging = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        staging.copy_(t, non_blocking=True)
+        done = torch.cuda.Event(blocking=True)     # the waiter sleeps: no spinning in the
+        done.record()                             # driver beside the engine thread's launches
+    done.synchronize()
+    return staging.numpy().copy()
+
+
+def rows_to_host(rows, stream) -> np.ndarray:
+    """One device tensor to a read-only host array."""
+    out = rows.numpy() if rows.device.type != "cuda" else _staged(rows, stream)
+    out.flags.writeable = False
+    return out
+
+
+def move_to_host(steps: list, stream) -> None:
+    """Many steps' rows to the host in one copy, joined on the device. On a side stream the
+    copy does not queue behind the engine's work: the steps that wrote the rows were waited for."""
+    pairs = [(st, st.device_rows) for st in steps]      # read once: a reader may move one
+    pairs = [(st, rows) for st, rows in pairs if rows is not None]
+    if not pairs:
+        return
+    if pairs[0][1].device.type != "cuda":
+        for st, rows in pairs:
+            st.set_host(rows.numpy())
+        return
+    import torch
+    with torch.cuda.stream(stream):
+        flat = torch.cat([rows.reshape(-1) for _, rows in pairs]) if len(pairs) > 1 else \
+            pairs[0][1].reshape(-1)
+    host = _staged(flat, stream)
+    del flat
+    off = 0
+    for st, rows in pairs:
+        n = rows.numel()
+        st.set_host(host[off:off + n].reshape(tuple(rows.shape)))
+        off += n

@@ -1,26 +1,21 @@
 """The draft-model proposer: a smaller Qwen with the target's tokenizer runs k greedy decode
-steps per verify, through the engine's own model code (a ModelRunner) and its own paged KV
-cache (its own BlockManager and block tables), batched over every request about to verify.
+steps per verify, through a ModelRunner with its own paged KV cache and BlockManager, batched
+over every request about to verify.
 
-Each request's draft cache holds the tokens of its context that the draft has seen, plus the
-drafts it fed itself; proposing k tokens after an accepted verify costs k forwards of one or two
-new tokens each (the newest target tokens, then each draft), never a recompute of the context.
-Rollback is the target's: after a verify the draft keeps the K/V of the accepted drafts only,
-and before every proposal the cache is cut back to the longest prefix it shares with the
-request (drafts that were never verified, a request preempted and re-admitted).
+A request's draft cache holds the context tokens the draft has seen plus the drafts it fed
+itself, so proposing after a verify never recomputes the context. After a verify it keeps the
+accepted drafts' K/V only, and before every proposal it is cut back to the longest prefix it
+shares with the request (unverified drafts, a request preempted and re-admitted).
 
-Greedy drafts make q one-hot, so the engine's verify (keep drafts while the target's own
-sampled token equals them, spec_decode/rejection.py) stays the exact rejection rule, and a
-seeded request speculates to its plain tokens. What can change a greedy choice is applied to
-the draft's rows as to the target's (draft_sampling.py): structured-output masks (a draft is
-never a token the grammar refuses), allowed_token_ids, min_tokens bans, logit_bias, penalties.
-
-With tensor parallelism the draft runs unsharded on rank 0 (the calling process): its drafts
-are host token ids that travel to the workers inside the target's step inputs anyway.
+Greedy drafts make q one-hot, so the engine's verify (rejection.num_accepted) stays the exact
+rejection rule and a seeded request speculates to its plain tokens; what can change a greedy
+choice is applied to the draft's rows as to the target's (draft_sampling.py). With tensor
+parallelism the draft runs unsharded on rank 0: its drafts are host token ids anyway.
 """
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 from ..block_manager import BlockManager
 from ..errors import InvalidArgumentError
@@ -32,14 +27,11 @@ from .draft_sampling import draft_batch, is_legal
 FIELD = "speculative_config.model"
 
 
-class _NoPromptLogprobs:
-    prompt_logprobs = None      # build_step_inputs asks; the draft never computes them
-
-
 class DraftSeq:
     """One request in the draft's cache: what BlockManager and build_step_inputs read of a
     Sequence (token_ids, block_table), and the request's proposer (SpecState calls it)."""
-    params = _NoPromptLogprobs()
+    # build_step_inputs asks; the draft never computes prompt logprobs
+    params = SimpleNamespace(prompt_logprobs=None)
 
     def __init__(self, draft: "DraftModel", seq):
         self.draft, self.seq, self.request_id = draft, seq, seq.request_id

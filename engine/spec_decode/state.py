@@ -63,9 +63,7 @@ class SpecState:
         self._window: deque[tuple[int, int]] = deque(maxlen=config.adaptive_window)
         self._offered = 0               # slots of the proposal in flight: min(k, limit)
         self.log: list[DraftVerdict] = []
-        self.num_drafts = 0
-        self.num_draft_tokens = 0
-        self.num_accepted_tokens = 0
+        self.stats = SpecStats()
         # the request's tokens as int64, grown in place: at a proposal token_ids holds no draft
         # and only ever grew since the last one, so only the new tail is copied (not O(length))
         self._ids = np.zeros(0, np.int64)
@@ -122,23 +120,18 @@ class SpecState:
         if on_verdict is not None:
             on_verdict(verdict)
         self.log.append(verdict)
-        n = len(verdict.drafted)
-        self.num_drafts += 1
-        self.num_draft_tokens += n
-        self.num_accepted_tokens += verdict.num_accepted
-        self._window.append((max(self._offered, n), verdict.num_accepted))
+        self.stats.add(verdict)
+        self._window.append((max(self._offered, len(verdict.drafted)), verdict.num_accepted))
         if self._below_break_even():
             self.active = False
             self.release()
 
     def _below_break_even(self) -> bool:
-        """The step cost model: a verify costs about as much whatever its drafts' number (one
-        forward over 1 + k rows, no overlap), so it pays when it emits enough tokens; the bar is
-        adaptive_min_acceptance of the draft slots offered accepted per verify (k, fewer where
-        max_tokens or the step's budget allowed fewer; a shorter draft leaves slots empty, and
-        they count as rejected). Judged from min(8, window) proposals on (a
-        request whose drafts all fail stops after a few steps), and only when the window's mean
-        is below the bar by Z_BACKOFF standard errors, so noise does not stop a good request."""
+        """A verify costs about the same whatever its number of drafts (one forward over 1 + k
+        rows, no overlap), so it pays when it emits enough tokens: the bar is
+        adaptive_min_acceptance of the draft slots offered (empty slots count as rejected).
+        Judged from min(8, window) proposals on, and only when the window's mean is below the
+        bar by Z_BACKOFF standard errors, so noise does not stop a good request."""
         w = self._window
         n = len(w)
         if n < min(8, w.maxlen):
@@ -157,8 +150,9 @@ class SpecState:
             release()
 
     def summary(self) -> dict:
-        return {"num_drafts": self.num_drafts, "num_draft_tokens": self.num_draft_tokens,
-                "num_accepted_tokens": self.num_accepted_tokens, "speculating": self.active}
+        st = self.stats
+        return {"num_drafts": st.num_drafts, "num_draft_tokens": st.num_draft_tokens,
+                "num_accepted_tokens": st.num_accepted_tokens, "speculating": self.active}
 
 
 class SpecStats:
