@@ -345,13 +345,13 @@ def test_sampling_extras_guided_runs_tiny_on_cpu_generate_and_streamed(capsys):
 def test_attention_tune_checks_each_variant_against_the_reference(capsys, triton_interpreter):
     from bench.diagnostics import attention_tune
     from engine.kernels import decode_attention as DA
-    before = (dict(DA.DIRECT_LAUNCH), dict(DA.SPLIT_LAUNCH), DA.DIRECT_WIDE_PROGRAMS,
+    before = (dict(DA.DIRECT_LAUNCH), dict(DA.SPLIT_LAUNCH), DA.DIRECT_WIDE_BLOCK_N,
               DA.WIDE_FROM_PROGRAMS)
     attention_tune.main(["--smoke", "--batches", "2", "--contexts", "24", "--splits", "3"])
     out = capsys.readouterr().out
     assert "engine today" in out and "!!" not in out and "failed" not in out
     # the variants go to the kernel as arguments: the engine's launch tables are untouched
-    assert (dict(DA.DIRECT_LAUNCH), dict(DA.SPLIT_LAUNCH), DA.DIRECT_WIDE_PROGRAMS,
+    assert (dict(DA.DIRECT_LAUNCH), dict(DA.SPLIT_LAUNCH), DA.DIRECT_WIDE_BLOCK_N,
             DA.WIDE_FROM_PROGRAMS) == before
 
 

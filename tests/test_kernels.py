@@ -474,16 +474,6 @@ def test_decode_kernel_reusing_its_workspace_call_after_call_matches_ref():
         torch.testing.assert_close(out, ref, **TOL[torch.float32])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_decode_kernel_with_wide_tiles_at_large_batch_matches_ref(monkeypatch, dtype):
-    """Past DIRECT_WIDE_PROGRAMS (batch x KV heads) the one-split path walks 128-token tiles:
-    made to apply at this small batch, against the reference (contexts of 0 to 40 tokens: a
-    tile longer than every context, masked)."""
-    monkeypatch.setattr(decode, "DIRECT_WIDE_PROGRAMS", 2)
-    q, k_cache, v_cache, tables, ctx, _, _ = _decode_inputs(5, 4, 2, 32, dtype)
-    _decode_matches_ref(q, k_cache, v_cache, tables, ctx, 1, dtype)
-
-
 def _decode_matches_ref(q, k_cache, v_cache, tables, ctx, num_splits, dtype):
     """The kernel, into an out of NaNs, equals the reference; an empty context gives zeros."""
     out = decode.paged_decode_attention(q, k_cache, v_cache, tables, ctx, 0.17,

@@ -1,4 +1,4 @@
-"""The step events' ring (engine/step_events.py): reused only once a step is done, never while
+"""The step events' ring (engine/step_output.py): reused only once a step is done, never while
 pending, and every step still gets its own GPU time."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
 from engine import LLM, SamplingParams  # noqa: E402
-from engine.step_events import RING, StepEvents  # noqa: E402
+from engine.step_output import RING, StepEvents  # noqa: E402
 
 
 def test_a_pending_triple_is_replaced_not_recorded_again():
