@@ -436,14 +436,19 @@ def build_engine(name: str, device: torch.device, dtype: torch.dtype | None = No
     llm = LLM(str(model_dir(name)), device=str(device), dtype=dtype, load_format=load_format,
               **kwargs)
     log(f"glassbox {name} ready in {time.perf_counter() - t0:.1f}s")
-    from engine.process_tuning import shorten_gil_switch_interval
-    shorten_gil_switch_interval()   # what a serving process opts into (engine/process_tuning.py)
+    from engine.process_tuning import tune_process
+    # What a serving process opts into (app.py's launch): the GIL switch interval, and the
+    # heap frozen so a full GC in a poller thread walks only what requests made (unfrozen again
+    # by shutdown_engine, so the next engine's build can reclaim this one).
+    tune_process()
     return llm
 
 
 def shutdown_engine(llm) -> None:
     if llm is None:
         return
+    import gc
+    gc.unfreeze()       # build_engine froze the heap; the engine's objects must become collectable
     try:
         llm.shutdown()
     except Exception as exc:  # a failed shutdown must not hide the figures already measured
