@@ -151,22 +151,6 @@ class BlockManager:
         self.truncate(seq, 0)
         self.hashes.pop(seq.request_id, None)
 
-    def fork(self, parent: Sequence, child: Sequence) -> tuple[int, int] | None:
-        """Share parent's full blocks with child (ref += 1). A partial last block cannot be
-        shared (both would append into it): child gets a fresh one, and the caller must copy
-        K/V from the returned (src, dst) block pair."""
-        full = len(parent) // self.block_size
-        child.block_table = parent.block_table[:full]
-        for bid in child.block_table:
-            self.ref_count[bid] += 1
-        self.hashes[child.request_id] = list(self.hashes.get(parent.request_id, []))
-        child.num_computed_tokens = parent.num_computed_tokens
-        if len(parent.block_table) > full:
-            dst = self._take_free().block_id
-            child.block_table.append(dst)
-            return parent.block_table[full], dst
-        return None
-
     def commit(self, seq: Sequence) -> None:
         """Register prefix hashes for seq's blocks that are now full and computed."""
         if not self.enable_prefix_caching:

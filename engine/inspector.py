@@ -9,12 +9,12 @@
 """
 from __future__ import annotations
 
-import numbers
 import time
 from collections import deque
 from functools import partial
 
 from .errors import InvalidArgumentError
+from .sampling_params import is_int
 from .records import BlockInfo, EngineSnapshot
 from .snapshot import build_snapshot, copy_state
 from .snapshot_handoff import SnapshotHandoff, without_gc
@@ -118,8 +118,7 @@ class Inspector:
 
     def _block_id(self, block_id) -> int:
         n = self.facts["num_blocks"]
-        if isinstance(block_id, bool) or not isinstance(block_id, numbers.Integral) or \
-                not 0 <= block_id < n:
+        if not is_int(block_id) or not 0 <= block_id < n:
             raise InvalidArgumentError(f"block_id must be an integer in [0, {n}), got "
                                        f"{block_id!r}", "block_id")
         return int(block_id)

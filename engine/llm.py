@@ -20,9 +20,10 @@ from .engine_loop import EngineLoop
 from .errors import EngineFailedError, EngineShutdownError, InvalidArgumentError, RequestFailedError
 from .generation_lock import GenerationLock
 from .inspector import Inspector
-from .processor import EngineRequest, ModelLimits, Processor, is_conversation, is_token_id
+from .processor import EngineRequest, ModelLimits, Processor, is_conversation
 from .records import EngineSnapshot, KVLayout
 from .scheduler import Scheduler
+from .sampling_params import is_int
 from .sequence import RequestOutput, TokenEvent
 from .snapshot import copy_state, engine_facts
 from .snapshot_handoff import SnapshotHandoff
@@ -212,7 +213,7 @@ class LLM:
         """Outputs of every prompt (one, or a list; sampling / watch / interventions: one for
         all or one per prompt), scheduled together; built from each request's events."""
         if isinstance(prompts, str) or is_conversation(prompts) or (
-                isinstance(prompts, (list, tuple)) and prompts and is_token_id(prompts[0])):
+                isinstance(prompts, (list, tuple)) and prompts and is_int(prompts[0])):
             prompts = [prompts]             # one prompt: a string, token ids, a conversation
         if not isinstance(prompts, (list, tuple)):
             raise InvalidArgumentError(f"prompts must be a string, a list of token ids, a list "

@@ -10,14 +10,13 @@ compile never holds the engine's lock.
 from __future__ import annotations
 
 import itertools
-import numbers
 import random
 import secrets
 from dataclasses import dataclass, replace
 
 from .errors import InvalidArgumentError, PromptTooLongError
 from .probes.spec import ProbeSpec
-from .sampling_params import SamplingParams
+from .sampling_params import SamplingParams, is_int
 
 
 @dataclass(frozen=True)
@@ -67,10 +66,6 @@ def new_request_id(prefix: str) -> str:
     return f"{prefix}-{secrets.token_hex(8)}-{next(_counter)}"
 
 
-def is_token_id(t) -> bool:
-    return isinstance(t, numbers.Integral) and not isinstance(t, bool)
-
-
 def is_conversation(prompt) -> bool:
     """A list of chat messages (dicts), as opposed to a list of prompts."""
     return isinstance(prompt, (list, tuple)) and bool(prompt) and isinstance(prompt[0], dict)
@@ -107,7 +102,7 @@ class Processor:
         if isinstance(prompt, (list, tuple)):
             if len(prompt) >= lim.max_model_len:        # before checking every id
                 raise self.too_long(len(prompt))
-            bad = next((t for t in prompt if not is_token_id(t)), None)
+            bad = next((t for t in prompt if not is_int(t)), None)
             if bad is not None:
                 raise InvalidArgumentError(f"prompt token ids must be integers, got {bad!r} "
                                            f"({type(bad).__name__})", "prompt")
@@ -190,7 +185,7 @@ class Processor:
         if request_id is not None and (not isinstance(request_id, str) or not request_id):
             raise InvalidArgumentError(f"request_id must be a non-empty string or None, got "
                                        f"{request_id!r:.80}", "request_id")
-        if not is_token_id(priority) or not -(1 << 31) <= priority < 1 << 31:
+        if not is_int(priority) or not -(1 << 31) <= priority < 1 << 31:
             raise InvalidArgumentError(f"priority must be an integer in [-2**31, 2**31), got "
                                        f"{priority!r}", "priority")
         lim = self.limits

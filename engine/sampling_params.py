@@ -20,18 +20,19 @@ MAX_BAD_WORDS = 1024
 MAX_BAD_WORD_CHARS = 256
 
 
-def _is_int(v) -> bool:
+def is_int(v) -> bool:
+    """An int the way a request means it: numpy ints count, bools do not."""
     return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
 
-def _is_number(v) -> bool:
+def is_number(v) -> bool:
     return isinstance(v, numbers.Real) and not isinstance(v, bool)
 
 
 def _number(name: str, v, lo: float = -math.inf, hi: float = math.inf, what: str = "",
             open_lo: bool = False) -> float:
     """v as a finite float in [lo, hi] ((lo, hi] with open_lo), else an error saying `what`."""
-    if not _is_number(v):
+    if not is_number(v):
         raise InvalidArgumentError(f"{name} must be a number, got {v!r} "
                                    f"({type(v).__name__})", name)
     v = float(v)
@@ -44,7 +45,7 @@ def _number(name: str, v, lo: float = -math.inf, hi: float = math.inf, what: str
 
 def _int(name: str, v, lo: int, hi: int | None, what: str) -> int:
     """v as a Python int in [lo, hi) (hi None: no upper bound), else an error saying `what`."""
-    if not _is_int(v) or v < lo or (hi is not None and v >= hi):
+    if not is_int(v) or v < lo or (hi is not None and v >= hi):
         raise InvalidArgumentError(f"{name} must be {what}, got {v!r}", name)
     return int(v)
 
@@ -113,7 +114,7 @@ class SamplingParams:
         items = bias.items() if isinstance(bias, dict) else bias
         try:
             pairs = tuple((int(k), _number("logit_bias", v)) for k, v in items
-                          if _is_int(k) or (isinstance(k, str) and k.lstrip("-").isdigit()))
+                          if is_int(k) or (isinstance(k, str) and k.lstrip("-").isdigit()))
         except (TypeError, ValueError):
             raise bad_bias from None
         if len(pairs) != len(bias) or any(t < 0 or not -100 <= v <= 100 for t, v in pairs):
@@ -129,7 +130,7 @@ class SamplingParams:
                                            f"{getattr(self, name)!r}", name)
         allowed = self.allowed_token_ids
         if allowed is not None:
-            if not isinstance(allowed, (list, tuple)) or not all(_is_int(i) and i >= 0
+            if not isinstance(allowed, (list, tuple)) or not all(is_int(i) and i >= 0
                                                                  for i in allowed):
                 raise InvalidArgumentError(f"allowed_token_ids must be a list of token ids "
                                            f"(integers >= 0), got {allowed!r:.80}",
@@ -160,7 +161,7 @@ class SamplingParams:
             raise InvalidArgumentError("stop strings must be non-empty", "stop")
         put("stop", tuple(stop))
         ids = self.stop_token_ids
-        if not isinstance(ids, (list, tuple)) or not all(_is_int(i) and i >= 0 for i in ids):
+        if not isinstance(ids, (list, tuple)) or not all(is_int(i) and i >= 0 for i in ids):
             raise InvalidArgumentError(f"stop_token_ids must be a list of token ids (integers "
                                        f">= 0), got {ids!r}", "stop_token_ids")
         put("stop_token_ids", tuple(int(i) for i in ids))

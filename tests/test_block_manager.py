@@ -36,11 +36,6 @@ class KVMemory:
         seq.num_computed_tokens += n
         self.bm.commit(seq)
 
-    def copy_block(self, src: int, dst: int) -> None:
-        for i in range(self.bm.block_size):
-            if (src, i) in self.slots:
-                self.slots[(dst, i)] = self.slots[(src, i)]
-
     def check(self, live: list[Sequence]) -> None:
         bm, bs = self.bm, self.bm.block_size
         bm.check_invariants(live)
@@ -58,7 +53,7 @@ class KVMemory:
                 assert held == b.token_ids, f"block {b.block_id} claims {b.token_ids}, holds {held}"
 
 
-OPS = ["new", "new", "compute", "compute", "compute", "append", "fork", "free", "preempt"]
+OPS = ["new", "new", "compute", "compute", "compute", "append", "free", "preempt"]
 # one operation: (kind, a, b); a and b pick a sequence, a length and new tokens (b's bits)
 PROGRAM = st.lists(st.tuples(st.sampled_from(OPS), st.integers(0, 63), st.integers(0, 63)),
                    min_size=10, max_size=30)
@@ -94,14 +89,6 @@ def _run_program(program, docs, bs: int, num_blocks: int, caching: bool) -> None
                     and bm.can_append(seq, len(seq) + 1):
                 seq.token_ids.append(b % 2)
                 bm.append_slots(seq, len(seq))
-            elif op == "fork":
-                partial = len(seq.block_table) > len(seq) // bs
-                if not partial or bm.num_free_blocks > 0:
-                    child = new_seq(seq.token_ids)
-                    pair = bm.fork(seq, child)
-                    if pair is not None:
-                        mem.copy_block(*pair)
-                    live.append(child)
             elif op == "free":
                 bm.free(seq)
                 live.remove(seq)

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import hashlib
 import math
-import numbers
 from dataclasses import dataclass, replace
 
 import numpy as np
 
 from ..errors import InvalidArgumentError
+from ..sampling_params import is_int, is_number
 
 KINDS = ("ablate_heads", "mask_experts", "steer", "clamp_attention")
 # a clamp's key positions live in fixed device tables (CUDA graphs): this many per clamp at most
@@ -28,16 +28,12 @@ MAX_STEER = 32752.0
 CAPTURE = "_capture"        # internal: sum of resid_post over the prompt (steering vectors)
 
 
-def _is_int(v) -> bool:
-    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
-
-
 def _ids(kind: str, field: str, v) -> tuple[int, ...]:
     if hasattr(v, "tolist") and not isinstance(v, (list, tuple)):
         v = v.tolist()
-    if _is_int(v):
+    if is_int(v):
         v = [v]
-    if not isinstance(v, (list, tuple)) or not v or not all(_is_int(i) for i in v):
+    if not isinstance(v, (list, tuple)) or not v or not all(is_int(i) for i in v):
         raise ValueError(f"Intervention.{kind}: {field} must be a non-empty list of integer "
                          f"indices, got {v!r}")
     return tuple(sorted({int(i) for i in v}))
@@ -95,8 +91,7 @@ class Intervention:
         generated tokens' positions ("generated"), or at both ("all"). The first generated
         token is predicted from the last prompt position, so "generated" changes the reply
         from its second token on (as a hook on HF's decode steps does)."""
-        if not isinstance(scale, numbers.Real) or isinstance(scale, bool) or \
-                not math.isfinite(scale):
+        if not is_number(scale) or not math.isfinite(scale):
             raise ValueError(f"Intervention.steer: scale must be a finite number, got {scale!r}")
         if positions not in POSITIONS:
             raise ValueError(f"Intervention.steer: positions must be one of {POSITIONS}, "
@@ -202,7 +197,7 @@ class Intervention:
 
 
 def _layer(kind: str, layer) -> int:
-    if not _is_int(layer):
+    if not is_int(layer):
         raise ValueError(f"Intervention.{kind}: layer must be an integer (negative counts from "
                          f"the last layer), got {layer!r}")
     return int(layer)

@@ -11,14 +11,15 @@ import numpy as np
 import torch
 
 from ..sampling import SamplingParams
-from .spec import Intervention, _is_int
+from ..sampling_params import is_int
+from .spec import Intervention
 
 
 def steering_vector(llm, layer: int, prompt_a, prompt_b) -> torch.Tensor:
     """[hidden_size] fp32 on the CPU: mean resid_post(prompt_a) - mean resid_post(prompt_b) at
     `layer` (negative counts from the end). Use it as Intervention.steer(layer, v, scale)."""
     L = llm.intervention_facts.num_layers
-    if not _is_int(layer) or not -L <= layer < L:
+    if not is_int(layer) or not -L <= layer < L:
         raise ValueError(f"steering_vector: layer must be an integer in [-{L}, {L}), "
                          f"got {layer!r}")
     import dataclasses

@@ -5,20 +5,16 @@ with an InvalidArgumentError whose `param` names the field (`watch.<field>`), no
 from __future__ import annotations
 
 import dataclasses
-import numbers
 from dataclasses import dataclass
 
 from ..errors import InvalidArgumentError
-
-
-def _is_int(v) -> bool:
-    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+from ..sampling_params import is_int
 
 
 def _layer_tuple(name: str, v, allow_none: bool) -> tuple[int, ...] | None:
     if v is None and allow_none:
         return None
-    if not isinstance(v, (list, tuple)) or not all(_is_int(l) for l in v):
+    if not isinstance(v, (list, tuple)) or not all(is_int(l) for l in v):
         what = "None or a list of layer indices" if allow_none else "a list of layer indices"
         raise InvalidArgumentError(f"ProbeSpec.{name} must be {what} (integers; negative "
                                    f"counts from the last layer), got {v!r}", f"watch.{name}")
@@ -43,7 +39,7 @@ class ProbeSpec:
                                            f"got {getattr(self, name)!r}", f"watch.{name}")
         for name in ("lens_top_k", "prefill_pattern_cap"):
             v = getattr(self, name)
-            if not _is_int(v) or v < 1:
+            if not is_int(v) or v < 1:
                 raise InvalidArgumentError(f"ProbeSpec.{name} must be an integer >= 1, "
                                            f"got {v!r}", f"watch.{name}")
             object.__setattr__(self, name, int(v))

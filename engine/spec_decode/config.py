@@ -6,10 +6,10 @@ Whether the draft loads and shares the target's tokenizer is checked when the en
 from __future__ import annotations
 
 import json
-import numbers
 from dataclasses import dataclass
 
 from ..errors import InvalidArgumentError
+from ..sampling_params import is_int, is_number
 
 METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16     # more rows than this per verify only wastes the forward
@@ -20,8 +20,7 @@ def _field(name: str) -> str:
 
 
 def _positive_int(name: str, v, hi: int | None = None) -> int:
-    if not isinstance(v, numbers.Integral) or isinstance(v, bool) or v < 1 or \
-            (hi is not None and v > hi):
+    if not is_int(v) or v < 1 or (hi is not None and v > hi):
         rng = f"1..{hi}" if hi is not None else ">= 1"
         raise InvalidArgumentError(f"{_field(name)} must be an integer in {rng}, got {v!r}",
                                    _field(name))
@@ -65,7 +64,7 @@ class SpeculativeConfig:
                 f"prompt_lookup_max={self.prompt_lookup_max}; use min <= max",
                 _field("prompt_lookup_min"))
         a = self.adaptive_min_acceptance
-        if not isinstance(a, numbers.Real) or isinstance(a, bool) or not 0.0 <= a <= 1.0:
+        if not is_number(a) or not 0.0 <= a <= 1.0:
             raise InvalidArgumentError(f"{_field('adaptive_min_acceptance')} must be in [0, 1], "
                                        f"got {a!r}", _field("adaptive_min_acceptance"))
         _positive_int("adaptive_window", self.adaptive_window)
