@@ -14,8 +14,8 @@ from collections import deque
 from functools import partial
 
 from .errors import InvalidArgumentError
-from .sampling_params import is_int
 from .records import BlockInfo, EngineSnapshot
+from .sampling_params import is_int
 from .snapshot import build_snapshot, copy_state
 from .snapshot_handoff import SnapshotHandoff, without_gc
 

@@ -22,8 +22,8 @@ from .generation_lock import GenerationLock
 from .inspector import Inspector
 from .processor import EngineRequest, ModelLimits, Processor, is_conversation
 from .records import EngineSnapshot, KVLayout
-from .scheduler import Scheduler
 from .sampling_params import is_int
+from .scheduler import Scheduler
 from .sequence import RequestOutput, TokenEvent
 from .snapshot import copy_state, engine_facts
 from .snapshot_handoff import SnapshotHandoff

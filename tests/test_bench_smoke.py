@@ -477,3 +477,19 @@ def test_the_suite_stays_small_and_every_diagnostic_is_listed_in_the_readme():
     readme = (bench / "README.md").read_text()
     for p in sorted((bench / "diagnostics").glob("*.py")) + sorted(bench.glob("*.py")):
         assert f"`{p.name}`" in readme, p.name
+
+
+def test_bench_engine_runs_in_the_process_app_py_runs():
+    """The benches measure a serving process: app.py's launch freezes the heap after loading
+    (engine/process_tuning.py), so build_engine must too — without it a full GC in watched.py's
+    poller threads walked the loaded model's objects (86-126 ms ticks on the H200). And
+    shutdown_engine must unfreeze, or every engine a run_all process builds stays uncollectable."""
+    import gc
+    gc.unfreeze()
+    llm = common.build_engine("tiny", torch.device("cpu"), torch.float32, max_model_len=256)
+    try:
+        assert gc.get_freeze_count() > 0, "build_engine left the heap unfrozen"
+        assert sys.getswitchinterval() <= 2e-4 + 1e-9
+    finally:
+        common.shutdown_engine(llm)
+    assert gc.get_freeze_count() == 0, "shutdown_engine left the engine's objects frozen"
